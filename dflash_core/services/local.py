@@ -1,0 +1,182 @@
+"""The embedded default's services: SeaweedFS (`weed mini`) as the S3 server and a Prefect server.
+
+Both bind 127.0.0.1, keep data, logs and PID records under `<work_dir>/services/<name>/`, and are
+idempotent: `up` leaves a healthy running service alone, `down` stops only what `up` recorded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_core.services.process import (
+    ProcessRecord, ServiceError, is_alive, port_is_free, start_detached, stop, wait_ready,
+)
+from dflash_core.settings import Settings
+
+S3_READY_TIMEOUT_S = 60.0
+PREFECT_READY_TIMEOUT_S = 120.0  # ~22 s on a fresh SQLite DB, more on a busy 2-core machine
+
+
+@dataclass
+class LocalService:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    ports: list[int]
+    probe: Callable[[], bool]
+    ready_timeout_s: float
+    home: Path
+    after_ready: Callable[[], None] | None = None
+    url: str = ""
+    _record: ProcessRecord | None = field(default=None, repr=False)
+
+    @property
+    def record_path(self) -> Path:
+        return self.home / "process.json"
+
+    @property
+    def log_path(self) -> Path:
+        return self.home / "service.log"
+
+    def record(self) -> ProcessRecord | None:
+        return ProcessRecord.load(self.record_path)
+
+
+@dataclass
+class ServiceStatus:
+    name: str
+    running: bool
+    healthy: bool
+    pid: int | None
+    url: str
+    log_path: str
+
+
+def _venv_binary(name: str) -> str:
+    """A console script of this environment (beside sys.executable) or on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise ServiceError(f"`{name}` is not installed: run `bash infra/setup.sh` to install the project")
+    return found
+
+
+def s3_service(settings: Settings) -> LocalService:
+    home = settings.work_path("services", "s3")
+    data = home / "data"
+    ports = [settings.s3_master_port, settings.s3_volume_port, settings.s3_filer_port,
+             settings.s3_port, settings.s3_admin_port]
+    argv = [
+        _venv_binary("weed"), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-master.port={ports[0]}", f"-volume.port={ports[1]}", f"-filer.port={ports[2]}",
+        f"-s3.port={ports[3]}", f"-admin.port={ports[4]}", "-admin.ui=false", "-webdav=false",
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+    ]
+    env = {
+        # Credentials in the environment turn SeaweedFS's S3 auth on: wrong keys are refused.
+        "AWS_ACCESS_KEY_ID": settings.s3_access_key_id.get_secret_value(),
+        "AWS_SECRET_ACCESS_KEY": settings.s3_secret_access_key.get_secret_value(),
+        "GOMEMLIMIT": "256MiB",
+    }
+
+    def store():
+        from dflash_core.storage import ObjectStore
+
+        return ObjectStore.from_settings(settings)
+
+    def probe() -> bool:
+        store().client.list_buckets()
+        return True
+
+    def create_bucket() -> None:
+        store().check(create_bucket=True)
+
+    return LocalService(
+        name="s3", argv=argv, env=env, ports=ports, probe=probe, ready_timeout_s=S3_READY_TIMEOUT_S,
+        home=home, after_ready=create_bucket, url=settings.s3_endpoint_url,
+    )
+
+
+def prefect_service(settings: Settings) -> LocalService:
+    home = settings.work_path("services", "prefect")
+    port = settings.prefect_port
+    env = {
+        "PREFECT_HOME": str(home / "home"),
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": settings.prefect_api_url,
+    }
+    argv = [_venv_binary("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    health = settings.prefect_api_url + "/health"
+
+    def probe() -> bool:
+        with urllib.request.urlopen(health, timeout=2) as response:
+            return response.status == 200
+
+    return LocalService(
+        name="prefect", argv=argv, env=env, ports=[port], probe=probe,
+        ready_timeout_s=PREFECT_READY_TIMEOUT_S, home=home, url=settings.prefect_api_url.removesuffix("/api"),
+    )
+
+
+def all_services(settings: Settings) -> list[LocalService]:
+    return [s3_service(settings), prefect_service(settings)]
+
+
+def _healthy(service: LocalService) -> bool:
+    try:
+        return bool(service.probe())
+    except Exception:  # noqa: BLE001 - unreachable means unhealthy
+        return False
+
+
+def start(service: LocalService) -> ServiceStatus:
+    """Start `service` unless our recorded process already runs healthy; wait until it is ready."""
+    record = service.record()
+    if is_alive(record):
+        wait_ready(record, service.probe, timeout_s=service.ready_timeout_s)
+    else:
+        busy = [port for port in service.ports if not port_is_free(port)]
+        if busy:
+            raise ServiceError(
+                f"cannot start {service.name}: port(s) {busy} on 127.0.0.1 are taken by another process; "
+                f"stop it or choose other ports (DFLASH_* port settings)"
+            )
+        service.home.mkdir(parents=True, exist_ok=True)
+        record = start_detached(service.name, service.argv, log_path=service.log_path,
+                                record_path=service.record_path, env=service.env, cwd=service.home)
+        try:
+            wait_ready(record, service.probe, timeout_s=service.ready_timeout_s)
+        except ServiceError:
+            stop(record)
+            raise
+    if service.after_ready is not None:
+        service.after_ready()
+    return status(service)
+
+
+def shutdown(service: LocalService) -> bool:
+    """Stop the process `start` recorded; True when something was stopped."""
+    record = service.record()
+    if not is_alive(record):
+        service.record_path.unlink(missing_ok=True)
+        return False
+    stop(record)
+    service.record_path.unlink(missing_ok=True)
+    return True
+
+
+def status(service: LocalService) -> ServiceStatus:
+    record = service.record()
+    running = is_alive(record)
+    return ServiceStatus(
+        name=service.name, running=running, healthy=running and _healthy(service),
+        pid=record.pid if running and record else None, url=service.url, log_path=str(service.log_path),
+    )

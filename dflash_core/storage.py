@@ -1,0 +1,342 @@
+"""The one S3 client of the project: files, bytes and streams in and out of one bucket.
+
+Every object written here carries its sha256 in user metadata (`x-amz-meta-sha256`); reads verify
+it. The same hash goes into the artifact manifest (dflash_core.lineage), so a manifest and the
+object it describes can be checked against each other without downloading twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import ClientError, EndpointConnectionError, ConnectTimeoutError
+
+if TYPE_CHECKING:
+    from dflash_core.settings import Settings
+
+SHA256_METADATA_KEY = "sha256"
+MULTIPART_THRESHOLD = 16 * 1024**2
+PROGRESS_THRESHOLD = 64 * 1024**2
+_DELETE_BATCH = 1000
+_HASH_CHUNK = 4 * 1024**2
+
+
+class StoreError(RuntimeError):
+    """Base of every object-store error; the message says what to do."""
+
+
+class StoreConfigError(StoreError):
+    """The endpoint, bucket or credentials in Settings are wrong."""
+
+
+class ObjectNotFound(StoreError, KeyError):
+    def __init__(self, uri: str):
+        super().__init__(uri)
+        self.uri = uri
+
+    def __str__(self) -> str:
+        return f"{self.uri} does not exist"
+
+
+class ChecksumMismatch(StoreError):
+    """The bytes read back do not hash to the sha256 recorded when they were written."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str
+    last_modified: datetime | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def sha256(self) -> str | None:
+        return self.metadata.get(SHA256_METADATA_KEY)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class ObjectStore:
+    """One bucket on one S3 endpoint. Build it with `ObjectStore.from_settings(settings)`."""
+
+    def __init__(self, client, bucket: str, *, endpoint_url: str = "", scratch_dir: Path | None = None):
+        self.client = client
+        self.bucket = bucket
+        self.endpoint_url = endpoint_url
+        self._scratch_dir = scratch_dir
+        self._transfer = TransferConfig(
+            multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ObjectStore:
+        config = Config(
+            region_name=settings.s3_region,
+            retries={"max_attempts": 6, "mode": "adaptive"},
+            connect_timeout=5,
+            read_timeout=120,
+            s3={"addressing_style": "path"},
+            # Our own sha256 covers integrity end to end; CRC trailers are not supported by every S3 server.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        client = boto3.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint_url,
+            aws_access_key_id=settings.s3_access_key_id.get_secret_value(),
+            aws_secret_access_key=settings.s3_secret_access_key.get_secret_value(),
+            config=config,
+        )
+        return cls(
+            client,
+            settings.s3_bucket,
+            endpoint_url=settings.s3_endpoint_url,
+            scratch_dir=settings.work_path("tmp"),
+        )
+
+    def __repr__(self) -> str:
+        return f"ObjectStore(bucket={self.bucket!r}, endpoint_url={self.endpoint_url!r})"
+
+    def uri(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    # ---- health -----------------------------------------------------------------------------
+
+    def check(self, *, create_bucket: bool = False) -> None:
+        """Fail fast, naming the setting to fix, when the endpoint, credentials or bucket are wrong."""
+        try:
+            with self._errors(key=None):
+                self.client.head_bucket(Bucket=self.bucket)
+        except StoreConfigError as error:
+            if create_bucket and "does not exist" in str(error):
+                with self._errors(key=None):
+                    self.client.create_bucket(Bucket=self.bucket)
+                return
+            raise
+
+    # ---- writes -----------------------------------------------------------------------------
+
+    def put_bytes(self, key: str, data: bytes, *, metadata: dict[str, str] | None = None,
+                  content_type: str = "application/octet-stream") -> ObjectInfo:
+        digest = sha256_bytes(data)
+        meta = {**(metadata or {}), SHA256_METADATA_KEY: digest}
+        with self._errors(key):
+            response = self.client.put_object(
+                Bucket=self.bucket, Key=key, Body=data, Metadata=meta, ContentType=content_type
+            )
+        return ObjectInfo(key=key, size=len(data), etag=response["ETag"].strip('"'), metadata=meta)
+
+    def put_file(self, key: str, path: Path | str, *, metadata: dict[str, str] | None = None,
+                 sha256: str | None = None, progress: bool | None = None) -> ObjectInfo:
+        """Upload a local file (multipart above 16 MiB); its sha256 is computed unless given."""
+        path = Path(path)
+        size = path.stat().st_size
+        meta = {**(metadata or {}), SHA256_METADATA_KEY: sha256 or sha256_file(path)}
+        with self._errors(key), _transfer_progress(f"upload {path.name}", size, progress) as callback:
+            self.client.upload_file(
+                str(path), self.bucket, key, ExtraArgs={"Metadata": meta},
+                Config=self._transfer, Callback=callback,
+            )
+        return self.head(key)
+
+    def put_stream(self, key: str, stream: IO[bytes], *, metadata: dict[str, str] | None = None) -> ObjectInfo:
+        """Upload a stream of unknown length: spooled to local scratch while hashing, then put_file."""
+        scratch = self._scratch()
+        with tempfile.NamedTemporaryFile(dir=scratch, delete=False) as spool:
+            digest = hashlib.sha256()
+            while chunk := stream.read(_HASH_CHUNK):
+                digest.update(chunk)
+                spool.write(chunk)
+        try:
+            return self.put_file(key, spool.name, metadata=metadata, sha256=digest.hexdigest())
+        finally:
+            os.unlink(spool.name)
+
+    def copy(self, source_key: str, dest_key: str) -> ObjectInfo:
+        with self._errors(source_key):
+            self.client.copy({"Bucket": self.bucket, "Key": source_key}, self.bucket, dest_key)
+        return self.head(dest_key)
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def head(self, key: str) -> ObjectInfo:
+        with self._errors(key):
+            response = self.client.head_object(Bucket=self.bucket, Key=key)
+        return ObjectInfo(
+            key=key,
+            size=response["ContentLength"],
+            etag=response["ETag"].strip('"'),
+            last_modified=response.get("LastModified"),
+            metadata=dict(response.get("Metadata", {})),
+        )
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.head(key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def get_bytes(self, key: str, *, verify: bool = True) -> bytes:
+        with self._errors(key):
+            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            data = response["Body"].read()
+        if verify:
+            self._verify(key, response.get("Metadata", {}).get(SHA256_METADATA_KEY), sha256_bytes(data))
+        return data
+
+    def get_file(self, key: str, path: Path | str, *, verify: bool = True,
+                 progress: bool | None = None) -> Path:
+        """Download atomically: into a temp file beside `path`, verified, then renamed."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        info = self.head(key)
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        os.close(fd)
+        try:
+            with self._errors(key), _transfer_progress(f"download {key}", info.size, progress) as callback:
+                self.client.download_file(self.bucket, key, tmp_name, Config=self._transfer, Callback=callback)
+            if verify:
+                self._verify(key, info.sha256, sha256_file(Path(tmp_name)))
+            os.replace(tmp_name, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+        return path
+
+    @contextlib.contextmanager
+    def open_stream(self, key: str) -> Iterator[IO[bytes]]:
+        """A streaming body for large objects (`.iter_lines()`, `.read(n)`); not checksum-verified."""
+        with self._errors(key):
+            response = self.client.get_object(Bucket=self.bucket, Key=key)
+        body = response["Body"]
+        try:
+            yield body
+        finally:
+            body.close()
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes start..end inclusive."""
+        with self._errors(key):
+            response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end}")
+            return response["Body"].read()
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object under `prefix`, across pages."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        with self._errors(key=None):
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    yield ObjectInfo(
+                        key=item["Key"], size=item["Size"], etag=item["ETag"].strip('"'),
+                        last_modified=item.get("LastModified"),
+                    )
+
+    # ---- deletes and links ------------------------------------------------------------------
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """Delete in batches of 1,000; raise naming the keys the server refused."""
+        batch: list[str] = []
+        deleted = 0
+        for key in keys:
+            batch.append(key)
+            if len(batch) == _DELETE_BATCH:
+                deleted += self._delete_batch(batch)
+                batch = []
+        if batch:
+            deleted += self._delete_batch(batch)
+        return deleted
+
+    def _delete_batch(self, keys: list[str]) -> int:
+        with self._errors(key=None):
+            response = self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
+            )
+        errors = response.get("Errors", [])
+        if errors:
+            listed = ", ".join(f"{e['Key']} ({e.get('Code')})" for e in errors[:5])
+            raise StoreError(f"{len(errors)} of {len(keys)} deletes failed: {listed}")
+        return len(keys)
+
+    def presigned_url(self, key: str, *, expires_s: int = 3600) -> str:
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expires_s
+        )
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _scratch(self) -> Path:
+        scratch = self._scratch_dir or Path(tempfile.gettempdir())
+        scratch.mkdir(parents=True, exist_ok=True)
+        return scratch
+
+    def _verify(self, key: str, expected: str | None, actual: str) -> None:
+        if expected is not None and expected != actual:
+            raise ChecksumMismatch(
+                f"{self.uri(key)}: sha256 {actual} does not match the {expected} recorded at upload; "
+                "the object is corrupt or was overwritten outside dflash"
+            )
+
+    @contextlib.contextmanager
+    def _errors(self, key: str | None) -> Iterator[None]:
+        """Turn botocore errors into ones that name the key or the setting to fix."""
+        try:
+            yield
+        except (EndpointConnectionError, ConnectTimeoutError) as error:
+            raise StoreConfigError(
+                f"cannot reach the S3 endpoint {self.endpoint_url}: set DFLASH_S3_ENDPOINT_URL to a "
+                "running S3 server, or start the local one with `dflash services up`"
+            ) from error
+        except ClientError as error:
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "NoSuchBucket" or (key is None and code in {"404", "NotFound"}):
+                raise StoreConfigError(
+                    f"bucket {self.bucket!r} does not exist at {self.endpoint_url}: set DFLASH_S3_BUCKET "
+                    "to an existing bucket, or create it (`dflash services up` creates the local one)"
+                ) from error
+            if code in {"NoSuchKey", "404", "NotFound"}:
+                raise ObjectNotFound(self.uri(key or "")) from error
+            if code in {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"} or status == 403:
+                raise StoreConfigError(
+                    f"the S3 server at {self.endpoint_url} refused our credentials ({code}): check "
+                    "DFLASH_S3_ACCESS_KEY_ID and DFLASH_S3_SECRET_ACCESS_KEY"
+                ) from error
+            raise StoreError(f"S3 {code or status} on {self.uri(key or '')}: {error}") from error
+
+
+@contextlib.contextmanager
+def _transfer_progress(label: str, size: int, enabled: bool | None):
+    """A rich progress bar for large transfers; yields a boto3 transfer callback (or None)."""
+    if enabled is False or (enabled is None and size < PROGRESS_THRESHOLD):
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), transient=True) as bar:
+        task_id = bar.add_task(label, total=size)
+        yield lambda sent: bar.advance(task_id, sent)
+
