@@ -37,6 +37,7 @@ class Settings(BaseSettings):
         default_factory=lambda: dict(DEFAULT_PREFIXES),
         description="Key prefix per artifact kind (see dflash_core.layout).",
     )
+    s3_max_attempts: int = Field(6, ge=1, description="Attempts per S3 call (adaptive retry) on transient faults.")
     work_dir: Path = Field(
         Path(".dflash"),
         description="Local work dir: service data, PIDs, logs, caches. Keep it on local disk.",
@@ -78,6 +79,10 @@ class Settings(BaseSettings):
         from urllib.parse import urlparse
 
         return urlparse(self.prefect_api_url).port or 4200
+
+    def replace(self, **changes: object) -> Settings:
+        """A validated copy with `changes` applied (model_copy would skip validation)."""
+        return type(self)(_env_file=None, **{**self.model_dump(), **changes})
 
     def work_path(self, *parts: str) -> Path:
         """A path under the work dir, made absolute so child processes agree on it."""

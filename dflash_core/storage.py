@@ -94,7 +94,7 @@ class ObjectStore:
     def from_settings(cls, settings: Settings) -> ObjectStore:
         config = Config(
             region_name=settings.s3_region,
-            retries={"max_attempts": 6, "mode": "adaptive"},
+            retries={"max_attempts": settings.s3_max_attempts, "mode": "adaptive"},
             connect_timeout=5,
             read_timeout=120,
             s3={"addressing_style": "path"},

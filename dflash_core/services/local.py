@@ -104,15 +104,20 @@ def s3_service(settings: Settings) -> LocalService:
     )
 
 
+def prefect_client_env(settings: Settings) -> dict[str, str]:
+    """Environment for any process that talks to our Prefect server (flows, workers, the server)."""
+    return {
+        "PREFECT_API_URL": settings.prefect_api_url,
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_HOME": str(settings.work_path("services", "prefect", "home")),
+    }
+
+
 def prefect_service(settings: Settings) -> LocalService:
     home = settings.work_path("services", "prefect")
     port = settings.prefect_port
-    env = {
-        "PREFECT_HOME": str(home / "home"),
-        "DO_NOT_TRACK": "1",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_API_URL": settings.prefect_api_url,
-    }
+    env = prefect_client_env(settings)
     argv = [_venv_binary("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     health = settings.prefect_api_url + "/health"
 

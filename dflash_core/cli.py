@@ -1,0 +1,216 @@
+"""`dflash`: the command line. Each subcommand is a thin shell over a dflash_core function.
+
+Flows are started as subprocesses (`python -m flows.<name>`) so this package never imports Prefect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dflash_core import planner
+from dflash_core.settings import load_settings
+
+app = typer.Typer(help="Train DFlash speculative-decoding drafters end to end.", no_args_is_help=True,
+                  pretty_exceptions_show_locals=False, add_completion=False)
+services_app = typer.Typer(help="Start, stop and inspect the local S3 and Prefect servers.", no_args_is_help=True)
+app.add_typer(services_app, name="services")
+console = Console()
+
+
+def _fail(message: str) -> typer.Exit:
+    Console(stderr=True).print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code=2)
+
+
+@app.command()
+def plan(
+    preset: Annotated[Optional[str], typer.Option(help=f"Target shape preset: {', '.join(planner.PRESETS)}.")] = None,
+    model_config: Annotated[Optional[Path], typer.Option(help="A transformers config.json for the target.")] = None,
+    hidden_size: Annotated[Optional[int], typer.Option(help="Target hidden size (overrides preset/config).")] = None,
+    num_layers: Annotated[Optional[int], typer.Option(help="Target decoder layers.")] = None,
+    target_params: Annotated[Optional[float], typer.Option(help="Target parameters, in billions.")] = None,
+    tapped_layers: Annotated[int, typer.Option(help="Target layers the drafter reads.")] = 5,
+    dtype_bytes: Annotated[int, typer.Option(help="Bytes per stored value (bf16 = 2).")] = 2,
+    samples: Annotated[int, typer.Option(help="Training samples.")] = 100_000,
+    mean_tokens: Annotated[float, typer.Option(help="Mean tokens per sample.")] = 2000,
+    mean_completion_tokens: Annotated[Optional[float], typer.Option(help="Mean generated tokens per sample.")] = None,
+    anchors_per_sample: Annotated[int, typer.Option(help="Anchors per sample (anchor-only storage).")] = 512,
+    drafter_layers: Annotated[int, typer.Option(help="Drafter decoder layers.")] = 5,
+    block_size: Annotated[int, typer.Option(help="Draft block size B.")] = 16,
+    token_budget: Annotated[int, typer.Option(help="Tokens per micro-batch per GPU.")] = 8192,
+    gpu_memory_gib: Annotated[float, typer.Option(help="Usable GiB of one GPU.")] = 139.0,
+    num_gpus: Annotated[int, typer.Option(help="GPUs available for training.")] = 1,
+    interconnect_gb_s: Annotated[float, typer.Option(help="GPU-to-GPU GB/s.")] = 450.0,
+    generation_tokens_per_s: Annotated[float, typer.Option(help="Output tokens/s per inference instance.")] = 2000.0,
+    inference_instances: Annotated[int, typer.Option(help="Inference server instances.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (a stable interface).")] = False,
+) -> None:
+    """Storage, memory, transfer and generation arithmetic, before choosing an architecture."""
+    try:
+        shape = _resolve_shape(preset, model_config, hidden_size, num_layers, target_params)
+        inputs = planner.PlanInputs(
+            target=shape, tapped_layers=tapped_layers, dtype_bytes=dtype_bytes, samples=samples,
+            mean_tokens=mean_tokens, mean_completion_tokens=mean_completion_tokens,
+            anchors_per_sample=anchors_per_sample, drafter_layers=drafter_layers, block_size=block_size,
+            token_budget=token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,
+            interconnect_gb_s=interconnect_gb_s, generation_tokens_per_s=generation_tokens_per_s,
+            inference_instances=inference_instances,
+        )
+    except ValueError as error:
+        raise _fail(str(error)) from None
+    result = planner.plan(inputs)
+    if as_json:
+        print(json.dumps({"inputs": inputs.model_dump(), **result.model_dump()}, indent=2))
+    else:
+        console.print(planner_table(result))
+
+
+def _resolve_shape(preset, model_config, hidden_size, num_layers, target_params) -> planner.ModelShape:
+    if preset is not None and model_config is not None:
+        raise ValueError("pass --preset or --model-config, not both")
+    if preset is not None:
+        if preset not in planner.PRESETS:
+            raise ValueError(f"--preset {preset!r} is unknown; choose one of {', '.join(planner.PRESETS)}")
+        shape = planner.PRESETS[preset]
+    elif model_config is not None:
+        shape = planner.shape_from_config(model_config)
+    elif hidden_size is not None:
+        shape = planner.ModelShape(hidden_size=hidden_size)
+    else:
+        raise ValueError("say what the target is: --preset, --model-config, or at least --hidden-size")
+    overrides = {"hidden_size": hidden_size, "num_layers": num_layers,
+                 "num_params": round(target_params * 1e9) if target_params is not None else None}
+    return shape.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+
+
+def planner_table(result: planner.Plan) -> Table:
+    from dflash_core.units import binary_bytes, decimal_bytes
+
+    table = Table(title="dflash plan (GiB/TiB = powers of 1024; TB = 10^12 bytes)", show_lines=False)
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_column("note")
+    rows = [
+        ("hidden-state bytes per token", f"{result.bytes_per_token:,}", "tapped layers x hidden x dtype"),
+        ("offline storage (all tokens)", binary_bytes(result.offline_bytes), decimal_bytes(result.offline_bytes)),
+        ("offline storage (anchors only)", binary_bytes(result.anchor_only_bytes),
+         decimal_bytes(result.anchor_only_bytes)),
+        ("online storage", binary_bytes(result.online_bytes), "hidden states never touch disk"),
+        ("target parameters", f"{result.target_params / 1e9:.2f} B" if result.target_params else "unknown", ""),
+        ("drafter parameters", f"{result.drafter_params / 1e9:.3f} B", "trainable, fp32 + AdamW"),
+        ("target weights (bf16)", binary_bytes(result.target_weight_bytes) if result.target_weight_bytes else "?", ""),
+        ("drafter weights+grads+AdamW", binary_bytes(result.drafter_state_bytes), "16 bytes/param"),
+        ("target activations / batch", binary_bytes(result.target_activation_bytes), "estimate"),
+        ("drafter activations / batch", binary_bytes(result.drafter_activation_bytes), "estimate"),
+        ("hidden-state transfer / batch", binary_bytes(result.transfer_bytes_per_batch),
+         f"{result.transfer_ms_per_batch:.2f} ms (pair layout)"),
+        ("generation wall time", f"{result.generation_hours:,.1f} h", "all samples, all instances"),
+    ]
+    for layout in result.layouts:
+        verdict = {True: "[green]fits[/]", False: "[red]does not fit[/]", None: "[yellow]unknown[/]"}[layout.fits]
+        rows.append((f"layout {layout.layout} ({layout.gpus_per_replica} GPU/replica, x{layout.replicas})",
+                     binary_bytes(layout.peak_bytes_per_gpu) if layout.fits is not None else "?",
+                     f"{verdict}: {layout.note}"))
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+@services_app.command("up")
+def services_up() -> None:
+    """Start the local S3 server (SeaweedFS) and Prefect server; leave running ones alone."""
+    from dflash_core.services import local
+    from dflash_core.services.process import ServiceError
+
+    settings = load_settings()
+    for service in local.all_services(settings):
+        with console.status(f"starting {service.name} ..."):
+            try:
+                status = local.start(service)
+            except ServiceError as error:
+                raise _fail(str(error)) from None
+        console.print(f"[green]{status.name}[/] running (pid {status.pid}) at {status.url}")
+
+
+@services_app.command("down")
+def services_down() -> None:
+    """Stop the local services this tool started (and nothing else)."""
+    from dflash_core.services import local
+
+    for service in local.all_services(load_settings()):
+        stopped = local.shutdown(service)
+        console.print(f"{service.name}: {'stopped' if stopped else 'was not running'}")
+
+
+@services_app.command("status")
+def services_status() -> None:
+    """Show whether each local service runs and answers its health check."""
+    from dflash_core.services import local
+
+    table = Table("service", "running", "healthy", "pid", "url", "log")
+    for service in local.all_services(load_settings()):
+        s = local.status(service)
+        table.add_row(s.name, str(s.running), str(s.healthy), str(s.pid or "-"), s.url, s.log_path)
+    console.print(table)
+
+
+@app.command()
+def lineage(
+    prefix: Annotated[str, typer.Argument(help="Key prefix to rebuild lineage for ('' = whole bucket).")] = "",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the graph as JSON.")] = False,
+) -> None:
+    """Rebuild the lineage graph from manifests and list objects that have no manifest."""
+    from dflash_core.lineage import build_lineage, find_unmanifested
+    from dflash_core.storage import ObjectStore, StoreError
+
+    store = ObjectStore.from_settings(load_settings())
+    try:
+        graph = build_lineage(store, prefix)
+        orphans = find_unmanifested(store, prefix)
+    except StoreError as error:
+        raise _fail(str(error)) from None
+    if as_json:
+        print(json.dumps({**graph.to_dict(), "unmanifested": [o.key for o in orphans]}, indent=2))
+        return
+    table = Table("artifact", "kind", "bytes", "inputs", title=f"lineage of {store.uri(prefix)}")
+    for uri, manifest in sorted(graph.manifests.items()):
+        table.add_row(uri, str(manifest.kind), f"{manifest.bytes:,}", "\n".join(sorted(graph.inputs_of(uri))) or "-")
+    console.print(table)
+    if orphans:
+        console.print(f"[yellow]{len(orphans)} object(s) without a manifest:[/]")
+        for info in orphans[:50]:
+            console.print(f"  {store.uri(info.key)} ({info.size:,} bytes)")
+
+
+@app.command()
+def demo() -> None:
+    """Run the main job on the embedded default: local services up, then the pipeline flow."""
+    services_up()
+    run_flow("pipeline")
+
+
+@app.command("run")
+def run_flow(
+    flow: Annotated[str, typer.Argument(help="Flow module under flows/ (e.g. pipeline).")],
+    params: Annotated[str, typer.Option(help="Flow parameters as JSON.")] = "{}",
+) -> None:
+    """Run a flow against the configured Prefect server (a subprocess: `python -m flows.<flow>`)."""
+    from dflash_core.services.local import prefect_client_env
+
+    env = {**os.environ, **prefect_client_env(load_settings())}
+    completed = subprocess.run([sys.executable, "-m", f"flows.{flow}", "--params", params], env=env)
+    if completed.returncode != 0:
+        raise typer.Exit(code=completed.returncode)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,234 @@
+"""Capacity arithmetic to run before any flow commits to an architecture.
+
+Storage of offline hidden states (all tokens, or anchors only) against online training (0 bytes),
+GPU memory for online training per layout, hidden-state transfer time between GPUs, and
+generation wall time. Byte counts are exact integers; the tables print binary units (GiB/TiB,
+powers of 1024) with decimal terabytes (TB, 10^12) beside them where the field quotes TB.
+
+The activation estimate is a coarse model (bytes per token per layer, constants below); the
+training benchmark is the ground truth, and these constants should follow it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+GiB = 1024**3
+TB = 10**12
+
+# Bytes kept per token for one drafter layer during backward, in units of hidden/intermediate width
+# (bf16 activations: q,k,v,o inputs/outputs, norms, MLP gate/up/act): ~10 H + 4 I values of 2 bytes.
+_DRAFTER_SAVED_PER_H = 10
+_DRAFTER_SAVED_PER_I = 4
+# Transient peak of one target layer under inference mode: residual, qkv, attention out, gate/up/act.
+_TARGET_TRANSIENT_PER_H = 6
+_TARGET_TRANSIENT_PER_I = 3
+# fp32 master weight + fp32 grad + AdamW exp_avg + exp_avg_sq.
+_TRAINABLE_BYTES_PER_PARAM = 16
+# CUDA context, allocator fragmentation, NCCL buffers.
+_RESERVED_BYTES = 4 * GiB
+
+
+class ModelShape(BaseModel):
+    """What the planner needs of a target: from flags, a preset or a HF config.json."""
+
+    num_layers: int | None = Field(None, gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int | None = Field(None, gt=0)
+    num_attention_heads: int | None = Field(None, gt=0)
+    num_key_value_heads: int | None = Field(None, gt=0)
+    head_dim: int | None = Field(None, gt=0)
+    vocab_size: int | None = Field(None, gt=0)
+    tie_word_embeddings: bool = False
+    num_params: int | None = Field(None, gt=0, description="Overrides the estimate from the shape.")
+
+    def layer_params(self) -> int | None:
+        if None in (self.intermediate_size, self.num_attention_heads):
+            return None
+        heads = self.num_attention_heads
+        kv_heads = self.num_key_value_heads or heads
+        head_dim = self.head_dim or self.hidden_size // heads
+        attention = self.hidden_size * head_dim * (2 * heads + 2 * kv_heads)
+        return attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+    def params(self) -> int | None:
+        if self.num_params is not None:
+            return self.num_params
+        per_layer = self.layer_params()
+        if per_layer is None or self.num_layers is None or self.vocab_size is None:
+            return None
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + self.hidden_size
+
+
+PRESETS: dict[str, ModelShape] = {
+    "smollm2-135m": ModelShape(num_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                               num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
+    "qwen3-8b": ModelShape(num_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-32b": ModelShape(num_layers=64, hidden_size=5120, intermediate_size=25600, num_attention_heads=64,
+                            num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    # Hybrid (Gated DeltaNet + gated attention); parameter count as measured in DESIGN.md.
+    "qwen3.5-27b": ModelShape(num_layers=64, hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
+                              num_key_value_heads=4, head_dim=256, vocab_size=248320, num_params=26_900_000_000),
+}
+
+
+def shape_from_config(path: Path) -> ModelShape:
+    """Read a HF `config.json` (a composite config's `text_config` is used when present)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--model-config {path}: cannot read a JSON model config ({error})") from error
+    config = raw.get("text_config", raw)
+    if "hidden_size" not in config:
+        raise ValueError(f"--model-config {path}: no `hidden_size` in it; is this a transformers config.json?")
+    return ModelShape(
+        num_layers=config.get("num_hidden_layers"), hidden_size=config["hidden_size"],
+        intermediate_size=config.get("intermediate_size"), num_attention_heads=config.get("num_attention_heads"),
+        num_key_value_heads=config.get("num_key_value_heads"), head_dim=config.get("head_dim"),
+        vocab_size=config.get("vocab_size"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+    )
+
+
+class PlanInputs(BaseModel):
+    target: ModelShape
+    tapped_layers: int = Field(5, gt=0, description="Target layers whose hidden states the drafter reads.")
+    dtype_bytes: int = Field(2, gt=0, description="Bytes per hidden-state value (bf16 = 2).")
+    samples: int = Field(gt=0)
+    mean_tokens: float = Field(gt=0, description="Mean tokens per sample (prompt + completion).")
+    mean_completion_tokens: float | None = Field(None, gt=0, description="For generation time; defaults to mean_tokens.")
+    anchors_per_sample: int = Field(512, gt=0)
+    drafter_layers: int = Field(5, gt=0)
+    block_size: int = Field(16, gt=1)
+    token_budget: int = Field(8192, gt=0, description="Tokens per training micro-batch per GPU.")
+    anchors_per_1k_tokens: float = Field(250.0, gt=0, description="Anchors per 1,000 batch tokens (512 per 2,048).")
+    gpu_memory_gib: float = Field(139.0, gt=0, description="Usable memory of one GPU (H200: ~139 GiB).")
+    num_gpus: int = Field(1, gt=0)
+    interconnect_gb_s: float = Field(450.0, gt=0, description="GPU-to-GPU bandwidth, GB/s (NVLink ~450, PCIe 5 ~50).")
+    generation_tokens_per_s: float = Field(2000.0, gt=0, description="Output tokens/s of one inference instance.")
+    inference_instances: int = Field(1, gt=0)
+
+    @model_validator(mode="after")
+    def _tapped_fit(self) -> PlanInputs:
+        if self.target.num_layers is not None and self.tapped_layers > self.target.num_layers:
+            raise ValueError(
+                f"--tapped-layers {self.tapped_layers} exceeds the target's {self.target.num_layers} layers"
+            )
+        return self
+
+
+class LayoutVerdict(BaseModel):
+    layout: Literal["colocated", "pair"]
+    gpus_per_replica: int
+    replicas: int
+    peak_bytes_per_gpu: int
+    fits: bool | None = Field(description="None when the target's size is unknown.")
+    note: str
+
+
+class Plan(BaseModel):
+    bytes_per_token: int
+    total_tokens: int
+    offline_bytes: int
+    anchor_only_bytes: int
+    online_bytes: int
+    target_params: int | None
+    drafter_params: int
+    target_weight_bytes: int | None
+    drafter_state_bytes: int
+    target_activation_bytes: int
+    drafter_activation_bytes: int
+    layouts: list[LayoutVerdict]
+    transfer_bytes_per_batch: int
+    transfer_ms_per_batch: float
+    generation_hours: float
+
+
+def drafter_params(shape: ModelShape, *, drafter_layers: int, tapped_layers: int) -> int:
+    """Drafter = `drafter_layers` target-shaped decoder layers + fc(L*H -> H) + norms; no embeddings."""
+    per_layer = shape.layer_params()
+    if per_layer is None:  # shape unknown: the common 8/3 MLP ratio and full MHA
+        hidden = shape.hidden_size
+        per_layer = 4 * hidden * hidden + 3 * hidden * math.ceil(hidden * 8 / 3) + 2 * hidden
+    return drafter_layers * per_layer + tapped_layers * shape.hidden_size**2 + 2 * shape.hidden_size
+
+
+def plan(inputs: PlanInputs) -> Plan:
+    shape = inputs.target
+    hidden = shape.hidden_size
+    intermediate = shape.intermediate_size or math.ceil(hidden * 8 / 3)
+    bytes_per_token = inputs.tapped_layers * hidden * inputs.dtype_bytes
+    total_tokens = round(inputs.samples * inputs.mean_tokens)
+    anchored_tokens = inputs.samples * min(inputs.anchors_per_sample, inputs.mean_tokens)
+
+    target_params = shape.params()
+    target_weights = target_params * inputs.dtype_bytes if target_params is not None else None
+    draft_params = drafter_params(shape, drafter_layers=inputs.drafter_layers, tapped_layers=inputs.tapped_layers)
+    drafter_state = draft_params * _TRAINABLE_BYTES_PER_PARAM
+
+    budget = inputs.token_budget
+    # Target: one layer's transient activations + the captured taps + the final hidden state.
+    target_activations = budget * 2 * (
+        _TARGET_TRANSIENT_PER_H * hidden + _TARGET_TRANSIENT_PER_I * intermediate
+        + (inputs.tapped_layers + 1) * hidden
+    )
+    query_tokens = math.ceil(budget * inputs.anchors_per_1k_tokens / 1000) * inputs.block_size
+    drafter_activations = 2 * inputs.drafter_layers * (
+        query_tokens * (_DRAFTER_SAVED_PER_H * hidden + _DRAFTER_SAVED_PER_I * intermediate)
+        + budget * 2 * hidden  # projected K/V of the target context, per layer
+    ) + budget * (inputs.tapped_layers + 1) * hidden * 2
+
+    transfer_bytes = budget * (inputs.tapped_layers + 1) * hidden * inputs.dtype_bytes
+    layouts = _layouts(inputs, target_weights, drafter_state, target_activations, drafter_activations,
+                       transfer_bytes)
+    completion = inputs.mean_completion_tokens or inputs.mean_tokens
+    generation_s = inputs.samples * completion / (inputs.generation_tokens_per_s * inputs.inference_instances)
+    return Plan(
+        bytes_per_token=bytes_per_token,
+        total_tokens=total_tokens,
+        offline_bytes=bytes_per_token * total_tokens,
+        anchor_only_bytes=round(bytes_per_token * anchored_tokens),
+        online_bytes=0,
+        target_params=target_params,
+        drafter_params=draft_params,
+        target_weight_bytes=target_weights,
+        drafter_state_bytes=drafter_state,
+        target_activation_bytes=target_activations,
+        drafter_activation_bytes=drafter_activations,
+        layouts=layouts,
+        transfer_bytes_per_batch=transfer_bytes,
+        transfer_ms_per_batch=transfer_bytes / (inputs.interconnect_gb_s * 1e9) * 1e3,
+        generation_hours=generation_s / 3600,
+    )
+
+
+def _layouts(inputs: PlanInputs, target_weights: int | None, drafter_state: int, target_act: int,
+             drafter_act: int, transfer_bytes: int) -> list[LayoutVerdict]:
+    capacity = inputs.gpu_memory_gib * GiB
+    if target_weights is None:
+        unknown = "target size unknown: pass --preset, --model-config or --target-params for a verdict"
+        return [LayoutVerdict(layout=layout, gpus_per_replica=n, replicas=inputs.num_gpus // n, peak_bytes_per_gpu=0, fits=None,
+                              note=unknown) for layout, n in (("colocated", 1), ("pair", 2))]
+    colocated = target_weights + drafter_state + target_act + drafter_act + _RESERVED_BYTES
+    target_gpu = target_weights + target_act + transfer_bytes + _RESERVED_BYTES
+    drafter_gpu = drafter_state + drafter_act + transfer_bytes + _RESERVED_BYTES
+    verdicts = []
+    for layout, per_replica, peak in (("colocated", 1, colocated), ("pair", 2, max(target_gpu, drafter_gpu))):
+        replicas = inputs.num_gpus // per_replica
+        fits = peak <= capacity and replicas > 0
+        if replicas == 0:
+            note = f"needs {per_replica} GPUs, have {inputs.num_gpus}"
+        elif fits:
+            note = f"{(capacity - peak) / GiB:.1f} GiB headroom per GPU"
+        else:
+            note = f"short by {(peak - capacity) / GiB:.1f} GiB per GPU: lower --token-budget or use more GPUs"
+        verdicts.append(LayoutVerdict(layout=layout, gpus_per_replica=per_replica, replicas=replicas,
+                                      peak_bytes_per_gpu=peak, fits=fits, note=note))
+    return verdicts

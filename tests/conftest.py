@@ -1,0 +1,104 @@
+"""Session-wide fixtures: one real SeaweedFS S3 server and (lazily) one real Prefect server,
+both started through the same infra code as `dflash services up`, on free loopback ports, with
+their data under a temporary work dir.
+
+Run everything: `.venv/bin/python -m pytest -q`
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dflash_core.settings import Settings
+from dflash_core.storage import ObjectStore
+
+_used_ports: set[int] = set()
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*, grpc_offset: bool = False) -> int:
+    """A free loopback port; with grpc_offset also port+10000 (SeaweedFS opens gRPC there)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if grpc_offset and (port + 10000 > 65535 or not _free(port + 10000)):
+            continue
+        if port not in _used_ports:
+            _used_ports.add(port)
+            return port
+
+
+@pytest.fixture(scope="session")
+def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dflash-work")
+
+
+@pytest.fixture(scope="session")
+def settings(work_dir: Path) -> Settings:
+    """Settings for this test session; never read from the developer's environment or .env."""
+    return Settings(
+        _env_file=None,
+        s3_endpoint_url=f"http://127.0.0.1:{free_port(grpc_offset=True)}",
+        s3_bucket="dflash-test",
+        s3_access_key_id="test-access-key",
+        s3_secret_access_key="test-secret-key-0123456789",
+        s3_master_port=free_port(grpc_offset=True),
+        s3_volume_port=free_port(grpc_offset=True),
+        s3_filer_port=free_port(grpc_offset=True),
+        s3_admin_port=free_port(grpc_offset=True),
+        prefect_api_url=f"http://127.0.0.1:{free_port()}/api",
+        work_dir=work_dir,
+    )
+
+
+@pytest.fixture(scope="session")
+def s3_server(settings: Settings):
+    from dflash_core.services import local
+
+    service = local.s3_service(settings)
+    local.start(service)
+    yield service
+    local.shutdown(service)
+
+
+@pytest.fixture(scope="session")
+def store(settings: Settings, s3_server) -> ObjectStore:
+    return ObjectStore.from_settings(settings)
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix unique to one test, so tests sharing the bucket never see each other's objects."""
+    return f"scratch/test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def prefect_server(settings: Settings):
+    """A real Prefect server (SQLite) for the session; tests that use it talk to it via PREFECT_API_URL."""
+    from dflash_core.services import local
+
+    service = local.prefect_service(settings)
+    local.start(service)
+    saved = {key: os.environ.get(key) for key in local.prefect_client_env(settings)}
+    os.environ.update(local.prefect_client_env(settings))
+    yield service
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    local.shutdown(service)
