@@ -23,7 +23,13 @@ from dflash_core.storage import ObjectInfo, ObjectNotFound, ObjectStore, sha256_
 
 MANIFEST_SCHEMA_VERSION = 1
 REDACTED = "**********"
-_SECRET_WORDS = ("secret", "password", "token", "api_key", "apikey", "access_key", "credential")
+_SECRET_SUBSTRINGS = ("secret", "password", "credential")
+_SECRET_SUFFIXES = ("token", "api_key", "apikey", "access_key", "access_key_id", "private_key", "auth")
+
+
+def _looks_secret(name: object) -> bool:
+    name = str(name).lower().replace("-", "_")
+    return any(word in name for word in _SECRET_SUBSTRINGS) or name.endswith(_SECRET_SUFFIXES)
 
 
 class InputRef(BaseModel):
@@ -52,8 +58,7 @@ def redact(value: Any) -> Any:
         return redact(value.model_dump(mode="python"))
     if isinstance(value, dict):
         return {
-            k: REDACTED if any(word in str(k).lower() for word in _SECRET_WORDS) and v is not None
-            else redact(v)
+            k: REDACTED if _looks_secret(k) and v is not None else redact(v)
             for k, v in value.items()
         }
     if isinstance(value, (list, tuple)):

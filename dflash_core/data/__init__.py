@@ -1,0 +1,1 @@
+"""Record schemas shared between pipeline stages (generation writes them, tokenization reads them)."""

@@ -1,0 +1,164 @@
+"""Anchor sampling and the per-batch block plan.
+
+A block starts at an anchor p: [token p, MASK x (B-1)], and slot k (1..B-1) learns token p+k.
+Sampling is vectorized torch with no host sync, so it runs wherever the batch lives; building
+the plan on the CPU (in the data loader) also gives the exact teacher positions for free, since
+`nonzero` on a CPU tensor costs the GPU nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+def document_ids_from_positions(position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Document index per token of a packed row: a new document starts where positions don't step by 1."""
+    starts = torch.ones_like(position_ids_BT, dtype=torch.bool)
+    starts[:, 1:] = position_ids_BT[:, 1:] != position_ids_BT[:, :-1] + 1
+    return starts.long().cumsum(dim=1) - 1
+
+
+def eligible_anchor_positions(
+    *, loss_mask_BT: torch.Tensor, document_ids_BT: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Bool [B, T]: p may anchor a block.
+
+    p is a loss-mask position, not in the last `block_size` positions, has at least one token of
+    its own document before it (the block's target context), and its block p..p+B-1 stays
+    inside that document.
+    """
+    batch, seq_len = loss_mask_BT.shape
+    eligible = loss_mask_BT.bool().clone()
+    last_allowed = seq_len - block_size - 1
+    if last_allowed < 1:
+        return torch.zeros_like(eligible)
+    eligible[:, last_allowed + 1 :] = False
+    eligible[:, 0] = False
+    docs = document_ids_BT
+    same_doc_before = torch.zeros_like(eligible)
+    same_doc_before[:, 1:] = docs[:, 1:] == docs[:, :-1]
+    block_end_same_doc = torch.zeros_like(eligible)
+    block_end_same_doc[:, : seq_len - block_size + 1] = (
+        docs[:, block_size - 1 :] == docs[:, : seq_len - block_size + 1]
+    )
+    return eligible & same_doc_before & block_end_same_doc
+
+
+def sample_anchors(
+    *, eligible_BT: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_anchors` distinct eligible positions per row, uniformly, sorted ascending.
+
+    Returns (anchors [B, A] long, valid [B, A] bool); rows with fewer eligible positions are
+    padded at the end with anchor 0 and valid False.
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    batch, seq_len = eligible_BT.shape
+    scores = torch.rand(batch, seq_len, generator=generator, device=eligible_BT.device)
+    scores = torch.where(eligible_BT, scores, torch.full_like(scores, -1.0))
+    picked = scores.topk(min(num_anchors, seq_len), dim=1)
+    positions = torch.where(picked.values >= 0, picked.indices, torch.full_like(picked.indices, seq_len))
+    if num_anchors > seq_len:
+        pad = positions.new_full((batch, num_anchors - seq_len), seq_len)
+        positions = torch.cat((positions, pad), dim=1)
+    positions = positions.sort(dim=1).values
+    valid = positions < seq_len
+    return torch.where(valid, positions, torch.zeros_like(positions)), valid
+
+
+@dataclasses.dataclass
+class BlockPlan:
+    """Where the blocks of one batch sit and which of their slots carry loss.
+
+    anchors/anchor_valid: [B, A]; label_valid: [B, A, block_size-1] (slot k=1..B-1 learns the
+    token at anchor+k); teacher_index: flat indices (row * T + pos) of the target positions whose
+    argmax the slots need, each once (None: compute them per slot).
+    """
+
+    anchors: torch.Tensor
+    anchor_valid: torch.Tensor
+    label_valid: torch.Tensor
+    document_ids: torch.Tensor
+    position_ids: torch.Tensor
+    block_size: int
+    teacher_index: torch.Tensor | None = None
+
+    @property
+    def num_anchors(self) -> int:
+        return self.anchors.shape[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.document_ids.shape[1]
+
+    def label_positions(self) -> torch.Tensor:
+        """[B, A, block_size-1] sequence index of each slot's target token (clamped in range)."""
+        offsets = torch.arange(1, self.block_size, device=self.anchors.device)
+        return (self.anchors[..., None] + offsets).clamp(max=self.seq_len - 1)
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> BlockPlan:
+        moved = {
+            field.name: (
+                value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+            )
+            for field in dataclasses.fields(self)
+            for value in [getattr(self, field.name)]
+        }
+        return BlockPlan(**moved)
+
+
+def plan_blocks(
+    *,
+    loss_mask_BT: torch.Tensor,
+    num_anchors: int,
+    block_size: int,
+    position_ids_BT: torch.Tensor | None = None,
+    document_ids_BT: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    with_teacher_index: bool = True,
+) -> BlockPlan:
+    """Sample anchors and derive which slots carry loss. Pass position ids reset per document
+    (or document ids) for packed rows; with neither, each row is one document."""
+    if loss_mask_BT.dim() != 2:
+        raise ValueError(f"loss_mask must be [batch, seq], got shape {tuple(loss_mask_BT.shape)}")
+    batch, seq_len = loss_mask_BT.shape
+    device = loss_mask_BT.device
+    if position_ids_BT is None:
+        if document_ids_BT is None:
+            position_ids_BT = torch.arange(seq_len, device=device).expand(batch, seq_len)
+        else:
+            position_ids_BT = _positions_from_documents(document_ids_BT)
+    if document_ids_BT is None:
+        document_ids_BT = document_ids_from_positions(position_ids_BT)
+    eligible = eligible_anchor_positions(
+        loss_mask_BT=loss_mask_BT, document_ids_BT=document_ids_BT, block_size=block_size
+    )
+    anchors, anchor_valid = sample_anchors(eligible_BT=eligible, num_anchors=num_anchors, generator=generator)
+    plan = BlockPlan(
+        anchors=anchors,
+        anchor_valid=anchor_valid,
+        label_valid=anchor_valid,  # replaced below
+        document_ids=document_ids_BT,
+        position_ids=position_ids_BT,
+        block_size=block_size,
+    )
+    label_pos = plan.label_positions()
+    rows = torch.arange(batch, device=device)[:, None, None]
+    plan.label_valid = anchor_valid[..., None] & loss_mask_BT.bool()[rows, label_pos]
+    if with_teacher_index:
+        # The target's prediction of token p+k is its output at p+k-1.
+        needed = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
+        needed[rows.expand_as(label_pos)[plan.label_valid], (label_pos - 1)[plan.label_valid]] = True
+        plan.teacher_index = needed.flatten().nonzero().squeeze(1)
+    return plan
+
+
+def _positions_from_documents(document_ids_BT: torch.Tensor) -> torch.Tensor:
+    starts = torch.ones_like(document_ids_BT, dtype=torch.bool)
+    starts[:, 1:] = document_ids_BT[:, 1:] != document_ids_BT[:, :-1]
+    index = torch.arange(document_ids_BT.shape[1], device=document_ids_BT.device).expand_as(document_ids_BT)
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index

@@ -1,0 +1,108 @@
+"""Manifests written beside artifacts and lineage rebuilt from them, on a real S3 server.
+
+Run: `.venv/bin/python -m pytest tests/integration/test_lineage.py -q`
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import SecretStr
+
+from dflash_core.layout import ArtifactKind, manifest_key
+from dflash_core.lineage import (
+    REDACTED, build_lineage, find_unmanifested, input_ref, read_manifest, verify_artifact, write_artifact,
+)
+from dflash_core.provenance import current_producer
+from dflash_core.storage import ObjectNotFound, ObjectStore, sha256_bytes
+
+
+def _chain(store: ObjectStore, prefix: str):
+    """prompts -> 2 completion shards -> tokenized shard -> checkpoint."""
+    producer = current_producer(flow_run_id="flow-123", task_run_id="task-456")
+    prompts = write_artifact(store, f"{prefix}/prompts.jsonl", b'{"p": 1}\n', kind=ArtifactKind.PROMPTS,
+                             producer=producer)
+    shards = [
+        write_artifact(store, f"{prefix}/completions/shard-{i:05d}.jsonl", f"c{i}".encode(),
+                       kind=ArtifactKind.COMPLETIONS, inputs=[input_ref(store, prompts.key)], producer=producer)
+        for i in range(2)
+    ]
+    tokenized = write_artifact(store, f"{prefix}/tokenized.arrow", b"arrow", kind=ArtifactKind.TOKENIZED,
+                               inputs=[input_ref(store, s.key) for s in shards])
+    checkpoint = write_artifact(store, f"{prefix}/ckpt.safetensors", b"weights", kind=ArtifactKind.CHECKPOINT,
+                                inputs=[input_ref(store, tokenized.key)])
+    return prompts, shards, tokenized, checkpoint
+
+
+def test_manifest_records_hash_size_producer_inputs(store: ObjectStore, prefix: str) -> None:
+    prompts, shards, _, _ = _chain(store, prefix)
+    manifest = read_manifest(store, shards[0].key)
+    assert manifest.sha256 == sha256_bytes(b"c0")
+    assert manifest.bytes == 2
+    assert manifest.uri == store.uri(shards[0].key)
+    assert manifest.kind == ArtifactKind.COMPLETIONS
+    assert manifest.producer.flow_run_id == "flow-123"
+    assert manifest.producer.task_run_id == "task-456"
+    assert manifest.producer.package_version == "0.1.0"
+    assert [ref.uri for ref in manifest.inputs] == [prompts.uri]
+    assert manifest.inputs[0].sha256 == prompts.sha256
+    assert verify_artifact(store, manifest) == []
+
+
+def test_lineage_graph_answers_what_made_x_and_what_x_fed(store: ObjectStore, prefix: str) -> None:
+    prompts, shards, tokenized, checkpoint = _chain(store, prefix)
+    graph = build_lineage(store, prefix)
+    assert graph.ancestors(checkpoint.uri) == {tokenized.uri, shards[0].uri, shards[1].uri, prompts.uri}
+    assert graph.descendants(prompts.uri) == {shards[0].uri, shards[1].uri, tokenized.uri, checkpoint.uri}
+    assert graph.descendants(checkpoint.uri) == set()
+    assert graph.stale_inputs() == []
+    edges = graph.to_dict()["edges"]
+    assert {"from": shards[1].uri, "to": tokenized.uri} in edges
+
+
+def test_overwritten_input_shows_as_stale(store: ObjectStore, prefix: str) -> None:
+    prompts, shards, _, _ = _chain(store, prefix)
+    write_artifact(store, prompts.key, b"changed\n", kind=ArtifactKind.PROMPTS)
+    stale = build_lineage(store, prefix).stale_inputs()
+    assert sorted(stale) == sorted((s.uri, prompts.uri) for s in shards)
+
+
+def test_objects_without_manifest_are_found(store: ObjectStore, prefix: str) -> None:
+    _chain(store, prefix)
+    store.put_bytes(f"{prefix}/dead/hidden_states.bin", b"\0" * 100)
+    orphans = find_unmanifested(store, prefix)
+    assert [o.key for o in orphans] == [f"{prefix}/dead/hidden_states.bin"]
+
+
+def test_changed_object_fails_verification(store: ObjectStore, prefix: str) -> None:
+    manifest = write_artifact(store, f"{prefix}/r.json", b"{}", kind=ArtifactKind.REPORT)
+    store.put_bytes(manifest.key, b'{"edited": true}')
+    problems = verify_artifact(store, manifest)
+    assert any("bytes" in p for p in problems) and any("sha256" in p for p in problems)
+    store.delete_many([manifest.key])
+    assert verify_artifact(store, manifest) == [f"{manifest.uri} is gone but its manifest remains"]
+
+
+def test_file_artifact_and_missing_manifest_error(store: ObjectStore, prefix: str, tmp_path) -> None:
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"ok": True}))
+    manifest = write_artifact(store, f"{prefix}/report.json", path, kind=ArtifactKind.REPORT)
+    assert manifest.bytes == path.stat().st_size
+    assert store.exists(manifest_key(manifest.key))
+    store.put_bytes(f"{prefix}/bare", b"x")
+    with pytest.raises(ObjectNotFound, match="no manifest for"):
+        read_manifest(store, f"{prefix}/bare")
+
+
+def test_secrets_never_reach_a_manifest(store: ObjectStore, prefix: str, settings) -> None:
+    config = {"settings": settings, "api_key": "sk-live-123", "nested": {"password": "hunter2"},
+              "token_budget": 8192, "explicit": SecretStr("s3cr3t")}
+    manifest = write_artifact(store, f"{prefix}/cfg", b"x", kind=ArtifactKind.REPORT, config=config)
+    raw = store.get_bytes(manifest_key(manifest.key)).decode()
+    secret = settings.s3_secret_access_key.get_secret_value()
+    for leaked in (secret, "sk-live-123", "hunter2", "s3cr3t"):
+        assert leaked not in raw
+    assert manifest.config["token_budget"] == 8192
+    assert manifest.config["api_key"] == REDACTED
+    assert manifest.config["settings"]["s3_secret_access_key"] == REDACTED

@@ -1,0 +1,108 @@
+"""Capacity planner arithmetic and its CLI interface.
+
+Run: `.venv/bin/python -m pytest tests/unit/test_planner.py -q`
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_core.cli import app
+from dflash_core.planner import GiB, PRESETS, TB, ModelShape, PlanInputs, plan
+
+runner = CliRunner()
+
+
+def _plan(**kwargs):
+    defaults = dict(target=ModelShape(hidden_size=5120), tapped_layers=5)
+    return plan(PlanInputs(**{**defaults, **kwargs}))
+
+
+def test_field_figure_offline_90_tb() -> None:
+    result = _plan(samples=902_087, mean_tokens=2000)
+    assert result.bytes_per_token == 5 * 5120 * 2 == 51_200
+    assert result.offline_bytes == 51_200 * 2000 * 902_087
+    assert result.offline_bytes / TB == pytest.approx(92.37, abs=0.01)  # "~90 TB"
+    assert result.online_bytes == 0
+
+
+def test_field_figure_34860_gib() -> None:
+    # The field quotes "34,860.9 GB" for 913,786 samples x 800 tokens: the unit is GiB (2^30).
+    result = _plan(samples=913_786, mean_tokens=800)
+    assert result.offline_bytes / GiB == pytest.approx(34_860, rel=2e-4)
+
+
+def test_field_figure_anchor_only_23_6_tb() -> None:
+    result = _plan(samples=902_087, mean_tokens=2000, anchors_per_sample=512)
+    assert result.anchor_only_bytes == 51_200 * 512 * 902_087
+    assert result.anchor_only_bytes / TB == pytest.approx(23.6, abs=0.05)
+
+
+def test_anchor_only_never_exceeds_all_tokens() -> None:
+    result = _plan(samples=10, mean_tokens=100, anchors_per_sample=512)
+    assert result.anchor_only_bytes == result.offline_bytes
+
+
+def test_presets_match_published_parameter_counts() -> None:
+    assert PRESETS["qwen3-8b"].params() / 1e9 == pytest.approx(8.19, abs=0.05)
+    assert PRESETS["qwen3-32b"].params() / 1e9 == pytest.approx(32.8, abs=0.1)
+    assert PRESETS["smollm2-135m"].params() / 1e6 == pytest.approx(134.5, abs=1)
+
+
+def test_memory_verdicts_follow_gpu_size() -> None:
+    big = plan(PlanInputs(target=PRESETS["qwen3-8b"], samples=1, mean_tokens=1, gpu_memory_gib=139))
+    small = plan(PlanInputs(target=PRESETS["qwen3-8b"], samples=1, mean_tokens=1, gpu_memory_gib=24))
+    colocated = {v.layout: v for v in big.layouts}["colocated"]
+    assert colocated.fits is True and colocated.peak_bytes_per_gpu > big.target_weight_bytes
+    assert {v.layout: v for v in small.layouts}["colocated"].fits is False
+    assert {v.layout: v for v in big.layouts}["pair"].replicas == 0  # one GPU: no pair layout
+    two = plan(PlanInputs(target=PRESETS["qwen3-32b"], samples=1, mean_tokens=1, num_gpus=2))
+    pair = {v.layout: v for v in two.layouts}["pair"]
+    assert pair.replicas == 1 and pair.peak_bytes_per_gpu < {v.layout: v for v in two.layouts}["colocated"].peak_bytes_per_gpu
+
+
+def test_transfer_and_generation_time() -> None:
+    result = plan(PlanInputs(target=PRESETS["qwen3-8b"], samples=1000, mean_tokens=2000,
+                             mean_completion_tokens=1500, token_budget=8192, interconnect_gb_s=50,
+                             generation_tokens_per_s=1000, inference_instances=2))
+    assert result.transfer_bytes_per_batch == 8192 * 6 * 4096 * 2  # 5 taps + final state, bf16
+    assert result.transfer_ms_per_batch == pytest.approx(result.transfer_bytes_per_batch / 50e9 * 1e3)
+    assert result.generation_hours == pytest.approx(1000 * 1500 / 2000 / 3600)
+
+
+def test_tapped_layers_beyond_target_rejected() -> None:
+    with pytest.raises(ValueError, match="tapped-layers 40"):
+        PlanInputs(target=PRESETS["qwen3-8b"], tapped_layers=40, samples=1, mean_tokens=1)
+
+
+def test_cli_json_interface_is_stable() -> None:
+    result = runner.invoke(app, ["plan", "--tapped-layers", "5", "--hidden-size", "5120", "--samples", "902087",
+                                 "--mean-tokens", "2000", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["offline_bytes"] == 51_200 * 2000 * 902_087
+    assert data["anchor_only_bytes"] == 51_200 * 512 * 902_087
+    assert data["online_bytes"] == 0
+    assert {v["fits"] for v in data["layouts"]} == {None}  # no target size given
+
+
+def test_cli_table_and_model_config(tmp_path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"text_config": {"hidden_size": 1024, "num_hidden_layers": 28,
+                                                  "intermediate_size": 3072, "num_attention_heads": 16,
+                                                  "num_key_value_heads": 8, "head_dim": 128,
+                                                  "vocab_size": 151936}}))
+    result = runner.invoke(app, ["plan", "--model-config", str(config), "--samples", "1000"])
+    assert result.exit_code == 0, result.output
+    assert "offline storage" in result.output and "fits" in result.output
+
+
+def test_cli_errors_name_the_flag(tmp_path) -> None:
+    assert "--preset" in runner.invoke(app, ["plan", "--preset", "nope"]).output
+    assert "--hidden-size" in runner.invoke(app, ["plan"]).output
+    bad = tmp_path / "c.json"
+    bad.write_text("{}")
+    assert "hidden_size" in runner.invoke(app, ["plan", "--model-config", str(bad)]).output
