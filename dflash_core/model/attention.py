@@ -50,11 +50,11 @@ class RotaryEmbedding(nn.Module):
     def reset_buffers(self) -> None:
         self.inv_freq = self._inv_freq(self.inv_freq.device)
 
-    def forward(self, position_ids: torch.Tensor, *, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [*position_ids.shape, rotary_dim]."""
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos, sin of shape [*position_ids.shape, rotary_dim] (cast to q/k's dtype on use)."""
         freqs = position_ids.float()[..., None] * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos(), angles.sin()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x_BHSD: torch.Tensor, cos_BSR: torch.Tensor, sin_BSR: torch.Tensor) -> torch.Tensor:
     """Rotate the first R channels of every head; the rest pass through (partial rotary)."""
     rotary_dim = cos_BSR.shape[-1]
-    cos, sin = cos_BSR[:, None], sin_BSR[:, None]
+    cos, sin = cos_BSR[:, None].to(x_BHSD.dtype), sin_BSR[:, None].to(x_BHSD.dtype)
     if rotary_dim == x_BHSD.shape[-1]:
         return x_BHSD * cos + _rotate_half(x_BHSD) * sin
     rot, rest = x_BHSD[..., :rotary_dim], x_BHSD[..., rotary_dim:]

@@ -1,0 +1,300 @@
+"""The DFlash drafter: fused target features -> decoder layers with KV injection -> target LM head.
+
+It owns no embedding and no LM head: `attach_target(TargetHeads(...))` lends it the target's
+frozen embed_tokens, final norm and lm_head. They are held outside the module tree, so they are
+neither parameters of the drafter nor part of its state_dict.
+
+Training: `forward(input_ids=, target_hidden=, plan=, teacher_hidden=)` -> (output, loss, metrics).
+Drafting: `new_cache()`, `extend_context(...)`, `draft_block(...)`, `cache.crop(n)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from dflash_core.model.anchors import BlockPlan
+from dflash_core.model.attention import AttendFn, DFlashDecoderLayer, RMSNorm, RotaryEmbedding
+from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
+from dflash_core.model.loss import chunked_lm_head_cross_entropy, default_chunk_size, position_weights
+from dflash_core.model.loss import teacher_token_ids
+from dflash_core.model.masks import create_flex_block_mask, dense_mask, drafting_mask, flex_attend, sdpa_attend
+from dflash_core.model.metrics import block_metrics
+
+
+@dataclasses.dataclass
+class TargetHeads:
+    """The target's frozen modules the drafter borrows."""
+
+    embed_tokens: nn.Module
+    final_norm: nn.Module
+    lm_head: nn.Module
+
+
+@dataclasses.dataclass
+class DraftOutput:
+    """hidden_BAKH: drafter states of slots 1..B-1 (after its final norm); labels_BAK: their targets."""
+
+    hidden_BAKH: torch.Tensor
+    labels_BAK: torch.Tensor
+
+
+@dataclasses.dataclass
+class ContextCache:
+    """Per layer, the projected (normed, rotated) K and V of the target context: [B, kv_heads, S, D]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` context positions (drop features of rejected tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a {self.length}-token context cache to {length}")
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, config: DFlashConfig, *, device=None) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_tapped_layers * hidden, hidden, bias=False, device=device)
+        self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps, device=device)
+        self.layers = nn.ModuleList(
+            DFlashDecoderLayer(config, layer_type=layer_type, device=device) for layer_type in config.layer_types
+        )
+        self.norm = RMSNorm(hidden, eps=config.rms_norm_eps, device=device)
+        self.rotary_emb = RotaryEmbedding(rotary_dim=config.rotary_dim, theta=config.rope_theta, device=device)
+        self.register_buffer(
+            "slot_weights",
+            position_weights(block_size=config.block_size, gamma=config.loss_gamma, device=device),
+            persistent=False,
+        )
+        self._target: tuple[TargetHeads] | None = None  # a tuple keeps nn.Module from registering it
+        self._layers_compiled = False
+        if device is None or torch.device(device).type != "meta":
+            self.init_weights()
+
+    # -- setup ------------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        """Initialize in place (also after `to_empty` from the meta device)."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self.rotary_emb.reset_buffers()
+        self.slot_weights = position_weights(
+            block_size=self.config.block_size, gamma=self.config.loss_gamma, device=self.slot_weights.device
+        )
+
+    def attach_target(self, heads: TargetHeads) -> None:
+        """Borrow the target's embedding, final norm and LM head, frozen."""
+        for module in (heads.embed_tokens, heads.final_norm, heads.lm_head):
+            module.requires_grad_(False)
+        rows = heads.embed_tokens.weight.shape[0]
+        if rows <= self.config.mask_token_id:
+            raise ValueError(f"mask_token_id {self.config.mask_token_id} is not a row of the {rows}-row embedding")
+        self._target = (heads,)
+
+    @property
+    def target_heads(self) -> TargetHeads:
+        if self._target is None:
+            raise ValueError("attach_target(TargetHeads(...)) first: the drafter borrows the target's heads")
+        return self._target[0]
+
+    def compile_layers(self, **compile_kwargs) -> None:
+        """torch.compile each decoder layer (flex_attention then compiles inside the layer)."""
+        for layer in self.layers:
+            layer.compile(**compile_kwargs)
+        self._layers_compiled = True
+
+    # -- shared pieces ----------------------------------------------------------------------
+    def fuse_target_features(self, target_hidden_BTX: torch.Tensor) -> torch.Tensor:
+        """[B, T, L*H] concatenated tapped states -> [B, T, H] context features."""
+        expected = self.fc.in_features
+        if target_hidden_BTX.shape[-1] != expected:
+            raise ValueError(
+                f"target_hidden has {target_hidden_BTX.shape[-1]} features, expected "
+                f"{self.config.num_tapped_layers} layers x {self.config.hidden_size} = {expected}"
+            )
+        return self.hidden_norm(self.fc(target_hidden_BTX))
+
+    def _embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.target_heads.embed_tokens(block_ids)
+
+    def _run_layers(self, block_BQH, *, block_rope, context_kv_per_layer, attend_by_type) -> torch.Tensor:
+        hidden = block_BQH
+        for layer, context_kv in zip(self.layers, context_kv_per_layer):
+            hidden = layer(
+                hidden, block_rope=block_rope, context_kv=context_kv, attend=attend_by_type[layer.layer_type]
+            )
+        return self.norm(hidden)
+
+    # -- training ---------------------------------------------------------------------------
+    def _training_attend_fns(self, plan: BlockPlan, backend: str) -> dict[str, AttendFn]:
+        if backend == "auto":
+            backend = "flex" if plan.anchors.is_cuda else "sdpa"
+        if backend not in ("flex", "sdpa"):
+            raise ValueError(f"attention_backend must be 'flex', 'sdpa' or 'auto', got {backend!r}")
+        windows = {layer_type: None for layer_type in self.config.layer_types}
+        if SLIDING_ATTENTION in windows:
+            windows[SLIDING_ATTENTION] = self.config.sliding_window
+        attend = {}
+        for layer_type, window in windows.items():
+            if backend == "sdpa":
+                attend[layer_type] = sdpa_attend(dense_mask(plan, sliding_window=window))
+            else:
+                block_mask = create_flex_block_mask(plan, sliding_window=window, compile_mask=plan.anchors.is_cuda)
+                compiled = plan.anchors.is_cuda and not self._layers_compiled
+                attend[layer_type] = flex_attend(block_mask, compiled=compiled)
+        return attend
+
+    def _labels(self, *, input_ids_BT, plan, teacher_hidden_BTH) -> torch.Tensor:
+        batch, seq_len = input_ids_BT.shape
+        label_pos = plan.label_positions()
+        rows = torch.arange(batch, device=input_ids_BT.device)[:, None, None]
+        if teacher_hidden_BTH is None:
+            labels = input_ids_BT[rows, label_pos]
+        else:
+            heads = self.target_heads
+            # The target's prediction of token p+k is its argmax at p+k-1.
+            source_flat = (rows * seq_len + label_pos - 1).flatten()
+            if plan.teacher_index is not None:
+                index = plan.teacher_index
+            else:
+                index = source_flat
+            ids = teacher_token_ids(
+                teacher_hidden_BTH, index_flat=index, final_norm=heads.final_norm, lm_head=heads.lm_head
+            )
+            if plan.teacher_index is not None:
+                full = torch.zeros(batch * seq_len, dtype=torch.long, device=ids.device)
+                full[index] = ids
+                labels = full[source_flat].view_as(label_pos)
+            else:
+                labels = ids.view_as(label_pos)
+        return torch.where(plan.label_valid, labels, torch.zeros_like(labels))
+
+    def forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        target_hidden: torch.Tensor,
+        plan: BlockPlan,
+        teacher_hidden: torch.Tensor | None = None,
+        attention_backend: str = "auto",
+        loss_chunk_size: int | None = None,
+    ) -> tuple[DraftOutput, torch.Tensor, dict[str, torch.Tensor]]:
+        """One training pass over the plan's blocks.
+
+        input_ids [B, T]; target_hidden [B, T, L*H] (tapped layers, concatenated in
+        target_layer_ids order); teacher_hidden [B, T, H]: the target's last layer output before
+        its final norm, to learn the target's argmax; None learns the data tokens.
+        """
+        cfg = self.config
+        batch, seq_len = input_ids.shape
+        block = cfg.block_size
+        if plan.block_size != block:
+            raise ValueError(f"plan block_size {plan.block_size} != drafter block_size {block}")
+        if target_hidden.shape[:2] != (batch, seq_len):
+            raise ValueError(f"target_hidden {tuple(target_hidden.shape)} does not match input_ids {tuple(input_ids.shape)}")
+        num_anchors = plan.num_anchors
+        context = self.fuse_target_features(target_hidden)
+
+        block_ids = torch.full((batch, num_anchors, block), cfg.mask_token_id, device=input_ids.device)
+        block_ids[..., 0] = input_ids.gather(1, plan.anchors)
+        block_hidden = self._embed_block(block_ids).view(batch, num_anchors * block, -1)
+        anchor_pos = plan.position_ids.gather(1, plan.anchors)
+        block_pos = (anchor_pos[..., None] + torch.arange(block, device=input_ids.device)).view(batch, -1)
+        context_rope = self.rotary_emb(plan.position_ids)
+        context_kv = [layer.self_attn.key_value(context, context_rope) for layer in self.layers]
+        hidden = self._run_layers(
+            block_hidden,
+            block_rope=self.rotary_emb(block_pos),
+            context_kv_per_layer=context_kv,
+            attend_by_type=self._training_attend_fns(plan, attention_backend),
+        )
+        drafted = hidden.view(batch, num_anchors, block, -1)[:, :, 1:]
+
+        labels = self._labels(input_ids_BT=input_ids, plan=plan, teacher_hidden_BTH=teacher_hidden)
+        weights = self.slot_weights[1:] * plan.label_valid
+        lm_head_weight = self.target_heads.lm_head.weight
+        loss, correct = chunked_lm_head_cross_entropy(
+            drafted.reshape(-1, drafted.shape[-1]),
+            lm_head_weight=lm_head_weight,
+            labels_N=labels.flatten(),
+            token_weights_N=weights.flatten(),
+            chunk_size=loss_chunk_size or default_chunk_size(vocab_size=lm_head_weight.shape[0]),
+        )
+        metrics = block_metrics(
+            correct_BAK=correct.view_as(labels), valid_BAK=plan.label_valid, anchor_valid_BA=plan.anchor_valid
+        )
+        metrics["loss"] = loss.detach()
+        return DraftOutput(hidden_BAKH=drafted, labels_BAK=labels), loss, metrics
+
+    # -- drafting ---------------------------------------------------------------------------
+    def new_cache(self) -> ContextCache:
+        return ContextCache(keys=[], values=[])
+
+    @torch.no_grad()
+    def extend_context(
+        self, cache: ContextCache, *, target_hidden: torch.Tensor, position_ids: torch.Tensor
+    ) -> None:
+        """Append target features [B, n, L*H] at positions [B, n] (verified tokens) to the cache."""
+        context = self.fuse_target_features(target_hidden)
+        rope = self.rotary_emb(position_ids)
+        for index, layer in enumerate(self.layers):
+            key, value = layer.self_attn.key_value(context, rope)
+            if index < len(cache.keys):
+                cache.keys[index] = torch.cat((cache.keys[index], key), dim=2)
+                cache.values[index] = torch.cat((cache.values[index], value), dim=2)
+            else:
+                cache.keys.append(key)
+                cache.values.append(value)
+
+    @torch.no_grad()
+    def draft_block(
+        self, cache: ContextCache, *, last_token_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [B, block_size-1, V] for the tokens after `last_token_ids` [B] (the last accepted
+        token, at positions `position_ids` [B]), in one forward pass over the cached context.
+
+        Each row's context must be the target features of every position before its last token;
+        greedy drafts are `.argmax(-1)`.
+        """
+        if cache.length == 0:
+            raise ValueError("the context cache is empty: extend_context with the prompt's target features first")
+        cfg = self.config
+        block = cfg.block_size
+        block_ids = torch.full((last_token_ids.shape[0], block), cfg.mask_token_id, device=last_token_ids.device)
+        block_ids[:, 0] = last_token_ids
+        block_pos = position_ids[:, None] + torch.arange(block, device=last_token_ids.device)
+        attend_by_type = {}
+        for layer_type in set(cfg.layer_types):
+            window = cfg.sliding_window if layer_type == SLIDING_ATTENTION else None
+            mask = drafting_mask(
+                context_len=cache.length,
+                block_size=block,
+                first_position=cache.length,
+                sliding_window=window,
+                device=last_token_ids.device,
+            )
+            attend_by_type[layer_type] = sdpa_attend(mask)
+        hidden = self._run_layers(
+            self._embed_block(block_ids),
+            block_rope=self.rotary_emb(block_pos),
+            context_kv_per_layer=list(zip(cache.keys, cache.values)),
+            attend_by_type=attend_by_type,
+        )
+        return self.target_heads.lm_head(hidden[:, 1:])

@@ -1,0 +1,243 @@
+"""The frozen target and one-pass capture of its tapped hidden states.
+
+Layer ids are native DFlash ids: id k is the OUTPUT of decoder layer k, which transformers
+returns as `hidden_states[k+1]` (speculators' "aux" ids are k+1). Forward hooks copy the tapped
+outputs into one [B, T, L*H] buffer during a single forward of the base model (never the
+CausalLM head, so no full-vocabulary logits). When no teacher is needed the forward stops right
+after the last tapped layer; with a teacher it also keeps the last layer's output BEFORE the
+final norm (transformers' `hidden_states[-1]` is already normed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_core.model.drafter import TargetHeads
+
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_5")
+
+
+def tiny_target_config(family: str, *, num_layers: int = 4, hidden_size: int = 64, vocab_size: int = 256) -> Any:
+    """A small random-init config of a target family, for tests and smoke runs."""
+    import transformers
+
+    common = dict(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+    )
+    if family == "llama":  # SmolLM2's shape: tied embeddings, no q/k norm
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=hidden_size // 4)
+    if family == "qwen3_5":  # Gated DeltaNet x3 + gated full attention, partial rotary 0.25
+        return transformers.Qwen3_5TextConfig(
+            **common,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
+    raise ValueError(f"unknown family {family!r}; use one of {TINY_FAMILIES}")
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """eval mode, no gradients: the target is never trained."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def build_target(config: Any, *, device: Any = None, dtype: torch.dtype | None = None) -> nn.Module:
+    """A frozen random-weight CausalLM for `config` (tests, benchmarks)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    return freeze(model.to(device) if device is not None else model)
+
+
+def build_target_on_device(config: Any, *, device: Any, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Real-shape random target in seconds: built on the meta device, `to_empty`, then initialized
+    in place with transformers' own per-module init (RoPE buffers rebuilt, they are not parameters)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            model._init_weights(module)
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if hasattr(child, "inv_freq") and hasattr(child, "config"):
+                    setattr(parent, name, type(child)(config=child.config).to(device))
+    return freeze(model)
+
+
+def load_target(path: str, *, device: Any, dtype: torch.dtype | None = None) -> nn.Module:
+    """A frozen target from a local directory; bf16 on GPU and fp32 on CPU unless `dtype` says otherwise."""
+    import transformers
+
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return freeze(model.to(device))
+
+
+def language_model(model: nn.Module) -> nn.Module:
+    """The decoder stack (embed_tokens, layers, norm) inside a CausalLM or composite model."""
+    inner = getattr(model, "model", model)
+    inner = getattr(inner, "language_model", inner)
+    for attribute in ("embed_tokens", "layers", "norm"):
+        if not hasattr(inner, attribute):
+            raise ValueError(f"{type(model).__name__} has no decoder stack with .{attribute}")
+    return inner
+
+
+def target_heads(model: nn.Module) -> TargetHeads:
+    """The frozen modules a drafter borrows from its target."""
+    lm = language_model(model)
+    lm_head = model.get_output_embeddings()
+    if lm_head is None:
+        raise ValueError(f"{type(model).__name__} has no LM head")
+    return TargetHeads(embed_tokens=lm.embed_tokens, final_norm=lm.norm, lm_head=lm_head)
+
+
+@dataclasses.dataclass
+class CapturedStates:
+    """tapped_hidden [B, T, L*H] in `layer_ids` order; final_hidden [B, T, H] pre-norm, or None."""
+
+    input_ids: torch.Tensor
+    tapped_hidden: torch.Tensor
+    layer_ids: list[int]
+    final_hidden: torch.Tensor | None = None
+
+    def layer(self, layer_id: int) -> torch.Tensor:
+        """[B, T, H] output of decoder layer `layer_id`."""
+        index = self.layer_ids.index(layer_id)
+        hidden = self.tapped_hidden.shape[-1] // len(self.layer_ids)
+        return self.tapped_hidden[..., index * hidden : (index + 1) * hidden]
+
+
+class _StopForward(Exception):
+    """Raised by the last needed hook: nothing after that layer is used."""
+
+
+class HiddenStateCapture:
+    """Captures tapped layer outputs (and optionally the pre-norm final state) in one forward.
+
+    Hooks stay registered for the life of the object and act only inside `__call__`; call
+    `close()` to remove them.
+    """
+
+    def __init__(self, model: nn.Module, *, layer_ids: list[int], capture_final: bool) -> None:
+        self.model = model
+        self.decoder = language_model(model)
+        num_layers = len(self.decoder.layers)
+        if not layer_ids or sorted(set(layer_ids)) != list(layer_ids):
+            raise ValueError(f"layer_ids must be distinct and ascending, got {layer_ids}")
+        if layer_ids[0] < 0 or layer_ids[-1] >= num_layers:
+            raise ValueError(f"layer_ids {layer_ids} out of range for a {num_layers}-layer target")
+        self.layer_ids = list(layer_ids)
+        self.capture_final = capture_final
+        self.hidden_size = self.decoder.embed_tokens.weight.shape[1]
+        self._buffer: torch.Tensor | None = None
+        self._final: torch.Tensor | None = None
+        self._active = False
+        last_needed = num_layers - 1 if capture_final else self.layer_ids[-1]
+        self._handles = []
+        for slot, layer_id in enumerate(self.layer_ids):
+            hook = self._tap_hook(slot, stop=(layer_id == last_needed and not capture_final))
+            self._handles.append(self.decoder.layers[layer_id].register_forward_hook(hook))
+        if capture_final:
+            self._handles.append(self.decoder.layers[num_layers - 1].register_forward_hook(self._final_hook))
+
+    @staticmethod
+    def _output_tensor(output: Any) -> torch.Tensor:
+        return output[0] if isinstance(output, tuple) else output  # older transformers return tuples
+
+    def _tap_hook(self, slot: int, *, stop: bool):
+        def hook(module, args, output):
+            if not self._active:
+                return None
+            hidden = self._output_tensor(output)
+            width = self.hidden_size
+            self._buffer[..., slot * width : (slot + 1) * width].copy_(hidden)
+            if stop:
+                raise _StopForward
+            return None
+
+        return hook
+
+    def _final_hook(self, module, args, output):
+        if self._active:
+            self._final = self._output_tensor(output)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> CapturedStates:
+        batch, seq_len = input_ids.shape
+        dtype = self.decoder.embed_tokens.weight.dtype
+        self._buffer = torch.empty(
+            batch, seq_len, len(self.layer_ids) * self.hidden_size, dtype=dtype, device=input_ids.device
+        )
+        self._final = None
+        self._active = True
+        try:
+            self.decoder(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            )
+        except _StopForward:
+            pass
+        finally:
+            self._active = False
+        captured = CapturedStates(
+            input_ids=input_ids, tapped_hidden=self._buffer, layer_ids=self.layer_ids, final_hidden=self._final
+        )
+        self._buffer = self._final = None
+        return captured
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def validate_capture(
+    captured: CapturedStates, *, input_ids: torch.Tensor, hidden_size: int, min_variance: float = 1e-12
+) -> None:
+    """Raise ValueError, naming the layer, if a capture is misshapen, non-finite, constant, or was
+    taken for other tokens. Syncs with the device: run it before long runs, not every step."""
+    if not torch.equal(captured.input_ids.to(input_ids.device), input_ids):
+        raise ValueError("captured hidden states were computed for different token ids than the batch's")
+    batch, seq_len = input_ids.shape
+    expected = (batch, seq_len, len(captured.layer_ids) * hidden_size)
+    if tuple(captured.tapped_hidden.shape) != expected:
+        raise ValueError(f"tapped_hidden has shape {tuple(captured.tapped_hidden.shape)}, expected {expected}")
+    named = [(f"target layer {k} (hidden_states[{k + 1}])", captured.layer(k)) for k in captured.layer_ids]
+    if captured.final_hidden is not None:
+        if tuple(captured.final_hidden.shape) != (batch, seq_len, hidden_size):
+            raise ValueError(f"final_hidden has shape {tuple(captured.final_hidden.shape)}")
+        named.append(("final layer (pre-norm)", captured.final_hidden))
+    for name, states in named:
+        states = states.float()
+        if not torch.isfinite(states).all():
+            raise ValueError(f"{name}: captured states contain NaN or Inf")
+        variance = states.var().item()
+        if not variance > min_variance:
+            raise ValueError(f"{name}: captured states are constant (variance {variance:.3g}); all-zero capture?")
