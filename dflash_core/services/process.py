@@ -74,7 +74,11 @@ def is_alive(record: ProcessRecord | None) -> bool:
         return True  # no /proc (not Linux): trust the PID
     if ") Z " in stat:  # zombie: exited, not yet reaped
         return False
-    return bool(cmdline) and Path(cmdline[0].decode(errors="replace")).name == Path(record.argv[0]).name
+    # A console script runs as `python /path/script ...`: accept the program in either of the first two slots.
+    if cmdline == [b""]:
+        return True  # mid-exec: the kernel shows no command line yet
+    program = Path(record.argv[0]).name
+    return any(Path(part.decode(errors="replace")).name == program for part in cmdline[:2])
 
 
 def stop(record: ProcessRecord, *, timeout_s: float = 15.0) -> None:
@@ -90,6 +94,7 @@ def stop(record: ProcessRecord, *, timeout_s: float = 15.0) -> None:
         while time.monotonic() < deadline:
             _reap(record.pid)
             if not is_alive(record):
+                _reap(record.pid)
                 return
             time.sleep(0.1)
 

@@ -1,0 +1,60 @@
+"""The main job on the embedded default. Today: store check -> capacity plan -> a report written
+to S3 with its manifest and verified. Later stages (generate, tokenize, train, evaluate, export)
+join here as their flows land.
+
+Run: `dflash demo` (starts the local services first) or `python -m flows.pipeline --params '{}'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Literal
+
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field
+
+from dflash_core.planner import PRESETS, PlanInputs
+from dflash_core.settings import load_settings
+from tasks.plan import plan_capacity
+from tasks.store import check_store, publish_report
+
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+
+
+class PipelineParams(BaseModel):
+    target_preset: PresetName = Field("smollm2-135m", description="Target model shape.")
+    samples: int = Field(2_000, gt=0, description="Prompts to generate completions for.")
+    mean_tokens: int = Field(1_024, gt=0, description="Expected mean tokens per sample.")
+    gpu_memory_gib: float = Field(139.0, gt=0, description="Usable memory of one training GPU.")
+    num_gpus: int = Field(1, gt=0, description="Training GPUs.")
+    generation_tokens_per_s: float = Field(20.0, gt=0, description="Per-instance generation speed.")
+
+    def plan_inputs(self) -> PlanInputs:
+        return PlanInputs(target=PRESETS[self.target_preset], samples=self.samples, mean_tokens=self.mean_tokens,
+                          gpu_memory_gib=self.gpu_memory_gib, num_gpus=self.num_gpus,
+                          generation_tokens_per_s=self.generation_tokens_per_s)
+
+
+@flow(name="dflash-pipeline", log_prints=True)
+def pipeline(params: PipelineParams = PipelineParams()) -> dict:
+    settings = load_settings()
+    bucket_uri = check_store(settings)
+    capacity = plan_capacity(params.plan_inputs())
+    manifest = publish_report(settings, name="plan", run_id=str(flow_run.id or "local"),
+                              report=capacity.model_dump(mode="json"), config=params.model_dump())
+    print(f"bucket {bucket_uri} ok; plan report at {manifest.uri} (sha256 {manifest.sha256[:12]})")
+    return {"report": manifest.uri, "sha256": manifest.sha256,
+            "fits": [v.layout for v in capacity.layouts if v.fits]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run the dflash pipeline flow.")
+    parser.add_argument("--params", default="{}", help="PipelineParams as JSON")
+    args = parser.parse_args()
+    print(json.dumps(pipeline(PipelineParams.model_validate_json(args.params)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

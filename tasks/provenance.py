@@ -1,0 +1,16 @@
+"""The producer of an artifact as seen from inside a Prefect run (flow and task run ids)."""
+
+from __future__ import annotations
+
+from prefect.runtime import flow_run, task_run
+
+from dflash_core.provenance import Producer, current_producer
+
+
+def run_producer() -> Producer:
+    """Git SHA, version and host, plus the current flow run id and task run id when there are any."""
+    return current_producer(flow_run_id=_or_none(flow_run.id), task_run_id=_or_none(task_run.id))
+
+
+def _or_none(value: object) -> str | None:
+    return str(value) if value else None

@@ -1,0 +1,59 @@
+"""The main flow against the real Prefect server and the real S3 server.
+
+Run: `.venv/bin/python -m pytest tests/integration/test_pipeline_flow.py -q`
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dflash_core.lineage import read_manifest
+from dflash_core.storage import ObjectStore
+
+
+@pytest.fixture
+def env_settings(settings, monkeypatch):
+    """The flow resolves Settings from the environment, as a deployed flow would."""
+    for name, value in {
+        "DFLASH_S3_ENDPOINT_URL": settings.s3_endpoint_url, "DFLASH_S3_BUCKET": settings.s3_bucket,
+        "DFLASH_S3_ACCESS_KEY_ID": settings.s3_access_key_id.get_secret_value(),
+        "DFLASH_S3_SECRET_ACCESS_KEY": settings.s3_secret_access_key.get_secret_value(),
+        "DFLASH_WORK_DIR": str(settings.work_dir),
+    }.items():
+        monkeypatch.setenv(name, value)
+    return settings
+
+
+def test_pipeline_flow_writes_verified_report_and_artifacts(prefect_server, store: ObjectStore, env_settings):
+    from prefect.client.orchestration import get_client
+
+    from flows.pipeline import PipelineParams, pipeline
+
+    state = pipeline(PipelineParams(), return_state=True)
+    assert state.is_completed(), state
+    result = state.result()
+    key = result["report"].removeprefix(f"s3://{store.bucket}/")
+    manifest = read_manifest(store, key)
+    assert manifest.sha256 == result["sha256"]
+    assert manifest.producer.flow_run_id == str(state.state_details.flow_run_id)
+    assert manifest.producer.task_run_id is not None
+    assert manifest.config["target_preset"] == "smollm2-135m"
+    assert "colocated" in result["fits"]
+
+    async def artifacts():
+        async with get_client() as client:
+            return await client.read_artifacts()
+
+    keys = {artifact.key for artifact in asyncio.run(artifacts())}
+    assert {"capacity-plan", "plan-report"} <= keys
+
+
+def test_pipeline_refuses_a_layout_that_does_not_fit(prefect_server, env_settings):
+    from flows.pipeline import PipelineParams, pipeline
+
+    state = pipeline(PipelineParams(target_preset="qwen3-32b", gpu_memory_gib=24), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match="no GPU layout fits"):
+        state.result()
