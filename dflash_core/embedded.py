@@ -95,6 +95,7 @@ class _atomic_dir:
     def __enter__(self) -> Path:
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(dir=self.target.parent, prefix=f".{self.target.name}."))
+        self.tmp.chmod(0o755)
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:

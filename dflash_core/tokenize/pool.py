@@ -1,0 +1,68 @@
+"""A process pool that tokenizes shard chunks on every core.
+
+Each worker builds its own `ShardTokenizer` once (from the pickled `TargetTokenizer` spec) and keeps
+its caches across chunks and shards. Workers run the Rust tokenizer single-threaded
+(TOKENIZERS_PARALLELISM=false): the pool is the parallelism, and nested thread pools would only
+fight over the same cores. Processes start from a forkserver, so a pool is safe to open from a
+threaded caller (e.g. a Prefect thread-pool task runner).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+from dflash_core.tokenize.config import TokenizeConfig
+from dflash_core.tokenize.shard import ChunkResult, ShardTokenizer
+from dflash_core.tokenize.target import TargetTokenizer
+
+_worker: ShardTokenizer | None = None
+
+
+def _init_worker(target: TargetTokenizer, config: TokenizeConfig) -> None:
+    global _worker
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker = ShardTokenizer(target=target, config=config)
+
+
+def _run_chunk(chunk: tuple[int, list[bytes]]) -> ChunkResult:
+    first_line, lines = chunk
+    assert _worker is not None, "pool worker was not initialised"
+    return _worker.tokenize_lines(lines, first_line=first_line)
+
+
+def default_workers() -> int:
+    """Cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class TokenizePool:
+    """`with TokenizePool(target=..., config=..., workers=N) as pool: tokenize_shard(..., pool=pool)`."""
+
+    def __init__(self, *, target: TargetTokenizer, config: TokenizeConfig, workers: int | None = None,
+                 start_method: str = "forkserver"):
+        self.workers = workers or default_workers()
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.target = target
+        self.config = config
+        self._executor = ProcessPoolExecutor(
+            max_workers=self.workers,
+            mp_context=multiprocessing.get_context(start_method),
+            initializer=_init_worker,
+            initargs=(target, config),
+        )
+
+    def map_chunks(self, chunks: list[tuple[int, list[bytes]]]) -> list[ChunkResult]:
+        """Results in chunk order."""
+        return list(self._executor.map(_run_chunk, chunks))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> TokenizePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,226 @@
+"""Tokenize one completion shard: JSONL bytes in, an Arrow table + quarantine lines + skip counts out.
+
+Pure: no object store, no files. `ShardTokenizer` holds one process's state (tokenizer, caches)
+and turns a chunk of lines into a record batch; `tokenize_shard` splits a shard into chunks and
+runs them inline or on a `TokenizePool`. Every line ends up in exactly one place: the table, the
+quarantine (with its reason), or the `blank_line` count.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from dflash_core.data.completion import BadRecord, CompletionRecord, parse_completion_line
+from dflash_core.tokenize.config import TokenizeConfig
+from dflash_core.tokenize.detect import has_empty_reasoning, is_repetition_loop, max_identical_tool_calls
+from dflash_core.tokenize.encode import EncodedSample, TailEncoder, encode_samples
+from dflash_core.tokenize.render import PrefixUnstable, render_sample
+from dflash_core.tokenize.target import TargetTokenizer
+
+TOKENIZED_SCHEMA_VERSION = 1
+FLAG_COLUMNS = ("truncated", "boilerplate_only", "empty_reasoning", "degenerate_repetition", "degenerate_tool_calls")
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("input_ids", pa.list_(pa.uint32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("num_tokens", pa.int32()),
+        ("num_loss_tokens", pa.int32()),
+        *[(name, pa.bool_()) for name in FLAG_COLUMNS],
+    ]
+)
+# Valid records that are not written to the table (they go to quarantine with the bad ones).
+SKIP_REASONS = ("prefix_unstable", "too_long", "prompt_too_long", "render_error")
+
+
+@dataclass(slots=True)
+class QuarantineLine:
+    line: int  # 1-based line number in the shard
+    reason: str
+    detail: str
+    raw: bytes
+    source: str | None = None  # known when the line parsed as a record
+
+    def to_json(self) -> dict:
+        try:
+            text, raw_base64 = self.raw.decode("utf-8"), None
+        except UnicodeDecodeError:
+            text, raw_base64 = None, base64.b64encode(self.raw).decode()
+        return {"line": self.line, "reason": self.reason, "detail": self.detail, "source": self.source,
+                "text": text, "raw_base64": raw_base64}
+
+
+@dataclass(slots=True)
+class ChunkResult:
+    batch: pa.RecordBatch | None = None
+    quarantine: list[QuarantineLine] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)
+
+
+@dataclass(slots=True)
+class ShardResult:
+    table: pa.Table
+    quarantine: list[QuarantineLine]
+    skipped: Counter  # reason -> count, for every line not in the table
+    num_lines: int
+
+
+class ShardTokenizer:
+    """One process's tokenization state: the target, the config, and caches that last across chunks."""
+
+    def __init__(self, *, target: TargetTokenizer, config: TokenizeConfig):
+        self.target = target
+        self.config = config
+        self.tails = TailEncoder(target)
+        self._boilerplate: dict[bool | None, int] = {}
+        self.check_template()
+
+    def check_template(self) -> None:
+        """Fail fast, naming the template, when a plain thinking + answer turn is not prefix-stable."""
+        probe = _probe_record(reasoning="Let me think.", content="Hello! How can I help?", enable_thinking=None)
+        encoded = encode_samples([render_sample(probe, target=self.target, config=self.config)],
+                                 target=self.target, tails=self.tails)[0]
+        if isinstance(encoded, PrefixUnstable):
+            raise PrefixUnstable(f"the chat template of {self.target.name} is not prefix-stable in tokens: {encoded}")
+
+    def tokenize_lines(self, lines: list[bytes], *, first_line: int = 1) -> ChunkResult:
+        result = ChunkResult()
+        records: list[tuple[int, bytes, CompletionRecord]] = []
+        for number, raw in enumerate(lines, start=first_line):
+            if not raw.strip():
+                result.skipped["blank_line"] += 1
+                continue
+            try:
+                records.append((number, raw, parse_completion_line(raw)))
+            except BadRecord as bad:
+                self._quarantine(result, number, raw, bad.reason, bad.detail)
+        rendered, kept = [], []
+        for number, raw, record in records:
+            try:
+                rendered.append(render_sample(record, target=self.target, config=self.config))
+                kept.append((number, raw, record))
+            except PrefixUnstable as error:
+                self._quarantine(result, number, raw, "prefix_unstable", str(error), record.source)
+            except Exception as error:  # a template's raise_exception() or a jinja error on this record
+                self._quarantine(result, number, raw, "render_error", f"{type(error).__name__}: {error}",
+                                 record.source)
+        rows = []
+        for (number, raw, record), encoded in zip(kept, encode_samples(rendered, target=self.target, tails=self.tails)):
+            if isinstance(encoded, PrefixUnstable):
+                self._quarantine(result, number, raw, "prefix_unstable", str(encoded), record.source)
+                continue
+            row = self._fit(encoded)
+            if isinstance(row, str):
+                self._quarantine(result, number, raw, row,
+                                 f"{len(encoded.ids)} tokens > max_length {self.config.max_length}", record.source)
+                continue
+            rows.append((record, row))
+        result.batch = self._batch(rows)
+        return result
+
+    def _fit(self, encoded: EncodedSample) -> tuple[EncodedSample, bool] | str:
+        """Apply the max_length policy: (sample, truncated) or the skip reason."""
+        limit = self.config.max_length
+        if len(encoded.ids) <= limit:
+            return encoded, False
+        if self.config.overlong == "drop":
+            return "too_long"
+        if encoded.loss_start >= limit:
+            return "prompt_too_long"
+        return EncodedSample(encoded.ids[:limit], encoded.loss_start, min(encoded.loss_end, limit)), True
+
+    def _batch(self, rows: list[tuple[CompletionRecord, tuple[EncodedSample, bool]]]) -> pa.RecordBatch:
+        config = self.config
+        lengths = np.fromiter((len(s.ids) for _, (s, _) in rows), dtype=np.int32, count=len(rows))
+        offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = np.concatenate([s.ids for _, (s, _) in rows]) if rows else np.zeros(0, np.uint32)
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        num_loss = np.zeros(len(rows), dtype=np.int32)
+        flags = {name: np.zeros(len(rows), dtype=bool) for name in FLAG_COLUMNS}
+        for index, (record, (sample, truncated)) in enumerate(rows):
+            start = offsets[index]
+            mask[start + sample.loss_start:start + sample.loss_end] = 1
+            num_loss[index] = sample.loss_end - sample.loss_start
+            loss_ids = sample.ids[sample.loss_start:sample.loss_end]
+            flags["truncated"][index] = truncated
+            flags["boilerplate_only"][index] = num_loss[index] <= self._boilerplate_tokens(record)
+            flags["empty_reasoning"][index] = has_empty_reasoning(
+                record, expect_thinking=config.expect_thinking, think_start=config.think_start)
+            flags["degenerate_repetition"][index] = is_repetition_loop(
+                loss_ids, n=config.repetition_ngram, window=config.repetition_window,
+                min_distinct=config.repetition_min_distinct)
+            flags["degenerate_tool_calls"][index] = max_identical_tool_calls(record) >= config.max_repeated_tool_calls
+        offsets_array = pa.array(offsets, type=pa.int32())
+        columns = [
+            pa.array([record.id for record, _ in rows], type=pa.string()),
+            pa.array([record.source for record, _ in rows], type=pa.string()),
+            pa.ListArray.from_arrays(offsets_array, pa.array(ids, type=pa.uint32())),
+            pa.ListArray.from_arrays(offsets_array, pa.array(mask, type=pa.uint8())),
+            pa.array(lengths, type=pa.int32()),
+            pa.array(num_loss, type=pa.int32()),
+            *[pa.array(flags[name], type=pa.bool_()) for name in FLAG_COLUMNS],
+        ]
+        return pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
+
+    def _boilerplate_tokens(self, record: CompletionRecord) -> int:
+        """Loss tokens of an empty completion under this record's template variables (cached)."""
+        key = record.generation.enable_thinking
+        if key not in self._boilerplate:
+            probe = _probe_record(reasoning="", content="", enable_thinking=key)
+            encoded = encode_samples([render_sample(probe, target=self.target, config=self.config)],
+                                     target=self.target, tails=self.tails)[0]
+            if isinstance(encoded, PrefixUnstable):
+                raise ValueError(f"{self.target.name}: an empty completion is not prefix-stable: {encoded}")
+            self._boilerplate[key] = encoded.loss_end - encoded.loss_start
+        return self._boilerplate[key]
+
+    @staticmethod
+    def _quarantine(result: ChunkResult, number: int, raw: bytes, reason: str, detail: str,
+                    source: str | None = None) -> None:
+        result.skipped[reason] += 1
+        result.quarantine.append(QuarantineLine(number, reason, detail, raw, source))
+
+
+def _probe_record(*, reasoning: str, content: str, enable_thinking: bool | None) -> CompletionRecord:
+    return CompletionRecord(
+        id="probe", source="probe", prompt=[{"role": "user", "content": "Hi"}], reasoning=reasoning,
+        content=content, finish_reason="stop", generation={"model": "probe", "enable_thinking": enable_thinking},
+    )
+
+
+def split_lines(data: bytes, *, chunk_lines: int) -> list[tuple[int, list[bytes]]]:
+    """Chunks of (first line number, lines); a final newline does not make an extra line."""
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return [(start + 1, lines[start:start + chunk_lines]) for start in range(0, len(lines), chunk_lines)]
+
+
+def merge_chunks(results: list[ChunkResult], *, num_lines: int) -> ShardResult:
+    skipped: Counter = Counter()
+    quarantine: list[QuarantineLine] = []
+    for chunk in results:
+        skipped.update(chunk.skipped)
+        quarantine.extend(chunk.quarantine)
+    table = pa.Table.from_batches([chunk.batch for chunk in results], schema=SCHEMA)
+    assert table.num_rows + sum(skipped.values()) == num_lines, "a line was neither kept nor counted"
+    return ShardResult(table=table, quarantine=quarantine, skipped=skipped, num_lines=num_lines)
+
+
+def tokenize_shard(data: bytes, *, target: TargetTokenizer, config: TokenizeConfig, pool=None,
+                   chunk_lines: int = 256) -> ShardResult:
+    """Tokenize a whole JSONL shard; with `pool` (a TokenizePool) the chunks run on its workers."""
+    chunks = split_lines(data, chunk_lines=chunk_lines)
+    num_lines = sum(len(lines) for _, lines in chunks)
+    if pool is not None:
+        return merge_chunks(pool.map_chunks(chunks), num_lines=num_lines)
+    worker = ShardTokenizer(target=target, config=config)
+    return merge_chunks([worker.tokenize_lines(lines, first_line=first) for first, lines in chunks],
+                        num_lines=num_lines)
