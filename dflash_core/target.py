@@ -21,8 +21,16 @@ from dflash_core.model.drafter import TargetHeads
 TINY_FAMILIES = ("llama", "qwen3", "qwen3_5")
 
 
-def tiny_target_config(family: str, *, num_layers: int = 4, hidden_size: int = 64, vocab_size: int = 256) -> Any:
-    """A small random-init config of a target family, for tests and smoke runs."""
+def tiny_target_config(
+    family: str,
+    *,
+    num_layers: int = 6,
+    hidden_size: int = 64,
+    vocab_size: int = 256,
+    initializer_range: float = 0.1,
+) -> Any:
+    """A small random-init config of a target family, for tests and smoke runs. The init range is
+    larger than the usual 0.02 so the random model's logits are peaked enough to learn from."""
     import transformers
 
     common = dict(
@@ -34,6 +42,7 @@ def tiny_target_config(family: str, *, num_layers: int = 4, hidden_size: int = 6
         vocab_size=vocab_size,
         max_position_embeddings=4096,
         pad_token_id=0,
+        initializer_range=initializer_range,
     )
     if family == "llama":  # SmolLM2's shape: tied embeddings, no q/k norm
         return transformers.LlamaConfig(**common, tie_word_embeddings=True)

@@ -26,7 +26,8 @@ def tapped_layer_ids(*, num_target_layers: int, num_tapped_layers: int) -> list[
     """Native ids (id k = OUTPUT of decoder layer k = transformers `hidden_states[k+1]`),
     spread evenly from 1 to N-3: 36 -> [1, 9, 17, 25, 33], 64 -> [1, 16, 31, 46, 61].
 
-    Python's round() (half to even) matches the z-lab reference: 30 layers -> [1, 7, 14, 20, 27].
+    Same formula as the z-lab reference (Python round(), half to even), so ids agree with released
+    drafters: 30 layers -> [1, 8, 14, 20, 27].
     """
     if num_tapped_layers < 1:
         raise ValueError(f"num_tapped_layers must be >= 1, got {num_tapped_layers}")

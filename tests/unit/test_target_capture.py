@@ -1,0 +1,123 @@
+"""Target capture: layer-id semantics, pre-norm final state, early stop, validator, hybrid family.
+
+Run: .venv/bin/python -m pytest tests/unit/test_target_capture.py -q
+"""
+
+import pytest
+import torch
+
+from dflash_core.target import (
+    CapturedStates,
+    HiddenStateCapture,
+    build_target,
+    language_model,
+    target_heads,
+    tiny_target_config,
+    validate_capture,
+)
+
+_FAMILIES = ["llama", "qwen3", "qwen3_5"]
+
+
+def _target(family: str):
+    torch.manual_seed(0)
+    config = tiny_target_config(family, num_layers=8)
+    return build_target(config), config
+
+
+@pytest.fixture(scope="module", params=_FAMILIES)
+def family_capture(request):
+    target, config = _target(request.param)
+    input_ids = torch.randint(1, config.vocab_size, (2, 24))
+    layer_ids = [1, 3, 5]
+    captured = HiddenStateCapture(target, layer_ids=layer_ids, capture_final=True)(input_ids)
+    with torch.no_grad():
+        reference = target(input_ids, output_hidden_states=True)
+    return request.param, target, config, input_ids, captured, reference
+
+
+def test_native_id_k_is_hidden_states_k_plus_1(family_capture):
+    _, _, _, _, captured, reference = family_capture
+    for layer_id in captured.layer_ids:
+        assert torch.equal(captured.layer(layer_id), reference.hidden_states[layer_id + 1])
+        assert not torch.equal(captured.layer(layer_id), reference.hidden_states[layer_id])
+
+
+def test_final_state_is_taken_before_the_final_norm(family_capture):
+    _, target, _, _, captured, reference = family_capture
+    normed_last = reference.hidden_states[-1]
+    assert not torch.allclose(captured.final_hidden, normed_last)
+    with torch.no_grad():
+        torch.testing.assert_close(language_model(target).norm(captured.final_hidden), normed_last)
+        heads = target_heads(target)
+        torch.testing.assert_close(heads.lm_head(heads.final_norm(captured.final_hidden)), reference.logits)
+
+
+def test_captures_are_valid_and_non_zero_for_every_family(family_capture):
+    family, _, config, input_ids, captured, _ = family_capture
+    validate_capture(captured, input_ids=input_ids, hidden_size=config.hidden_size)
+    for layer_id in captured.layer_ids:
+        assert captured.layer(layer_id).abs().mean() > 1e-3, (family, layer_id)
+
+
+def test_without_teacher_the_forward_stops_after_the_last_tapped_layer():
+    target, config = _target("qwen3")
+    layers = language_model(target).layers
+    ran = []
+    for index, layer in enumerate(layers):
+        layer.register_forward_hook(lambda module, args, output, index=index: ran.append(index))
+    capture = HiddenStateCapture(target, layer_ids=[1, 4], capture_final=False)
+    input_ids = torch.randint(1, config.vocab_size, (1, 12))
+    captured = capture(input_ids)
+    assert ran == [0, 1, 2, 3, 4]
+    assert captured.final_hidden is None
+    with torch.no_grad():
+        reference = target(input_ids, output_hidden_states=True).hidden_states
+    assert torch.equal(captured.layer(4), reference[5])
+    capture.close()
+    ran.clear()
+    with torch.no_grad():
+        target(input_ids)
+    assert ran == list(range(8))  # hooks removed: the model runs whole again
+
+
+def _captured(config, input_ids):
+    width = config.hidden_size
+    states = torch.randn(*input_ids.shape, 3 * width)
+    return CapturedStates(input_ids=input_ids, tapped_hidden=states, layer_ids=[1, 3, 5])
+
+
+def test_validator_rejects_zeroed_nan_and_mismatched_captures():
+    config = tiny_target_config("qwen3")
+    input_ids = torch.randint(1, config.vocab_size, (2, 10))
+    width = config.hidden_size
+    good = _captured(config, input_ids)
+    validate_capture(good, input_ids=input_ids, hidden_size=width)
+
+    zeroed = _captured(config, input_ids)
+    zeroed.tapped_hidden[..., width : 2 * width] = 0.0
+    with pytest.raises(ValueError, match=r"target layer 3 \(hidden_states\[4\]\).*constant"):
+        validate_capture(zeroed, input_ids=input_ids, hidden_size=width)
+
+    poisoned = _captured(config, input_ids)
+    poisoned.tapped_hidden[1, 4, 2 * width + 7] = float("nan")
+    with pytest.raises(ValueError, match="target layer 5 .*NaN"):
+        validate_capture(poisoned, input_ids=input_ids, hidden_size=width)
+
+    with pytest.raises(ValueError, match="different token ids"):
+        validate_capture(good, input_ids=input_ids.flip(1), hidden_size=width)
+    with pytest.raises(ValueError, match="shape"):
+        validate_capture(good, input_ids=input_ids, hidden_size=width + 1)
+
+    no_final = _captured(config, input_ids)
+    no_final.final_hidden = torch.zeros(2, 10, width)
+    with pytest.raises(ValueError, match="final layer"):
+        validate_capture(no_final, input_ids=input_ids, hidden_size=width)
+
+
+def test_bad_layer_ids_raise():
+    target, _ = _target("llama")
+    with pytest.raises(ValueError, match="out of range"):
+        HiddenStateCapture(target, layer_ids=[1, 8], capture_final=False)
+    with pytest.raises(ValueError, match="ascending"):
+        HiddenStateCapture(target, layer_ids=[3, 1], capture_final=False)
