@@ -1,0 +1,1 @@
+"""Inference servers (vLLM, SGLang, transformers serve) and on-policy generation against them."""

