@@ -47,9 +47,13 @@ class TokenizePool:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.target = target
         self.config = config
+        context = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            # The server imports tokenizers/transformers once; each worker forks with them loaded.
+            context.set_forkserver_preload([__name__])
         self._executor = ProcessPoolExecutor(
             max_workers=self.workers,
-            mp_context=multiprocessing.get_context(start_method),
+            mp_context=context,
             initializer=_init_worker,
             initargs=(target, config),
         )

@@ -79,15 +79,7 @@ class ShardTokenizer:
         self.config = config
         self.tails = TailEncoder(target)
         self._boilerplate: dict[bool | None, int] = {}
-        self.check_template()
-
-    def check_template(self) -> None:
-        """Fail fast, naming the template, when a plain thinking + answer turn is not prefix-stable."""
-        probe = _probe_record(reasoning="Let me think.", content="Hello! How can I help?", enable_thinking=None)
-        encoded = encode_samples([render_sample(probe, target=self.target, config=self.config)],
-                                 target=self.target, tails=self.tails)[0]
-        if isinstance(encoded, PrefixUnstable):
-            raise PrefixUnstable(f"the chat template of {self.target.name} is not prefix-stable in tokens: {encoded}")
+        self._boilerplate_tokens(None)  # fail fast on a template that is not prefix-stable
 
     def tokenize_lines(self, lines: list[bytes], *, first_line: int = 1) -> ChunkResult:
         result = ChunkResult()
@@ -100,6 +92,8 @@ class ShardTokenizer:
                 records.append((number, raw, parse_completion_line(raw)))
             except BadRecord as bad:
                 self._quarantine(result, number, raw, bad.reason, bad.detail)
+        for setting in {record.generation.enable_thinking for _, _, record in records}:
+            self._boilerplate_tokens(setting)  # the template check, once per thinking setting
         rendered, kept = [], []
         for number, raw, record in records:
             try:
@@ -150,7 +144,8 @@ class ShardTokenizer:
             num_loss[index] = sample.loss_end - sample.loss_start
             loss_ids = sample.ids[sample.loss_start:sample.loss_end]
             flags["truncated"][index] = truncated
-            flags["boilerplate_only"][index] = num_loss[index] <= self._boilerplate_tokens(record)
+            flags["boilerplate_only"][index] = num_loss[index] <= self._boilerplate_tokens(
+                record.generation.enable_thinking)
             flags["empty_reasoning"][index] = has_empty_reasoning(
                 record, expect_thinking=config.expect_thinking, think_start=config.think_start)
             flags["degenerate_repetition"][index] = is_repetition_loop(
@@ -169,17 +164,29 @@ class ShardTokenizer:
         ]
         return pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
 
-    def _boilerplate_tokens(self, record: CompletionRecord) -> int:
-        """Loss tokens of an empty completion under this record's template variables (cached)."""
-        key = record.generation.enable_thinking
-        if key not in self._boilerplate:
-            probe = _probe_record(reasoning="", content="", enable_thinking=key)
-            encoded = encode_samples([render_sample(probe, target=self.target, config=self.config)],
-                                     target=self.target, tails=self.tails)[0]
-            if isinstance(encoded, PrefixUnstable):
-                raise ValueError(f"{self.target.name}: an empty completion is not prefix-stable: {encoded}")
-            self._boilerplate[key] = encoded.loss_end - encoded.loss_start
-        return self._boilerplate[key]
+    def _boilerplate_tokens(self, enable_thinking: bool | None) -> int:
+        """Loss tokens of an empty completion with this thinking setting; checks the template once per setting.
+
+        A template that is not prefix-stable for a plain answer raises `PrefixUnstable` for the whole
+        shard: it would quarantine every record, so it is the template (or tokenizer) to fix.
+        """
+        if enable_thinking not in self._boilerplate:
+            thought = "" if enable_thinking is False else "Let me think."
+            probes = [_probe_record(reasoning=thought, content="Hello! How can I help?",
+                                    enable_thinking=enable_thinking),
+                      _probe_record(reasoning="", content="", enable_thinking=enable_thinking)]
+            rendered = [render_sample(probe, target=self.target, config=self.config) for probe in probes]
+            answer, empty = encode_samples(rendered, target=self.target, tails=self.tails)
+            for encoded in (answer, empty):
+                if isinstance(encoded, PrefixUnstable):
+                    raise PrefixUnstable(
+                        f"the chat template of {self.target.name} is not prefix-stable in tokens "
+                        f"(enable_thinking={enable_thinking}): {encoded}. The prompt's tokens change once the "
+                        "answer follows them, so no loss mask matches what the target saw; fix the template's "
+                        "generation prompt or use the target's own tokenizer"
+                    )
+            self._boilerplate[enable_thinking] = empty.loss_end - empty.loss_start
+        return self._boilerplate[enable_thinking]
 
     @staticmethod
     def _quarantine(result: ChunkResult, number: int, raw: bytes, reason: str, detail: str,
