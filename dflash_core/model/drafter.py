@@ -18,7 +18,8 @@ from torch import nn
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.model.attention import AttendFn, DFlashDecoderLayer, RMSNorm, RotaryEmbedding
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
-from dflash_core.model.loss import chunked_lm_head_cross_entropy, default_chunk_size, position_weights
+from dflash_core.model.loss import chunked_lm_head_cross_entropy, compile_loss_kernel, default_chunk_size
+from dflash_core.model.loss import position_weights
 from dflash_core.model.loss import teacher_token_ids
 from dflash_core.model.masks import create_flex_block_mask, dense_mask, drafting_mask, flex_attend, sdpa_attend
 from dflash_core.model.metrics import block_metrics
@@ -114,9 +115,12 @@ class DFlashDraftModel(nn.Module):
         return self._target[0]
 
     def compile_layers(self, **compile_kwargs) -> None:
-        """torch.compile each decoder layer (flex_attention then compiles inside the layer)."""
+        """torch.compile each decoder layer (flex_attention then compiles inside the layer), the
+        context K/V projection and the per-chunk loss kernel. Training shapes are static."""
         for layer in self.layers:
             layer.compile(**compile_kwargs)
+            layer.self_attn.key_value = torch.compile(layer.self_attn.key_value, **compile_kwargs)
+        compile_loss_kernel(True)
         self._layers_compiled = True
 
     # -- shared pieces ----------------------------------------------------------------------

@@ -46,34 +46,56 @@ def teacher_token_ids(
     return out
 
 
+def _chunk_loss_and_grad(logits, labels, scale, inv_total_weight, *, with_grad: bool):
+    """Per chunk: weighted CE sum, correctness, and d(loss)/d(logits) in the logits' dtype.
+
+    One function so torch.compile can fuse the fp32 upcast, logsumexp, argmax and softmax into a
+    couple of passes over the [chunk, vocab] logits (see `compile_loss_kernel`).
+    """
+    logits32 = logits.float()
+    log_norm = torch.logsumexp(logits32, dim=-1)
+    label_logit = logits32.gather(1, labels[:, None]).squeeze(1)
+    loss_sum = (scale * (log_norm - label_logit)).sum()
+    correct = logits32.argmax(dim=-1) == labels
+    if not with_grad:
+        return loss_sum, correct, None
+    # d(ce)/d(logits) = softmax - onehot, scaled by this token's share of the loss.
+    grad_logits = torch.exp(logits32 - log_norm[:, None])
+    grad_logits.scatter_add_(1, labels[:, None], torch.full_like(label_logit[:, None], -1.0))
+    grad_logits = grad_logits * (scale * inv_total_weight)[:, None]
+    return loss_sum, correct, grad_logits.to(logits.dtype)
+
+
+_chunk_kernel = _chunk_loss_and_grad
+
+
+def compile_loss_kernel(enabled: bool = True) -> None:
+    """Use a torch.compile'd per-chunk loss kernel (GPU); eager when disabled."""
+    global _chunk_kernel
+    _chunk_kernel = torch.compile(_chunk_loss_and_grad, dynamic=False) if enabled else _chunk_loss_and_grad
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, token_weights_N, chunk_size):
         compute_dtype = weight_VH.dtype
-        total_weight = token_weights_N.sum().clamp_min(1e-12)
+        inv_total_weight = 1.0 / token_weights_N.sum().clamp_min(1e-12)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
         correct = torch.empty(labels_N.shape, dtype=torch.bool, device=hidden_NH.device)
         needs_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty_like(hidden_NH) if needs_grad else None
         for start in range(0, hidden_NH.shape[0], chunk_size):
             end = start + chunk_size
-            hidden = hidden_NH[start:end].to(compute_dtype)
-            logits = (hidden @ weight_VH.T).float()
-            labels = labels_N[start:end]
-            log_norm = torch.logsumexp(logits, dim=-1)
-            label_logit = logits.gather(1, labels[:, None]).squeeze(1)
-            scale = token_weights_N[start:end]
-            loss_sum += (scale * (log_norm - label_logit)).sum()
-            correct[start:end] = logits.argmax(dim=-1) == labels
+            logits = hidden_NH[start:end].to(compute_dtype) @ weight_VH.T
+            chunk_loss, correct[start:end], grad_logits = _chunk_kernel(
+                logits, labels_N[start:end], token_weights_N[start:end], inv_total_weight, with_grad=needs_grad
+            )
+            loss_sum += chunk_loss
             if needs_grad:
-                # d(ce)/d(logits) = softmax - onehot, scaled by this token's share of the loss.
-                grad_logits = torch.exp_(logits.sub_(log_norm[:, None]))
-                grad_logits.scatter_add_(1, labels[:, None], -torch.ones_like(label_logit)[:, None])
-                grad_logits.mul_((scale / total_weight)[:, None])
-                grad_hidden[start:end] = (grad_logits.to(compute_dtype) @ weight_VH).to(hidden_NH.dtype)
+                grad_hidden[start:end] = (grad_logits @ weight_VH).to(hidden_NH.dtype)
         ctx.save_for_backward(grad_hidden if needs_grad else hidden_NH.new_empty(0))
         ctx.mark_non_differentiable(correct)
-        return loss_sum / total_weight, correct
+        return loss_sum * inv_total_weight, correct
 
     @staticmethod
     def backward(ctx, grad_loss, grad_correct):
