@@ -95,10 +95,35 @@ def prefect_server(settings: Settings):
     local.start(service)
     saved = {key: os.environ.get(key) for key in local.prefect_client_env(settings)}
     os.environ.update(local.prefect_client_env(settings))
-    yield service
+    # Prefect snapshots its settings when first imported; override them too in case it already was.
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: settings.prefect_api_url}):
+        yield service
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
     local.shutdown(service)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer that `transformers serve` can load."""
+    from tests.tiny_models import build_tiny_chat_model
+
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture
+def env_settings(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """Export the session settings as DFLASH_* variables: flows resolve Settings from the environment."""
+    for name, value in {
+        "DFLASH_S3_ENDPOINT_URL": settings.s3_endpoint_url, "DFLASH_S3_BUCKET": settings.s3_bucket,
+        "DFLASH_S3_ACCESS_KEY_ID": settings.s3_access_key_id.get_secret_value(),
+        "DFLASH_S3_SECRET_ACCESS_KEY": settings.s3_secret_access_key.get_secret_value(),
+        "DFLASH_WORK_DIR": str(settings.work_dir), "DFLASH_PREFECT_API_URL": settings.prefect_api_url,
+    }.items():
+        monkeypatch.setenv(name, value)
+    return settings

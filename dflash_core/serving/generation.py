@@ -18,7 +18,7 @@ from pathlib import Path
 from dflash_core.data.completion import CompletionRecord
 from dflash_core.data.prompts import read_prompt_lines
 from dflash_core.layout import ArtifactKind
-from dflash_core.lineage import input_ref, write_artifact
+from dflash_core.lineage import input_ref, read_manifest, write_artifact
 from dflash_core.provenance import Producer
 from dflash_core.serving.client import ClientConfig, FailedPrompt, SamplingParams, complete_all
 from dflash_core.storage import ObjectNotFound, ObjectStore
@@ -55,11 +55,16 @@ def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, targ
                    on_result: Callable[[CompletionRecord | FailedPrompt], None] | None = None) -> ShardOutcome:
     prompts = read_prompt_lines(store.get_bytes(prompt_key))
     failures_key = output_key + FAILURES_SUFFIX
-    if store.exists(output_key) and not store.exists(failures_key):
+    config = {"model": target.model, "server": target.server, "sampling": target.sampling.model_dump(mode="json"),
+              "prompts": len(prompts)}
+    prompt_ref = input_ref(store, prompt_key)
+    same_work = _made_from(store, output_key, prompt_ref.sha256, config)
+    if same_work and not store.exists(failures_key):
         return ShardOutcome(output_key, len(prompts), len(prompts), 0, 0, 0, skipped=True)
 
     wanted = {prompt.id for prompt in prompts}
-    done = _answered(store, output_key, wanted)
+    # Answers of an earlier run count only when they came from the same prompts, model and sampling.
+    done = _answered(store, output_key, wanted) if same_work else {}
     local_partial = Path(scratch_dir) / (output_key.replace("/", "__") + PARTIAL_SUFFIX)
     local_partial.parent.mkdir(parents=True, exist_ok=True)
     for source in (_read_local(local_partial), _read_remote(store, output_key + PARTIAL_SUFFIX)):
@@ -93,19 +98,28 @@ def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, targ
     if remaining:
         asyncio.run(run())
     body = b"".join(done[prompt.id] for prompt in prompts if prompt.id in done)
-    config = {"model": target.model, "server": target.server, "sampling": target.sampling.model_dump(),
-              "prompts": len(prompts), "failed": len(failures)}
-    write_artifact(store, output_key, body, kind=ArtifactKind.COMPLETIONS, inputs=[input_ref(store, prompt_key)],
-                   config=config, producer=producer)
+    write_artifact(store, output_key, body, kind=ArtifactKind.COMPLETIONS, inputs=[prompt_ref],
+                   config={**config, "failed": len(failures)}, producer=producer)
     if failures:
         lines = b"".join(f.model_dump_json().encode() + b"\n" for f in failures)
-        write_artifact(store, failures_key, lines, kind=ArtifactKind.REPORT,
-                       inputs=[input_ref(store, prompt_key)], config=config, producer=producer)
+        write_artifact(store, failures_key, lines, kind=ArtifactKind.REPORT, inputs=[prompt_ref],
+                       config=config, producer=producer)
     else:
         store.delete_many([k for k in (failures_key, failures_key + ".manifest.json") if store.exists(k)])
     store.delete_many([k for k in (output_key + PARTIAL_SUFFIX,) if store.exists(k)])
     local_partial.unlink(missing_ok=True)
     return ShardOutcome(output_key, len(prompts), len(prompts) - len(failures), len(failures), new, tokens)
+
+
+def _made_from(store: ObjectStore, output_key: str, prompt_sha256: str | None, config: dict) -> bool:
+    """True when `output_key` exists and its manifest says it came from these prompts with this config."""
+    try:
+        manifest = read_manifest(store, output_key)
+    except ObjectNotFound:
+        return False
+    recorded = {key: manifest.config.get(key) for key in config}
+    return (store.exists(output_key) and [ref.sha256 for ref in manifest.inputs] == [prompt_sha256]
+            and recorded == config)
 
 
 def _answered(store: ObjectStore, output_key: str, wanted: set[str]) -> dict[str, bytes]:

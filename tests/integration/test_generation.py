@@ -24,24 +24,19 @@ from dflash_core.serving.generation import (
 from dflash_core.serving.profiles import TransformersProfile
 from dflash_core.services.process import is_alive, stop
 from tests.conftest import free_port
-from tests.tiny_models import build_tiny_chat_model
 
 SAMPLING = SamplingParams(max_tokens=6, temperature=0.0, enable_thinking=False)
 CLIENT = ClientConfig(concurrency=4, max_attempts=5, backoff_s=0.2, request_timeout_s=60, endpoint_cooldown_s=30)
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="session")
 def servers(tiny_model_dir, tmp_path_factory):
-    """Two data-parallel `transformers serve` instances for the session."""
+    """Three data-parallel `transformers serve` instances for the session, started together; the third
+    is the one a test kills."""
     profile = TransformersProfile(model=str(tiny_model_dir))
     run_dir = tmp_path_factory.mktemp("servers")
-    base = _free_consecutive(2)
-    instances = launcher.launch(profile, num_instances=2, base_port=base, run_dir=run_dir)
+    base = _free_consecutive(3)
+    instances = launcher.launch(profile, num_instances=3, base_port=base, run_dir=run_dir)
     launcher.wait_until_ready(instances, profile)
     yield profile, instances
     launcher.stop_instances(instances)
@@ -77,13 +72,12 @@ def test_servers_bind_loopback_and_answer(servers) -> None:
     profile, instances = servers
     assert all(instance.url.startswith("http://127.0.0.1:") for instance in instances)
     assert all(launcher.is_ready(instance.url, profile) for instance in instances)
-    assert {i.index for i in launcher.load_instances(Path(instances[0].log_path).parent)} == {0, 1}
+    assert {i.index for i in launcher.load_instances(Path(instances[0].log_path).parent)} == {0, 1, 2}
 
 
 def test_generation_survives_a_killed_instance(servers, tiny_model_dir, store, prefix, tmp_path) -> None:
     profile, instances = servers
-    doomed = launcher.launch(profile, num_instances=1, base_port=_free_consecutive(1), run_dir=tmp_path / "doomed")
-    launcher.wait_until_ready(doomed, profile)
+    doomed = instances[2:]
     prompt_key = _prompt_shard(store, prefix, 24)
     output_key = f"{prefix}/completions/shard-00000.jsonl"
     seen = []
@@ -110,7 +104,7 @@ def test_resume_skips_what_was_answered(servers, store, prefix, tmp_path) -> Non
     profile, instances = servers
     prompt_key = _prompt_shard(store, prefix, 12)
     output_key = f"{prefix}/completions/shard-00000.jsonl"
-    urls = [i.url for i in instances]
+    urls = [i.url for i in instances[:2]]
 
     class Interrupted(Exception):
         pass
@@ -134,6 +128,13 @@ def test_resume_skips_what_was_answered(servers, store, prefix, tmp_path) -> Non
     again = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=_target(profile, urls),
                            scratch_dir=tmp_path / "node-b")
     assert again.skipped and again.generated_now == 0
+    # Other sampling params are other work: nothing of the earlier answers is reused.
+    hotter = _target(profile, urls)
+    hotter.sampling = SAMPLING.model_copy(update={"temperature": 0.7, "seed": 1})
+    redone = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=hotter,
+                            scratch_dir=tmp_path / "node-b")
+    assert not redone.skipped and redone.generated_now == 12
+    assert read_manifest(store, output_key).config["sampling"]["temperature"] == 0.7
 
 
 def test_failed_prompts_are_recorded_then_retried(servers, store, prefix, tmp_path) -> None:
@@ -150,6 +151,6 @@ def test_failed_prompts_are_recorded_then_retried(servers, store, prefix, tmp_pa
     assert {f.id for f in failures_of(store, output_key)} == {f"p{i:03d}" for i in range(6)}
     assert all("ConnectError" in f.error for f in failures_of(store, output_key))
     fixed = generate_shard(store, prompt_key=prompt_key, output_key=output_key,
-                           target=_target(profile, [i.url for i in instances]), scratch_dir=tmp_path)
+                           target=_target(profile, [i.url for i in instances[:2]]), scratch_dir=tmp_path)
     assert fixed.failed == 0 and fixed.generated_now == 6 and failures_of(store, output_key) == []
     assert len(_records(store, output_key)) == 6

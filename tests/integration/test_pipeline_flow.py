@@ -13,19 +13,6 @@ from dflash_core.lineage import read_manifest
 from dflash_core.storage import ObjectStore
 
 
-@pytest.fixture
-def env_settings(settings, monkeypatch):
-    """The flow resolves Settings from the environment, as a deployed flow would."""
-    for name, value in {
-        "DFLASH_S3_ENDPOINT_URL": settings.s3_endpoint_url, "DFLASH_S3_BUCKET": settings.s3_bucket,
-        "DFLASH_S3_ACCESS_KEY_ID": settings.s3_access_key_id.get_secret_value(),
-        "DFLASH_S3_SECRET_ACCESS_KEY": settings.s3_secret_access_key.get_secret_value(),
-        "DFLASH_WORK_DIR": str(settings.work_dir),
-    }.items():
-        monkeypatch.setenv(name, value)
-    return settings
-
-
 def test_pipeline_flow_writes_verified_report_and_artifacts(prefect_server, store: ObjectStore, env_settings):
     from prefect.client.orchestration import get_client
 

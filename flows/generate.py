@@ -1,0 +1,125 @@
+"""Generate on-policy completions: (import prompts) -> launch servers -> canary -> one task per
+prompt shard -> stop servers (also when the flow fails or is cancelled).
+
+Run: `dflash run generate --params '{"prompt_sources": [{"path": "prompts.jsonl", "name": "mine"}]}'`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field
+
+from dflash_core.data.prompts import PromptSource
+from dflash_core.layout import ArtifactKind, artifact_key, shard_name
+from dflash_core.serving import launcher
+from dflash_core.serving.canary import CanaryThresholds
+from dflash_core.serving.client import ClientConfig, SamplingParams
+from dflash_core.serving.generation import GenerationTarget
+from dflash_core.serving.profiles import EngineProfile, TransformersProfile
+from dflash_core.settings import load_settings
+from dflash_core.storage import ObjectStore
+from tasks.generate import (
+    generate_completion_shard, import_prompt_set, launch_servers, new_progress, run_canary, stop_servers,
+)
+
+
+class PromptSourceParam(BaseModel):
+    path: str = Field(description="Local .json / .jsonl / .parquet file (ShareGPT or OpenAI messages).")
+    name: str = Field(description="Source name recorded on every prompt.")
+    weight: float = Field(1.0, gt=0, description="Share of the mix, relative to the other sources.")
+
+
+class GenerateParams(BaseModel):
+    dataset: str = Field("demo", description="Dataset name in S3 keys.")
+    prompts_version: str = Field("v1", description="Prompt set version (prompts/<dataset>/<version>/).")
+    run: str = Field("run-1", description="Generation run name (completions/<dataset>/<run>/).")
+    prompt_sources: list[PromptSourceParam] = Field(
+        default_factory=list, description="Import these first; empty: use the existing prompt shards.")
+    total_prompts: int | None = Field(None, gt=0, description="Mix this many prompts (None: all).")
+    shard_size: int = Field(512, gt=0, description="Prompts per shard.")
+    seed: int = 0
+    engine: EngineProfile | None = Field(None, description="Server profile; None: transformers serve on the embedded model.")
+    num_instances: int = Field(1, gt=0, description="Data-parallel server instances (one per GPU).")
+    base_port: int = Field(8100, gt=1023, lt=65000)
+    devices: list[str] | None = Field(None, description="CUDA device per instance, e.g. ['0','1'].")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    client: ClientConfig = Field(default_factory=ClientConfig)
+    canary_prompts: int = Field(8, ge=0, description="0 skips the canary.")
+    canary: CanaryThresholds = Field(default_factory=CanaryThresholds)
+
+
+def _run_dir(settings, run: str) -> Path:
+    return settings.work_path("servers", run)
+
+
+def _stop_on_exit(flow_obj, flow_run_obj, state) -> None:
+    params = GenerateParams.model_validate(flow_run_obj.parameters.get("params", {}))
+    launcher.stop_recorded(_run_dir(load_settings(), params.run))
+
+
+@flow(name="dflash-generate", log_prints=True, on_failure=[_stop_on_exit], on_cancellation=[_stop_on_exit],
+      on_crashed=[_stop_on_exit])
+def generate(params: GenerateParams = GenerateParams()) -> dict:
+    settings = load_settings()
+    store = ObjectStore.from_settings(settings)
+    store.check()
+    if params.prompt_sources:
+        sources = [PromptSource(Path(s.path), s.name, s.weight) for s in params.prompt_sources]
+        prompt_keys = import_prompt_set(settings, sources=sources, dataset=params.dataset,
+                                        version=params.prompts_version, total=params.total_prompts,
+                                        shard_size=params.shard_size, seed=params.seed)
+    else:
+        prefix = artifact_key(settings.s3_prefixes, ArtifactKind.PROMPTS, params.dataset, params.prompts_version) + "/"
+        prompt_keys = sorted(i.key for i in store.list(prefix) if i.key.rsplit("/", 1)[-1].startswith("prompts-")
+                             and i.key.endswith(".jsonl"))
+        if not prompt_keys:
+            raise ValueError(f"no prompt shards under {store.uri(prefix)}: pass prompt_sources to import some")
+
+    profile = params.engine or TransformersProfile(model=str(_embedded_model(settings)))
+    run_dir = _run_dir(settings, params.run)
+    urls = launch_servers(profile, num_instances=params.num_instances, base_port=params.base_port,
+                          run_dir=run_dir, devices=params.devices)
+    try:
+        target = GenerationTarget(urls=urls, model=profile.request_model, server=profile.engine,
+                                  sampling=params.sampling, client=params.client,
+                                  api_key=profile.api_key.get_secret_value() if profile.api_key else None)
+        if params.canary_prompts:
+            run_canary(settings, prompt_key=prompt_keys[0], target=target, count=params.canary_prompts,
+                       thresholds=params.canary)
+        outcomes = []
+        for index, prompt_key in enumerate(prompt_keys):
+            output_key = artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, params.dataset, params.run,
+                                      shard_name(index, suffix="jsonl"))
+            progress = new_progress(f"shard {index + 1}/{len(prompt_keys)}: {output_key}")
+            outcomes.append(generate_completion_shard(settings, prompt_key=prompt_key, output_key=output_key,
+                                                      target=target, progress_id=progress))
+    finally:
+        stop_servers(run_dir)
+    summary = {"shards": [o.output_key for o in outcomes], "completed": sum(o.completed for o in outcomes),
+               "failed": sum(o.failed for o in outcomes), "generated_now": sum(o.generated_now for o in outcomes),
+               "completion_tokens_now": sum(o.completion_tokens_now for o in outcomes),
+               "flow_run": str(flow_run.id or "")}
+    get_run_logger().info("generation summary: %s", summary)
+    return summary
+
+
+def _embedded_model(settings) -> Path:
+    from dflash_core.embedded import embedded_model_dir
+
+    return embedded_model_dir(settings.work_path("models"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run the dflash generate flow.")
+    parser.add_argument("--params", default="{}", help="GenerateParams as JSON")
+    args = parser.parse_args()
+    print(json.dumps(generate(GenerateParams.model_validate_json(args.params)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Prefect tasks of the generate flow: import prompts, launch servers, canary, one task per shard, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+
+from dflash_core.data.prompts import PromptSource, import_prompts, read_prompt_lines, shard_prompts
+from dflash_core.layout import ArtifactKind, QUARANTINE_SUFFIX, artifact_key, shard_name
+from dflash_core.lineage import write_artifact
+from dflash_core.serving import launcher
+from dflash_core.serving.canary import CanaryReport, CanaryThresholds, check_canary
+from dflash_core.serving.client import FailedPrompt, complete_all
+from dflash_core.serving.generation import GenerationTarget, ShardOutcome, generate_shard
+from dflash_core.serving.profiles import _EngineProfile
+from dflash_core.settings import Settings
+from dflash_core.storage import ObjectStore
+from tasks.provenance import run_producer
+
+
+class CanaryFailed(RuntimeError):
+    """The first completions look wrong; the full run would waste GPU hours."""
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15])
+def import_prompt_set(settings: Settings, *, sources: list[PromptSource], dataset: str, version: str,
+                      total: int | None, shard_size: int, seed: int) -> list[str]:
+    """Stream, normalize, dedupe and mix prompt sources into JSONL shards with manifests; keys of the shards."""
+    store = ObjectStore.from_settings(settings)
+    records, report = import_prompts(sources, total=total, seed=seed)
+    if not records:
+        raise ValueError(f"no usable prompt in {[str(s.path) for s in sources]}: rejected {dict(report.rejected)}")
+    producer = run_producer()
+    config = {"sources": [{"path": str(s.path), "name": s.name, "weight": s.weight} for s in sources],
+              "total": total, "seed": seed, "shard_size": shard_size}
+    keys = []
+    for index, shard in enumerate(shard_prompts(records, shard_size=shard_size)):
+        key = artifact_key(settings.s3_prefixes, ArtifactKind.PROMPTS, dataset, version,
+                           shard_name(index, stem="prompts", suffix="jsonl"))
+        write_artifact(store, key, b"".join(r.to_json_line() for r in shard), kind=ArtifactKind.PROMPTS,
+                       config=config, producer=producer)
+        keys.append(key)
+    base = artifact_key(settings.s3_prefixes, ArtifactKind.PROMPTS, dataset, version, "import-report.json")
+    write_artifact(store, base, json.dumps(report.to_dict(), indent=2).encode(), kind=ArtifactKind.REPORT,
+                   config=config, producer=producer)
+    if report.quarantine:
+        lines = b"".join(json.dumps(q, ensure_ascii=False, default=str).encode() + b"\n" for q in report.quarantine)
+        write_artifact(store, base + QUARANTINE_SUFFIX, lines, kind=ArtifactKind.REPORT, config=config,
+                       producer=producer)
+    get_run_logger().info("imported %d prompts into %d shards; rejected %s", report.accepted, len(keys),
+                          dict(report.rejected))
+    return keys
+
+
+@task
+def launch_servers(profile: _EngineProfile, *, num_instances: int, base_port: int, run_dir: Path,
+                   devices: list[str] | None) -> list[str]:
+    """Start the inference servers detached, wait until every one answers; their URLs."""
+    instances = launcher.launch(profile, num_instances=num_instances, base_port=base_port, run_dir=run_dir,
+                                devices=devices)
+    seconds = launcher.wait_until_ready(instances, profile)
+    rows = "\n".join(f"| {i.index} | {i.url} | {i.device or '-'} | {i.record.pid} | {s:.0f} s | `{i.log_path}` |"
+                     for i, s in zip(instances, seconds))
+    create_markdown_artifact(
+        f"### Inference servers ({profile.engine})\nmodel `{profile.request_model}`\n\n"
+        f"| # | url | device | pid | ready after | log |\n|---|---|---|---|---|---|\n{rows}\n",
+        key="inference-endpoints", description="Endpoints the generate flow uses")
+    return [i.url for i in instances]
+
+
+@task
+def stop_servers(run_dir: Path) -> int:
+    """Stop every server the launch recorded in `run_dir`."""
+    return launcher.stop_recorded(run_dir)
+
+
+@task
+def run_canary(settings: Settings, *, prompt_key: str, target: GenerationTarget, count: int,
+               thresholds: CanaryThresholds) -> CanaryReport:
+    """Generate the first `count` prompts and refuse the run when the answers look wrong."""
+    store = ObjectStore.from_settings(settings)
+    prompts = read_prompt_lines(store.get_bytes(prompt_key))[:count]
+
+    async def collect():
+        return [r async for r in complete_all(prompts, urls=target.urls, model=target.model, server=target.server,
+                                              sampling=target.sampling, config=target.client,
+                                              api_key=target.api_key)]
+
+    results = asyncio.run(collect())
+    report = check_canary(results, expect_thinking=target.sampling.enable_thinking, thresholds=thresholds)
+    sample = next((r for r in results if not isinstance(r, FailedPrompt)), None)
+    create_markdown_artifact(
+        f"### Canary: {'passed' if report.passed else 'FAILED'}\n{report.model_dump_json(indent=2)}\n\n"
+        f"First answer:\n```\n{(sample.reasoning or '') + chr(10) + sample.content if sample else '-'}\n```",
+        key="generation-canary")
+    if not report.passed:
+        raise CanaryFailed("canary failed: " + "; ".join(report.problems))
+    return report
+
+
+@task(retries=2, retry_delay_seconds=[5, 30])
+def generate_completion_shard(settings: Settings, *, prompt_key: str, output_key: str,
+                              target: GenerationTarget, progress_id=None) -> ShardOutcome:
+    """Answer every prompt of one shard (resuming any partial work) and write the shard with its manifest."""
+    store = ObjectStore.from_settings(settings)
+    counts = {"done": 0}
+    total = len(read_prompt_lines(store.get_bytes(prompt_key)))
+
+    def on_result(_result) -> None:
+        counts["done"] += 1
+        if progress_id is not None and counts["done"] % 8 == 0:
+            update_progress_artifact(progress_id, progress=100.0 * counts["done"] / max(1, total))
+
+    outcome = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=target,
+                             scratch_dir=settings.work_path("generate"), producer=run_producer(),
+                             on_result=on_result)
+    if progress_id is not None:
+        update_progress_artifact(progress_id, progress=100.0)
+    return outcome
+
+
+def new_progress(description: str):
+    return create_progress_artifact(progress=0.0, description=description)
