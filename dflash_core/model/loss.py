@@ -36,13 +36,15 @@ def teacher_token_ids(
     """Target argmax at the flat positions `index_flat` (row * T + pos) only, in chunks.
 
     `final_hidden_BTH` must be the last decoder layer's output BEFORE the final norm; the target's
-    own norm and LM head are applied here.
+    own norm and LM head are applied here, in the target's own dtype: a drafter's autocast must not
+    change the teacher (bf16 rounding flips near-tied argmaxes).
     """
     flat = final_hidden_BTH.reshape(-1, final_hidden_BTH.shape[-1])
     out = torch.empty(index_flat.shape[0], dtype=torch.long, device=flat.device)
-    for start in range(0, index_flat.shape[0], chunk_size):
-        rows = flat.index_select(0, index_flat[start : start + chunk_size])
-        out[start : start + chunk_size] = lm_head(final_norm(rows)).argmax(dim=-1)
+    with torch.autocast(flat.device.type, enabled=False):
+        for start in range(0, index_flat.shape[0], chunk_size):
+            rows = flat.index_select(0, index_flat[start : start + chunk_size])
+            out[start : start + chunk_size] = lm_head(final_norm(rows)).argmax(dim=-1)
     return out
 
 
@@ -125,7 +127,7 @@ def chunked_lm_head_cross_entropy(
     )
 
 
-def default_chunk_size(*, vocab_size: int, budget_bytes: int = 2 << 30) -> int:
+def default_chunk_size(*, vocab_size: int, budget_bytes: int = 4 << 30) -> int:
     """Rows per chunk so one chunk's fp32 logits (plus their softmax) stay near `budget_bytes`."""
     rows = budget_bytes // (2 * 4 * vocab_size)
     return max(256, 1 << int(math.log2(max(rows, 1))))
