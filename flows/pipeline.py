@@ -1,6 +1,6 @@
-"""The main job on the embedded default. Today: store check -> capacity plan -> a report written
-to S3 with its manifest and verified. Later stages (generate, tokenize, train, evaluate, export)
-join here as their flows land.
+"""The main job on the embedded default. Today: store check -> capacity plan (a report written to
+S3 with its manifest and verified) -> on-policy generation by the embedded SmolLM2 served with
+`transformers serve`. Later stages (tokenize, train, evaluate, export) join here as they land.
 
 Run: `dflash demo` (starts the local services first) or `python -m flows.pipeline --params '{}'`.
 """
@@ -13,14 +13,28 @@ from typing import Literal
 
 from prefect import flow
 from prefect.runtime import flow_run
+from pathlib import Path
+
 from pydantic import BaseModel, Field
 
 from dflash_core.planner import PRESETS, PlanInputs
 from dflash_core.settings import load_settings
+from flows.generate import GenerateParams, PromptSourceParam, generate
 from tasks.plan import plan_capacity
 from tasks.store import check_store, publish_report
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "infra" / "demo" / "prompts.jsonl"
+
+
+def demo_generation() -> GenerateParams:
+    """Generation on the embedded default: the bundled demo prompts, one CPU server, short answers."""
+    return GenerateParams(
+        dataset="demo", prompts_version="v1", run="smollm2",
+        prompt_sources=[PromptSourceParam(path=str(DEMO_PROMPTS), name="demo")], shard_size=6,
+        sampling={"max_tokens": 48, "temperature": 0.0, "enable_thinking": False},  # SmolLM2 has no thinking mode
+        client={"concurrency": 6}, canary_prompts=2, canary={"max_length_fraction": 1.0},
+    )
 
 
 class PipelineParams(BaseModel):
@@ -30,6 +44,8 @@ class PipelineParams(BaseModel):
     gpu_memory_gib: float = Field(139.0, gt=0, description="Usable memory of one training GPU.")
     num_gpus: int = Field(1, gt=0, description="Training GPUs.")
     generation_tokens_per_s: float = Field(20.0, gt=0, description="Per-instance generation speed.")
+    generation: GenerateParams | None = Field(default_factory=demo_generation,
+                                              description="Generation stage; None skips it.")
 
     def plan_inputs(self) -> PlanInputs:
         return PlanInputs(target=PRESETS[self.target_preset], samples=self.samples, mean_tokens=self.mean_tokens,
@@ -45,8 +61,11 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     manifest = publish_report(settings, name="plan", run_id=str(flow_run.id or "local"),
                               report=capacity.model_dump(mode="json"), config=params.model_dump())
     print(f"bucket {bucket_uri} ok; plan report at {manifest.uri} (sha256 {manifest.sha256[:12]})")
-    return {"report": manifest.uri, "sha256": manifest.sha256,
-            "fits": [v.layout for v in capacity.layouts if v.fits]}
+    result = {"report": manifest.uri, "sha256": manifest.sha256,
+              "fits": [v.layout for v in capacity.layouts if v.fits]}
+    if params.generation is not None:
+        result["generation"] = generate(params.generation)
+    return result
 
 
 def main() -> None:
