@@ -1,0 +1,1 @@
+"""Online training: data packing, run schema, checkpoints, metrics and the training loop."""

@@ -1,0 +1,190 @@
+"""Tokenized Arrow shards -> packed batches under a token budget, deterministically shuffled per
+epoch and seed, split across data-parallel ranks, with a sampler whose state restores mid-epoch.
+
+A packed batch is one row of `token_budget` tokens holding whole samples back to back; position
+ids restart at 0 for each sample (the drafter derives document boundaries from them), padding
+sits at the end with loss mask 0 and document id -1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+REQUIRED_COLUMNS = {"input_ids": pa.list_(pa.uint32()), "loss_mask": pa.list_(pa.uint8()), "num_tokens": pa.int32()}
+
+
+class BadShard(ValueError):
+    """A tokenized shard that does not have the expected schema or contents."""
+
+
+@dataclass(frozen=True)
+class TokenizedCorpus:
+    """Every sample of a list of shards as flat token / loss-mask arrays plus offsets."""
+
+    tokens: np.ndarray     # uint32 [total_tokens]
+    loss_mask: np.ndarray  # uint8  [total_tokens]
+    offsets: np.ndarray    # int64  [num_samples + 1]
+    names: tuple[str, ...]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        start, end = self.offsets[index], self.offsets[index + 1]
+        return self.tokens[start:end], self.loss_mask[start:end]
+
+
+def read_shard_table(path: Path) -> pa.Table:
+    """An Arrow IPC shard from local disk (memory-mapped), its schema checked; errors name the shard."""
+    try:
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_file(source).read_all()
+    except (pa.ArrowInvalid, OSError) as error:
+        raise BadShard(f"{path}: not an Arrow IPC tokenized shard ({error})") from error
+    validate_shard_table(table, name=str(path))
+    return table
+
+
+def validate_shard_table(table: pa.Table, *, name: str) -> None:
+    for column, dtype in REQUIRED_COLUMNS.items():
+        if column not in table.column_names:
+            raise BadShard(f"{name}: column {column!r} is missing (has {table.column_names}); "
+                           "re-tokenize it with `dflash` tokenization")
+        if not table.schema.field(column).type.equals(dtype):
+            raise BadShard(f"{name}: column {column!r} is {table.schema.field(column).type}, expected {dtype}")
+    ids_lengths = pc.list_value_length(table["input_ids"])
+    mask_lengths = pc.list_value_length(table["loss_mask"])
+    if not ids_lengths.equals(mask_lengths) or not ids_lengths.cast(pa.int32()).equals(table["num_tokens"]):
+        raise BadShard(f"{name}: input_ids, loss_mask and num_tokens disagree in length for some rows")
+
+
+def load_corpus(tables: Sequence[tuple[str, pa.Table]]) -> TokenizedCorpus:
+    token_parts, mask_parts, lengths = [], [], []
+    for name, table in tables:
+        validate_shard_table(table, name=name)
+        ids = table["input_ids"].combine_chunks()
+        mask = table["loss_mask"].combine_chunks()
+        token_parts.append(ids.values.to_numpy(zero_copy_only=False))
+        mask_parts.append(mask.values.to_numpy(zero_copy_only=False))
+        lengths.append(table["num_tokens"].to_numpy())
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+    offsets = np.zeros(len(all_lengths) + 1, dtype=np.int64)
+    np.cumsum(all_lengths, out=offsets[1:])
+    return TokenizedCorpus(
+        tokens=np.concatenate(token_parts) if token_parts else np.zeros(0, np.uint32),
+        loss_mask=np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
+        offsets=offsets, names=tuple(name for name, _ in tables),
+    )
+
+
+def pack(order: np.ndarray, lengths: np.ndarray, *, token_budget: int) -> list[list[int]]:
+    """Greedy packing in `order`: a batch closes when the next sample would overflow the budget.
+    Samples longer than the budget get a batch of their own (the collator crops them)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index in order.tolist():
+        length = int(min(lengths[index], token_budget))
+        if current and used + length > token_budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        batches.append(current)
+    return batches
+
+
+class PackedBatchSampler:
+    """Epochs of packed batches; rank r takes batches r, r+W, r+2W, ... of the epoch's global list,
+    truncated so every rank gets the same count (DDP steps in lockstep)."""
+
+    def __init__(self, lengths: np.ndarray, *, token_budget: int, seed: int, rank: int = 0, world_size: int = 1,
+                 drop_samples_without_loss: np.ndarray | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.lengths = lengths
+        self.token_budget = token_budget
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.usable = np.arange(len(lengths)) if drop_samples_without_loss is None else \
+            np.flatnonzero(~drop_samples_without_loss)
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        if self._cache is None or self._cache[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.usable)
+            batches = pack(order, self.lengths, token_budget=self.token_budget)
+            per_rank = len(batches) // self.world_size
+            self._cache = (epoch, batches[self.rank: per_rank * self.world_size: self.world_size])
+        return self._cache[1]
+
+    def __len__(self) -> int:
+        return len(self.epoch_batches(self.epoch))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            batches = self.epoch_batches(self.epoch)
+            if not batches:
+                raise ValueError(f"no batch for rank {self.rank}: the dataset is smaller than {self.world_size} "
+                                 f"batches of {self.token_budget} tokens")
+            while self.batch_in_epoch < len(batches):
+                batch = batches[self.batch_in_epoch]
+                self.batch_in_epoch += 1
+                yield batch
+            self.epoch += 1
+            self.batch_in_epoch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Position of the NEXT batch to yield."""
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
+                "rank": self.rank, "world_size": self.world_size, "token_budget": self.token_budget}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("seed", "world_size", "token_budget"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"sampler state was saved with {key}={state[key]}, this run has "
+                                 f"{getattr(self, key)}: resume with the same {key}")
+        self.epoch = state["epoch"]
+        self.batch_in_epoch = state["batch_in_epoch"]
+
+
+@dataclass
+class PackedBatch:
+    input_ids: np.ndarray     # int64 [T]
+    position_ids: np.ndarray  # int64 [T], restarting at 0 per sample
+    document_ids: np.ndarray  # int64 [T], -1 on padding
+    loss_mask: np.ndarray     # bool  [T]
+    num_real_tokens: int
+
+
+def collate(corpus: TokenizedCorpus, indices: Sequence[int], *, token_budget: int, pad_id: int = 0) -> PackedBatch:
+    input_ids = np.full(token_budget, pad_id, dtype=np.int64)
+    position_ids = np.zeros(token_budget, dtype=np.int64)
+    document_ids = np.full(token_budget, -1, dtype=np.int64)
+    loss_mask = np.zeros(token_budget, dtype=bool)
+    cursor = 0
+    for doc, index in enumerate(indices):
+        tokens, mask = corpus.sample(index)
+        length = min(len(tokens), token_budget - cursor)
+        span = slice(cursor, cursor + length)
+        input_ids[span] = tokens[:length]
+        loss_mask[span] = mask[:length].astype(bool)
+        position_ids[span] = np.arange(length)
+        document_ids[span] = doc
+        cursor += length
+    return PackedBatch(input_ids, position_ids, document_ids, loss_mask, cursor)

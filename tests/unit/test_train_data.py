@@ -1,0 +1,127 @@
+"""Packing, the resumable sampler, rank splits, shard validation and checkpoints.
+
+Run: `.venv/bin/python -m pytest tests/unit/test_train_data.py -q`
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from itertools import islice
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_core.train.checkpoint import (
+    capture_rng_state, complete_checkpoints, latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint,
+)
+from dflash_core.train.data import (
+    BadShard, PackedBatchSampler, collate, load_corpus, pack, read_shard_table,
+)
+
+
+def _table(lengths, *, start_token=1) -> pa.Table:
+    ids = [list(range(start_token, start_token + n)) for n in lengths]
+    masks = [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths]
+    return pa.table({
+        "id": [f"s{i}" for i in range(len(lengths))],
+        "input_ids": pa.array(ids, type=pa.list_(pa.uint32())),
+        "loss_mask": pa.array(masks, type=pa.list_(pa.uint8())),
+        "num_tokens": pa.array(lengths, type=pa.int32()),
+    })
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=60), st.integers(64, 512), st.integers(0, 3))
+@settings(max_examples=60, deadline=None)
+def test_pack_covers_every_sample_once_within_budget(lengths, budget, seed) -> None:
+    lengths = np.array(lengths)
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    batches = pack(order, lengths, token_budget=budget)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        assert sum(min(lengths[i], budget) for i in batch) <= budget
+
+
+def test_collate_resets_positions_per_document() -> None:
+    corpus = load_corpus([("a", _table([3, 4]))])
+    batch = collate(corpus, [0, 1], token_budget=10)
+    assert batch.input_ids.tolist() == [1, 2, 3, 1, 2, 3, 4, 0, 0, 0]
+    assert batch.position_ids.tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 0, 0]
+    assert batch.document_ids.tolist() == [0, 0, 0, 1, 1, 1, 1, -1, -1, -1]
+    assert batch.loss_mask.tolist() == [False, True, True, False, False, True, True, False, False, False]
+    assert batch.num_real_tokens == 7
+
+
+def test_sampler_state_round_trip_is_exact_mid_epoch() -> None:
+    lengths = np.random.default_rng(0).integers(20, 200, size=300)
+    sampler = PackedBatchSampler(lengths, token_budget=512, seed=7)
+    list(islice(iter(sampler), len(sampler) + 5))  # crosses into epoch 1
+    state = sampler.state_dict()
+    assert state["epoch"] == 1 and state["batch_in_epoch"] == 5
+    expected_next = list(islice(iter(sampler), 10))
+    resumed = PackedBatchSampler(lengths, token_budget=512, seed=7)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert list(islice(iter(resumed), 10)) == expected_next
+    epoch0 = [i for batch in sampler.epoch_batches(0) for i in batch]
+    assert sorted(epoch0) == list(range(300)), "one world: every sample once per epoch"
+
+
+def test_sampler_differs_by_seed_and_epoch() -> None:
+    lengths = np.full(100, 50)
+    a = PackedBatchSampler(lengths, token_budget=200, seed=1)
+    b = PackedBatchSampler(lengths, token_budget=200, seed=2)
+    assert a.epoch_batches(0) != b.epoch_batches(0)
+    assert a.epoch_batches(0) != a.epoch_batches(1)
+    with pytest.raises(ValueError, match="seed"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_ranks_get_disjoint_equal_shares() -> None:
+    lengths = np.random.default_rng(1).integers(10, 100, size=500)
+    shares = [PackedBatchSampler(lengths, token_budget=256, seed=3, rank=r, world_size=3).epoch_batches(0)
+              for r in range(3)]
+    assert len({len(s) for s in shares}) == 1
+    seen = [i for share in shares for batch in share for i in batch]
+    assert len(seen) == len(set(seen))
+
+
+def test_bad_shard_names_the_shard(tmp_path) -> None:
+    path = tmp_path / "shard-00003.arrow"
+    wrong = pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int64())),
+                      "loss_mask": pa.array([[1, 1]], type=pa.list_(pa.uint8())),
+                      "num_tokens": pa.array([2], type=pa.int32())})
+    with pa.ipc.new_file(str(path), wrong.schema) as writer:
+        writer.write_table(wrong)
+    with pytest.raises(BadShard, match=r"shard-00003.arrow: column 'input_ids' is list<item: int64>"):
+        read_shard_table(path)
+    (tmp_path / "junk.arrow").write_bytes(b"not arrow")
+    with pytest.raises(BadShard, match="junk.arrow"):
+        read_shard_table(tmp_path / "junk.arrow")
+    mismatched = _table([3]).set_column(3, "num_tokens", pa.array([4], type=pa.int32()))
+    with pytest.raises(BadShard, match="disagree"):
+        load_corpus([("m.arrow", mismatched)])
+
+
+def test_checkpoints_are_atomic_pruned_and_resumable(tmp_path) -> None:
+    weights = {"fc.weight": torch.randn(4, 4)}
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, step=step, model_state=weights, train_state={"step": step}, meta={"run": "r"},
+                        keep_last=2)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000020", "step-000030"]
+    (tmp_path / "step-000040").mkdir()  # a crash before meta.json: incomplete, ignored
+    (tmp_path / "step-000040" / "model.safetensors").write_bytes(b"partial")
+    assert latest_checkpoint(tmp_path).name == "step-000030"
+    model_state, train_state, meta = load_checkpoint(latest_checkpoint(tmp_path))
+    assert torch.equal(model_state["fc.weight"], weights["fc.weight"])
+    assert train_state == {"step": 30} and meta["step"] == 30 and meta["run"] == "r"
+
+
+def test_rng_state_round_trip() -> None:
+    state = capture_rng_state()
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
