@@ -116,7 +116,10 @@ class DFlashDraftModel(nn.Module):
 
     def compile_layers(self, **compile_kwargs) -> None:
         """torch.compile each decoder layer (flex_attention then compiles inside the layer), the
-        context K/V projection and the per-chunk loss kernel. Training shapes are static."""
+        context K/V projection and the per-chunk loss kernel. Training shapes are static, so the
+        default is dynamic=False: automatic dynamic shapes (after a second shape) gave a 2x slower
+        flex_attention backward on an H200."""
+        compile_kwargs.setdefault("dynamic", False)
         for layer in self.layers:
             layer.compile(**compile_kwargs)
             layer.self_attn.key_value = torch.compile(layer.self_attn.key_value, **compile_kwargs)
