@@ -192,6 +192,28 @@ def lineage(
 
 
 @app.command()
+def deploy(
+    pool: Annotated[str, typer.Option(help="Process work pool to create (or reuse) for the deployments.")] = "dflash",
+) -> None:
+    """Create the work pool and register every deployment of infra/prefect.yaml with the Prefect server."""
+    from dflash_core.services.local import prefect_client_env
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, **prefect_client_env(load_settings()), "DFLASH_REPO_DIR": str(repo)}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    steps = [
+        [prefect, "work-pool", "create", pool, "--type", "process", "--overwrite"],
+        [prefect, "--no-prompt", "deploy", "--all", "--prefect-file", str(repo / "infra" / "prefect.yaml")],
+    ]
+    for argv in steps:
+        completed = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True)
+        if completed.returncode != 0:
+            raise _fail(f"`{' '.join(argv[1:])}` failed:\n{completed.stdout[-2000:]}{completed.stderr[-2000:]}")
+    console.print(f"deployed infra/prefect.yaml to {load_settings().prefect_api_url}; start a worker with "
+                  f"`{prefect} worker start --pool {pool}`")
+
+
+@app.command()
 def demo() -> None:
     """Run the main job on the embedded default: local services up, then the pipeline flow."""
     services_up()

@@ -92,7 +92,7 @@ def test_generation_survives_a_killed_instance(servers, tiny_model_dir, store, p
                              scratch_dir=tmp_path / "scratch", on_result=kill_after_four)
     assert not is_alive(doomed[0].record)
     records = _records(store, output_key)
-    assert Counter(r.id for r in records) == Counter(f"p{i:03d}" for i in range(24)), "exactly one per prompt"
+    assert Counter(r.id for r in records) == Counter(f"p{i:03d}" for i in range(24)), failures_of(store, output_key)
     assert outcome.completed == 24 and outcome.failed == 0
     assert all(r.generation.model == str(tiny_model_dir) and r.content for r in records)
     manifest = read_manifest(store, output_key)

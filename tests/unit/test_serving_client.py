@@ -36,7 +36,7 @@ def test_profiles_are_data_and_bind_loopback() -> None:
     assert vllm.instance_env("3")["CUDA_VISIBLE_DEVICES"] == "3"
     sglang = adapter.validate_python({"engine": "sglang", "model": "/m", "tensor_parallel_size": 2})
     assert sglang.argv(port=1)[1:3] == ["-m", "sglang.launch_server"] and "--tp" in sglang.argv(port=1)
-    cpu = adapter.validate_python({"engine": "transformers", "model": "/m"})
+    cpu = adapter.validate_python({"engine": "transformers", "model": "/m", "continuous_batching": True})
     assert cpu.argv(port=5)[1:3] == ["serve", "/m"] and "--continuous-batching" in cpu.argv(port=5)
     with pytest.raises(ValueError, match="API-key"):
         adapter.validate_python({"engine": "transformers", "model": "/m", "api_key": "x"}).argv(port=5)
