@@ -110,13 +110,14 @@ BAD_RECORD_REASONS = (
 def parse_completion_line(raw: bytes) -> CompletionRecord:
     """Parse and validate one JSONL line, raising `BadRecord` that says why it is unusable."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise BadRecord("invalid_utf8", f"byte {error.start} is not valid UTF-8") from None
-    try:
-        return _check_roles(CompletionRecord.model_validate_json(text))
+        record = CompletionRecord.model_validate_json(raw)  # rejects invalid UTF-8 itself
     except ValidationError as error:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as decode_error:
+            raise BadRecord("invalid_utf8", f"byte {decode_error.start} is not valid UTF-8") from None
         raise _classify(error, text) from None
+    return _check_roles(record)
 
 
 def _classify(error: ValidationError, text: str) -> BadRecord:

@@ -34,7 +34,7 @@ class TokenizeConfig(BaseModel):
     think_start: str = Field("<think>", description="Opening tag of the thinking block.")
     think_end: str = Field("</think>", description="Closing tag of the thinking block.")
     repetition_ngram: int = Field(6, ge=2, description="n of the n-grams the loop detector counts.")
-    repetition_window: int = Field(1024, ge=16, description="Loss tokens (from the end) the loop detector looks at.")
+    repetition_window: int = Field(512, ge=16, description="Loss tokens (from the end) the loop detector looks at.")
     repetition_min_distinct: float = Field(
         0.3, gt=0, le=1, description="A window with fewer distinct n-grams than this fraction is a loop."
     )

@@ -24,7 +24,8 @@ def distinct_ngram_fraction(ids: np.ndarray, *, n: int) -> float:
     for offset in range(n):
         # Polynomial hash, wrapping mod 2**64; collisions only make a loop look less repetitive.
         hashes = hashes * np.uint64(1_000_003) + values[offset:offset + count]
-    return len(np.unique(hashes)) / count
+    hashes.sort()
+    return (1 + int(np.count_nonzero(hashes[1:] != hashes[:-1]))) / count
 
 
 def is_repetition_loop(loss_ids: np.ndarray, *, n: int, window: int, min_distinct: float) -> bool:
@@ -35,6 +36,8 @@ def is_repetition_loop(loss_ids: np.ndarray, *, n: int, window: int, min_distinc
 
 def max_identical_tool_calls(record: CompletionRecord) -> int:
     """Most times one tool call (name + arguments) repeats, in parsed calls or raw `<tool_call>` text."""
+    if not record.tool_calls and "<tool_call>" not in record.content:
+        return 0
     calls: Counter[str] = Counter()
     for call in record.tool_calls:
         arguments = call.function.arguments

@@ -9,6 +9,7 @@ quarantine (with its reason), or the `blank_line` count.
 from __future__ import annotations
 
 import base64
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -61,6 +62,7 @@ class ChunkResult:
     batch: pa.RecordBatch | None = None
     quarantine: list[QuarantineLine] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)
+    cpu_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -69,6 +71,7 @@ class ShardResult:
     quarantine: list[QuarantineLine]
     skipped: Counter  # reason -> count, for every line not in the table
     num_lines: int
+    cpu_seconds: float = 0.0  # CPU time of the chunk work, summed over processes
 
 
 class ShardTokenizer:
@@ -82,10 +85,11 @@ class ShardTokenizer:
         self._boilerplate_tokens(None)  # fail fast on a template that is not prefix-stable
 
     def tokenize_lines(self, lines: list[bytes], *, first_line: int = 1) -> ChunkResult:
+        started = time.process_time()
         result = ChunkResult()
         records: list[tuple[int, bytes, CompletionRecord]] = []
         for number, raw in enumerate(lines, start=first_line):
-            if not raw.strip():
+            if not raw or raw.isspace():
                 result.skipped["blank_line"] += 1
                 continue
             try:
@@ -116,6 +120,7 @@ class ShardTokenizer:
                 continue
             rows.append((record, row))
         result.batch = self._batch(rows)
+        result.cpu_seconds = time.process_time() - started
         return result
 
     def _fit(self, encoded: EncodedSample) -> tuple[EncodedSample, bool] | str:
@@ -218,12 +223,19 @@ def merge_chunks(results: list[ChunkResult], *, num_lines: int) -> ShardResult:
         quarantine.extend(chunk.quarantine)
     table = pa.Table.from_batches([chunk.batch for chunk in results], schema=SCHEMA)
     assert table.num_rows + sum(skipped.values()) == num_lines, "a line was neither kept nor counted"
-    return ShardResult(table=table, quarantine=quarantine, skipped=skipped, num_lines=num_lines)
+    return ShardResult(table=table, quarantine=quarantine, skipped=skipped, num_lines=num_lines,
+                       cpu_seconds=sum(chunk.cpu_seconds for chunk in results))
 
 
 def tokenize_shard(data: bytes, *, target: TargetTokenizer, config: TokenizeConfig, pool=None,
-                   chunk_lines: int = 256) -> ShardResult:
-    """Tokenize a whole JSONL shard; with `pool` (a TokenizePool) the chunks run on its workers."""
+                   chunk_lines: int | None = None) -> ShardResult:
+    """Tokenize a whole JSONL shard; with `pool` (a TokenizePool) the chunks run on its workers.
+
+    By default chunks are up to 256 lines, and small enough to give each pool worker ~4 of them.
+    """
+    if chunk_lines is None:
+        workers = pool.workers if pool is not None else 1
+        chunk_lines = max(16, min(256, -(-data.count(b"\n") // (4 * workers))))
     chunks = split_lines(data, chunk_lines=chunk_lines)
     num_lines = sum(len(lines) for _, lines in chunks)
     if pool is not None:

@@ -31,10 +31,10 @@ class TargetTokenizer:
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
         self.template = _compile_jinja_template(chat_template)
-        self.added_tokens = sorted(
-            {token.content for token in self.tokenizer.get_added_tokens_decoder().values()},
-            key=len, reverse=True,
-        )
+        added = {token.content for token in self.tokenizer.get_added_tokens_decoder().values()}
+        # Control tokens the template writes itself; any added token is a hard split, so these suffice
+        # to find a split point near the end of a rendered prompt (all of them if the template has none).
+        self.added_tokens = sorted([t for t in added if t in chat_template] or added, key=len, reverse=True)
         self.content_hash = hashlib.sha256(
             json.dumps([tokenizer_json, chat_template, self.special_tokens]).encode()
         ).hexdigest()
