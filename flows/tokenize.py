@@ -1,0 +1,123 @@
+"""Tokenize a completion run: one cached, retryable task per shard on a thread-pool task runner
+(sharing one process pool for the CPU work), then per-shard / per-dataset stats, a histogram and
+the data-quality gate. Reruns (scheduled or from the UI) redo only shards whose input, tokenizer or
+config changed, or whose output is gone.
+
+Run: `python -m flows.tokenize --params '{"dataset": "demo", "run": "smollm2"}'`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import polars as pl
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import BaseModel, Field
+
+from dflash_core.embedded import embedded_tokenizer_dir
+from dflash_core.layout import QUARANTINE_SUFFIX, ArtifactKind, artifact_key, is_manifest_key
+from dflash_core.lineage import InputRef, write_artifact
+from dflash_core.settings import load_settings
+from dflash_core.storage import ObjectStore
+from dflash_core.tokenize import (
+    GateThresholds, TargetTokenizer, TokenizeConfig, TokenizePool, check_gate, enforce_gate, histogram_png,
+    stats_markdown, stats_rows, summarize,
+)
+from dflash_core.tokenize.stats import skip_reasons
+from tasks.provenance import run_producer
+from tasks.tokenize import summary_frames, tokenize_completion_shard
+
+
+class TokenizeParams(BaseModel):
+    dataset: str = Field("demo", description="Dataset name in S3 keys (completions/<dataset>/<run>/).")
+    run: str = Field("smollm2", description="Completion run to tokenize.")
+    output_run: str | None = Field(None, description="Tokenized run name (tokenized/<dataset>/<output_run>/); default: run.")
+    tokenizer_dir: str | None = Field(None, description="Local tokenizer/model dir of the target; None: the embedded SmolLM2.")
+    chat_template: str | None = Field(None, description="Replace the tokenizer's chat template (rarely needed).")
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    gate: GateThresholds = Field(default_factory=GateThresholds)
+    override_quality_gate: bool = Field(False, description="Proceed even when the quality gate fails (logged).")
+    workers: int | None = Field(None, ge=1, description="Tokenizer processes shared by all shards; None: every core.")
+
+
+def _input_keys(store: ObjectStore, prefix: str) -> list[str]:
+    return sorted(i.key for i in store.list(prefix) if i.key.endswith(".jsonl") and not is_manifest_key(i.key)
+                  and not i.key.endswith(QUARANTINE_SUFFIX) and i.key.rsplit("/", 1)[-1].startswith("shard-"))
+
+
+# Two shards in flight: one downloads/uploads while the other's chunks keep the process pool busy.
+@flow(name="dflash-tokenize", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=2))
+def tokenize(params: TokenizeParams = TokenizeParams()) -> dict:
+    logger = get_run_logger()
+    settings = load_settings()
+    store = ObjectStore.from_settings(settings)
+    store.check()
+    in_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, params.dataset, params.run) + "/"
+    out_run = params.output_run or params.run
+    input_keys = _input_keys(store, in_prefix)
+    if not input_keys:
+        raise ValueError(f"no completion shards under {store.uri(in_prefix)}: check dataset={params.dataset!r} "
+                         f"and run={params.run!r}, or run the generate flow first")
+    tokenizer_dir = Path(params.tokenizer_dir) if params.tokenizer_dir else embedded_tokenizer_dir(settings.work_path("models"))
+    target = TargetTokenizer.from_dir(tokenizer_dir, chat_template=params.chat_template)
+    outputs = {key: artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, params.dataset, out_run,
+                                 key.rsplit("/", 1)[-1].removesuffix(".jsonl") + ".arrow") for key in input_keys}
+    with TokenizePool(target=target, config=params.tokenize, workers=params.workers) as pool:
+        futures = []
+        for input_key, output_key in outputs.items():
+            # A missing output must be rebuilt, never replayed from the cache.
+            run_task = tokenize_completion_shard if store.exists(output_key) else \
+                tokenize_completion_shard.with_options(refresh_cache=True)
+            futures.append(run_task.submit(settings, input_key=input_key, output_key=output_key, target=target,
+                                           config=params.tokenize, pool=pool))
+        summaries = [future.result() for future in futures]
+
+    frames = [summary_frames(s) for s in summaries]
+    samples = pl.concat([f[0] for f in frames], how="vertical_relaxed")
+    skipped = pl.concat([f[1] for f in frames], how="vertical_relaxed")
+    by_shard, by_source, overall = (summarize(samples, skipped, by="shard", short_loss_tokens=params.gate.short_loss_tokens),
+                                    summarize(samples, skipped, by="source", short_loss_tokens=params.gate.short_loss_tokens),
+                                    summarize(samples, skipped, short_loss_tokens=params.gate.short_loss_tokens))
+    problems = check_gate(pl.concat([by_source.rename({"source": "dataset"}), overall]), params.gate)
+    report = {"inputs": input_keys, "outputs": list(outputs.values()), "by_shard": stats_rows(by_shard),
+              "by_source": stats_rows(by_source), "overall": stats_rows(overall), "skip_reasons": skip_reasons(skipped),
+              "gate": [p.message for p in problems], "override_quality_gate": params.override_quality_gate}
+    report_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "tokenize", params.dataset, out_run)
+    refs = [InputRef(uri=store.uri(s.output_key), sha256=s.output_sha256) for s in summaries]
+    producer = run_producer()
+    write_artifact(store, f"{report_prefix}/stats.json", json.dumps(report, indent=2, default=str).encode(),
+                   kind=ArtifactKind.REPORT, inputs=refs, config=params, producer=producer)
+    png_key = f"{report_prefix}/loss-histogram.png"
+    write_artifact(store, png_key, histogram_png(samples, title=f"{params.dataset}/{out_run}: loss tokens per sample"),
+                   kind=ArtifactKind.REPORT, inputs=refs, config=params, producer=producer)
+    create_table_artifact(stats_rows(pl.concat([by_source.rename({"source": "dataset"}), overall])),
+                          key="tokenize-stats", description=f"{params.dataset}/{out_run}: per dataset and overall")
+    create_markdown_artifact(
+        f"## Tokenized {params.dataset}/{out_run}\n\n### Per dataset\n{stats_markdown(by_source)}\n\n### Overall\n"
+        f"{stats_markdown(overall)}\n\n### Per shard\n{stats_markdown(by_shard)}\n\n### Skipped lines\n"
+        f"{json.dumps(skip_reasons(skipped))}\n\n### Quality gate\n"
+        + ("\n".join(f"- {p.message}" for p in problems) or "passed"),
+        key="tokenize-report")
+    create_image_artifact(image_url=store.presigned_url(png_key, expires_s=7 * 24 * 3600), key="tokenize-loss-histogram",
+                          description="loss tokens per sample, per source dataset")
+    for warning in enforce_gate(problems, override=params.override_quality_gate):
+        logger.warning(warning)
+    print(f"tokenized {len(outputs)} shards into {store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, params.dataset, out_run))}/")
+    return {"outputs": list(outputs.values()), "overall": stats_rows(overall)[0] if overall.height else {},
+            "gate": [p.message for p in problems], "report": store.uri(f"{report_prefix}/stats.json")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run the dflash tokenize flow.")
+    parser.add_argument("--params", default="{}", help="TokenizeParams as JSON")
+    args = parser.parse_args()
+    print(json.dumps(tokenize(TokenizeParams.model_validate_json(args.params)), indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
