@@ -137,23 +137,25 @@ def plan_blocks(
         loss_mask_BT=loss_mask_BT, document_ids_BT=document_ids_BT, block_size=block_size
     )
     anchors, anchor_valid = sample_anchors(eligible_BT=eligible, num_anchors=num_anchors, generator=generator)
-    plan = BlockPlan(
-        anchors=anchors,
-        anchor_valid=anchor_valid,
-        label_valid=anchor_valid,  # replaced below
-        document_ids=document_ids_BT,
-        position_ids=position_ids_BT,
-        block_size=block_size,
-    )
-    label_pos = plan.label_positions()
+    offsets = torch.arange(1, block_size, device=device)
+    label_pos = (anchors[..., None] + offsets).clamp(max=seq_len - 1)
     rows = torch.arange(batch, device=device)[:, None, None]
-    plan.label_valid = anchor_valid[..., None] & loss_mask_BT.bool()[rows, label_pos]
+    label_valid = anchor_valid[..., None] & loss_mask_BT.bool()[rows, label_pos]
+    teacher_index = None
     if with_teacher_index:
         # The target's prediction of token p+k is its output at p+k-1.
         needed = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
-        needed[rows.expand_as(label_pos)[plan.label_valid], (label_pos - 1)[plan.label_valid]] = True
-        plan.teacher_index = needed.flatten().nonzero().squeeze(1)
-    return plan
+        needed[rows.expand_as(label_pos)[label_valid], (label_pos - 1)[label_valid]] = True
+        teacher_index = needed.flatten().nonzero().squeeze(1)
+    return BlockPlan(
+        anchors=anchors,
+        anchor_valid=anchor_valid,
+        label_valid=label_valid,
+        document_ids=document_ids_BT,
+        position_ids=position_ids_BT,
+        block_size=block_size,
+        teacher_index=teacher_index,
+    )
 
 
 def _positions_from_documents(document_ids_BT: torch.Tensor) -> torch.Tensor:

@@ -178,19 +178,19 @@ class DFlashDraftModel(nn.Module):
             heads = self.target_heads
             # The target's prediction of token p+k is its argmax at p+k-1.
             source_flat = (rows * seq_len + label_pos - 1).flatten()
-            if plan.teacher_index is not None:
-                index = plan.teacher_index
-            else:
-                index = source_flat
-            ids = teacher_token_ids(
-                teacher_hidden_BTH, index_flat=index, final_norm=heads.final_norm, lm_head=heads.lm_head
-            )
-            if plan.teacher_index is not None:
-                full = torch.zeros(batch * seq_len, dtype=torch.long, device=ids.device)
-                full[index] = ids
-                labels = full[source_flat].view_as(label_pos)
-            else:
+            if plan.teacher_index is None:  # per slot: repeats positions that blocks share
+                ids = teacher_token_ids(
+                    teacher_hidden_BTH, index_flat=source_flat, final_norm=heads.final_norm, lm_head=heads.lm_head
+                )
                 labels = ids.view_as(label_pos)
+            else:  # each needed position once, then spread to the slots
+                ids = teacher_token_ids(
+                    teacher_hidden_BTH, index_flat=plan.teacher_index, final_norm=heads.final_norm,
+                    lm_head=heads.lm_head,
+                )
+                by_position = torch.zeros(batch * seq_len, dtype=torch.long, device=ids.device)
+                by_position[plan.teacher_index] = ids
+                labels = by_position[source_flat].view_as(label_pos)
         return torch.where(plan.label_valid, labels, torch.zeros_like(labels))
 
     def forward(
