@@ -88,15 +88,16 @@ def load_corpus(tables: Sequence[tuple[str, pa.Table]]) -> TokenizedCorpus:
     )
 
 
-def pack(order: np.ndarray, lengths: np.ndarray, *, token_budget: int) -> list[list[int]]:
-    """Greedy packing in `order`: a batch closes when the next sample would overflow the budget.
-    Samples longer than the budget get a batch of their own (the collator crops them)."""
+def pack(order: np.ndarray, lengths: np.ndarray, *, token_budget: int,
+         max_samples: int | None = None) -> list[list[int]]:
+    """Greedy packing in `order`: a batch closes when the next sample would overflow the budget (or
+    it holds `max_samples`). Samples longer than the budget get a batch of their own (cropped)."""
     batches: list[list[int]] = []
     current: list[int] = []
     used = 0
     for index in order.tolist():
         length = int(min(lengths[index], token_budget))
-        if current and used + length > token_budget:
+        if current and (used + length > token_budget or len(current) == max_samples):
             batches.append(current)
             current, used = [], 0
         current.append(index)
@@ -111,7 +112,7 @@ class PackedBatchSampler:
     truncated so every rank gets the same count (DDP steps in lockstep)."""
 
     def __init__(self, lengths: np.ndarray, *, token_budget: int, seed: int, rank: int = 0, world_size: int = 1,
-                 drop_samples_without_loss: np.ndarray | None = None):
+                 drop_samples_without_loss: np.ndarray | None = None, max_samples_per_batch: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.lengths = lengths
@@ -119,6 +120,7 @@ class PackedBatchSampler:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.max_samples_per_batch = max_samples_per_batch
         self.usable = np.arange(len(lengths)) if drop_samples_without_loss is None else \
             np.flatnonzero(~drop_samples_without_loss)
         self.epoch = 0
@@ -128,7 +130,8 @@ class PackedBatchSampler:
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         if self._cache is None or self._cache[0] != epoch:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.usable)
-            batches = pack(order, self.lengths, token_budget=self.token_budget)
+            batches = pack(order, self.lengths, token_budget=self.token_budget,
+                           max_samples=self.max_samples_per_batch)
             per_rank = len(batches) // self.world_size
             self._cache = (epoch, batches[self.rank: per_rank * self.world_size: self.world_size])
         return self._cache[1]

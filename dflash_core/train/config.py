@@ -1,0 +1,92 @@
+"""The one run schema: every hyperparameter and path of a training run. The CLI (`dflash train`)
+and the Prefect training flow both take it; each run writes it back resolved as `run.yaml`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, model_validator
+
+
+class DrafterSettings(BaseModel):
+    num_layers: int = Field(5, ge=1, description="Drafter decoder layers.")
+    block_size: int = Field(16, ge=2, description="Tokens per draft block (anchor + B-1 masks).")
+    num_anchors: int = Field(2048, ge=1, description="Anchors per packed row (512 per 2,048 tokens).")
+    loss_target: Literal["teacher", "data"] = Field(
+        "teacher", description="Learn the target's argmax (teacher) or the data tokens.")
+    loss_gamma: float | None = Field(None, gt=0, description="Position-weight decay; None: 7 for B=16, 4 for B=8.")
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    sliding_window: int | None = Field(None, gt=0)
+    mask_token_id: int | None = Field(None, ge=0, description="None: the target's pad token (or last row).")
+
+
+class OptimSettings(BaseModel):
+    lr: float = Field(6e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decays to lr * this.")
+    warmup_steps: int = Field(100, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0)
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step, per rank.")
+
+
+class TrainConfig(BaseModel):
+    run_name: str = Field("drafter", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    target: str = Field(description="Target model dir, or `embedded` (SmolLM2-135M), or `tiny:<family>`.")
+    data: list[str] = Field(min_length=1, description="Tokenized Arrow shards: local paths or S3 keys/prefixes.")
+    output_dir: Path = Field(Path(".dflash/runs"), description="Local checkpoints and logs: <output_dir>/<run_name>.")
+    token_budget: int = Field(8192, ge=16, description="Tokens per packed micro-batch per rank.")
+    max_samples_per_batch: int | None = Field(
+        None, ge=1, description="1 disables packing (hybrid GDN targets leak state across packed documents).")
+    max_steps: int = Field(1000, ge=1)
+    seed: int = 0
+    placement: Literal["colocated", "pair"] = Field(
+        "colocated", description="Target and drafter on one device, or the target on its own device.")
+    target_device: str | None = Field(None, description="None: cuda:<local rank> if available, else cpu.")
+    drafter_device: str | None = Field(None, description="With placement=pair: the drafter's device.")
+    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+    compile: bool = Field(False, description="torch.compile the drafter layers (GPU).")
+    checkpoint_every: int = Field(200, ge=1)
+    keep_last: int = Field(3, ge=1)
+    upload_checkpoints: bool = Field(True, description="Copy each checkpoint to S3 with manifests.")
+    log_every: int = Field(10, ge=1)
+    validate_capture_batches: int = Field(2, ge=0, description="Batches whose capture is checked before training.")
+    drafter: DrafterSettings = Field(default_factory=DrafterSettings)
+    optim: OptimSettings = Field(default_factory=OptimSettings)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.placement == "pair" and self.drafter_device is None and self.target_device is not None:
+            raise ValueError("placement=pair needs drafter_device (e.g. cuda:1) when target_device is set")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.run_name
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, path: Path, *, overrides: list[str] = ()) -> TrainConfig:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            raise ValueError(f"{path}: cannot read a run config ({error})") from error
+        for item in overrides:
+            apply_override(raw, item)
+        return cls.model_validate(raw)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """`optim.lr=1e-4` -> raw["optim"]["lr"] = 1e-4 (the value parsed as YAML)."""
+    if "=" not in item:
+        raise ValueError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-4")
+    dotted, value = item.split("=", 1)
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = yaml.safe_load(value)

@@ -1,0 +1,276 @@
+"""The online training loop: one process per device (torchrun), DDP over the drafter, exact resume.
+
+Rank 0 logs (console progress bar, JSONL metrics) and writes checkpoints; every rank restores the
+same step, sampler position and RNG state, so a resumed run continues bit-for-bit (on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dflash_core.lineage import InputRef
+from dflash_core.model import DFlashConfig, DFlashDraftModel
+from dflash_core.provenance import current_producer
+from dflash_core.storage import ObjectStore
+from dflash_core.target import HiddenStateCapture, target_heads, validate_capture
+from dflash_core.train import checkpoint as ckpt
+from dflash_core.train.config import TrainConfig
+from dflash_core.train.data import PackedBatchSampler, collate, load_corpus, read_shard_table
+from dflash_core.train.inputs import fetch_shards, load_target_model
+from dflash_core.train.remote import download_checkpoint, remote_steps, upload_checkpoint
+from dflash_core.train.step import batch_tensors, capture_batch, drafter_step
+
+EXIT_PREEMPTED = 143  # SIGTERM: checkpoint written, rerun with resume to continue
+
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> Distributed:
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class TrainResult:
+    final_step: int
+    checkpoint: Path | None
+    preempted: bool
+    metrics_path: Path
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay to `min_ratio`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _devices(config: TrainConfig, dist_info: Distributed) -> tuple[torch.device, torch.device]:
+    default = f"cuda:{dist_info.local_rank}" if torch.cuda.is_available() else "cpu"
+    target = torch.device(config.target_device or default)
+    drafter = torch.device(config.drafter_device or target) if config.placement == "pair" else target
+    return target, drafter
+
+
+def _step_generator(seed: int, step: int, global_micro: int) -> torch.Generator:
+    """Anchor sampling depends only on (seed, step, global micro-batch index): resume replays it
+    exactly, and N ranks x 1 micro-batch sample like 1 rank x N micro-batches."""
+    return torch.Generator().manual_seed(hash((seed, step, global_micro)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, *, store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
+                 checkpoint_prefix: str | None = None, dist_info: Distributed | None = None,
+                 flow_run_id: str | None = None):
+        self.config = config
+        self.store = store
+        self.dist = dist_info or Distributed.from_env()
+        self.checkpoint_prefix = checkpoint_prefix or f"checkpoints/{config.run_name}"
+        self.flow_run_id = flow_run_id
+        self.run_dir = config.run_dir
+        self.target_device, self.drafter_device = _devices(config, self.dist)
+        torch.manual_seed(config.seed)
+
+        shards = fetch_shards(config.data, store=store, cache_dir=self.run_dir.parent / ".cache")
+        self.inputs: list[InputRef] = [ref for _, ref in shards if ref is not None]
+        self.corpus = load_corpus([(str(path), read_shard_table(path)) for path, _ in shards])
+        usable = np.array([self.corpus.loss_mask[s:e].any() for s, e in zip(self.corpus.offsets[:-1],
+                                                                             self.corpus.offsets[1:])])
+        self.sampler = PackedBatchSampler(self.corpus.lengths, token_budget=config.token_budget, seed=config.seed,
+                                          rank=self.dist.rank, world_size=self.dist.world_size,
+                                          drop_samples_without_loss=~usable,
+                                          max_samples_per_batch=config.max_samples_per_batch)
+
+        self.target = load_target_model(config.target, device=self.target_device, models_dir=models_dir,
+                                        seed=config.seed)
+        d = config.drafter
+        self.drafter_config = DFlashConfig.from_target(
+            self.target.config, num_layers=d.num_layers, block_size=d.block_size, mask_token_id=d.mask_token_id,
+            layer_types=d.layer_types, sliding_window=d.sliding_window, loss_gamma=d.loss_gamma)
+        torch.manual_seed(config.seed)
+        drafter = DFlashDraftModel(self.drafter_config, device=self.drafter_device)
+        drafter.init_weights()
+        heads = target_heads(self.target)
+        if self.drafter_device != self.target_device:  # pair layout: the drafter gets its own frozen copies
+            import copy
+
+            heads = type(heads)(**{name: copy.deepcopy(module).to(self.drafter_device)
+                                   for name, module in vars(heads).items()})
+        drafter.attach_target(heads)
+        if config.compile:
+            drafter.compile_layers()
+        self.drafter = drafter
+        self.model = drafter
+        if self.dist.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [self.drafter_device.index] if self.drafter_device.type == "cuda" else None
+            self.model = DistributedDataParallel(drafter, device_ids=device_ids)
+        self.teacher = d.loss_target == "teacher"
+        self.capture = HiddenStateCapture(self.target, layer_ids=self.drafter_config.target_layer_ids,
+                                          capture_final=self.teacher)
+        o = config.optim
+        self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
+                                           fused=self.drafter_device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, warmup=o.warmup_steps, total=config.max_steps,
+                                                min_ratio=o.min_lr_ratio))
+        self.step = 0
+        self._stop_requested = False
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def _train_state(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "sampler": self.sampler.state_dict(), "rng": ckpt.capture_rng_state(), "step": self.step}
+
+    def save(self) -> Path | None:
+        if not self.dist.is_main:
+            return None
+        meta = {"config": self.config.model_dump(mode="json"), "drafter_config": self.drafter_config.to_dict(),
+                "producer": current_producer(flow_run_id=self.flow_run_id).model_dump()}
+        path = ckpt.save_checkpoint(self.run_dir / "checkpoints", step=self.step,
+                                    model_state=self.drafter.state_dict(), train_state=self._train_state(),
+                                    meta=meta, keep_last=self.config.keep_last)
+        if self.store is not None and self.config.upload_checkpoints:
+            upload_checkpoint(self.store, path, key_prefix=self.checkpoint_prefix, inputs=self.inputs,
+                              config=meta["config"], producer=current_producer(flow_run_id=self.flow_run_id))
+        return path
+
+    def resume(self) -> bool:
+        """Load the latest complete checkpoint (local, else S3); False when there is none."""
+        root = self.run_dir / "checkpoints"
+        path = ckpt.latest_checkpoint(root)
+        if path is None and self.store is not None:
+            steps = remote_steps(self.store, self.checkpoint_prefix)
+            if steps:
+                path = download_checkpoint(self.store, key_prefix=self.checkpoint_prefix, step=steps[-1], root=root)
+        if path is None:
+            return False
+        model_state, state, _ = ckpt.load_checkpoint(path, device="cpu")
+        self.drafter.load_state_dict(model_state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        ckpt.restore_rng_state(state["rng"])
+        self.step = state["step"]
+        return True
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def validate_capture(self) -> None:
+        """Check captures (finite, varying, right tokens) on the first batches before a long run."""
+        batches = iter(self.sampler.epoch_batches(0))
+        for _ in range(self.config.validate_capture_batches):
+            indices = next(batches, None)
+            if indices is None:
+                return
+            tensors = batch_tensors(collate(self.corpus, indices, token_budget=self.config.token_budget),
+                                    self.target_device)
+            captured = capture_batch(self.capture, tensors)
+            validate_capture(captured, input_ids=tensors["input_ids"], hidden_size=self.drafter_config.hidden_size)
+
+    def run(self, *, on_log=None) -> TrainResult:
+        config = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path = self.run_dir / "metrics.jsonl"
+        previous = signal.signal(signal.SIGTERM, self._request_stop)
+        batches = iter(self.sampler)
+        last_checkpoint = None
+        started = time.perf_counter()
+        tokens_since_log = 0
+        try:
+            while self.step < config.max_steps and not self._stop_requested:
+                metrics, tokens = self._optimizer_step(batches)
+                self.step += 1
+                tokens_since_log += tokens
+                if self.dist.is_main and (self.step % config.log_every == 0 or self.step == config.max_steps):
+                    elapsed = time.perf_counter() - started
+                    record = self._log_record(metrics, tokens_since_log / max(elapsed, 1e-9))
+                    with open(metrics_path, "a") as handle:
+                        handle.write(json.dumps(record) + "\n")
+                    if on_log is not None:
+                        on_log(record)
+                    started, tokens_since_log = time.perf_counter(), 0
+                if self.step % config.checkpoint_every == 0 or self.step == config.max_steps:
+                    last_checkpoint = self.save() or last_checkpoint
+                    self._barrier()
+            if self._stop_requested and self.step % config.checkpoint_every:
+                last_checkpoint = self.save() or last_checkpoint
+                self._barrier()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return TrainResult(self.step, last_checkpoint, self._stop_requested, metrics_path)
+
+    def _optimizer_step(self, batches) -> tuple[dict[str, torch.Tensor], int]:
+        config = self.config
+        accum = config.optim.grad_accum
+        summed: dict[str, torch.Tensor] = {}
+        tokens = 0
+        for micro in range(accum):
+            batch = collate(self.corpus, next(batches), token_budget=config.token_budget)
+            tokens += batch.num_real_tokens * self.dist.world_size
+            tensors = batch_tensors(batch, self.target_device)
+            captured = capture_batch(self.capture, tensors)
+            sync = micro == accum - 1 or self.dist.world_size == 1
+            context = self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else _nullcontext()
+            with context:
+                metrics = drafter_step(
+                    self.model, tensors=tensors, captured=captured, num_anchors=config.drafter.num_anchors,
+                    block_size=self.drafter_config.block_size, teacher=self.teacher,
+                    generator=_step_generator(config.seed, self.step, micro * self.dist.world_size + self.dist.rank),
+                    device=self.drafter_device, attention_backend=config.attention_backend, loss_scale=1 / accum)
+            for name, value in metrics.items():
+                summed[name] = summed.get(name, 0) + value.detach().float() / accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), config.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        summed["grad_norm"] = grad_norm.detach()
+        return summed, tokens
+
+    def _log_record(self, metrics: dict[str, torch.Tensor], tokens_per_s: float) -> dict:
+        record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": round(tokens_per_s, 1)}
+        for name, value in metrics.items():
+            record[name] = value.tolist() if value.numel() > 1 else float(value)
+        if self.drafter_device.type == "cuda":
+            record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.drafter_device) / 2**30
+        return record
+
+    def _request_stop(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    def _barrier(self) -> None:
+        if self.dist.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+
+    def close(self) -> None:
+        self.capture.close()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

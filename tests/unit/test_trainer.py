@@ -1,0 +1,116 @@
+"""The online trainer on a tiny target: it learns, logs, checkpoints and writes its run record.
+
+Run: `.venv/bin/python -m pytest tests/unit/test_trainer.py -q`
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_core.train.checkpoint import complete_checkpoints, load_checkpoint
+from dflash_core.train.config import TrainConfig
+from dflash_core.train.loop import Trainer, lr_factor
+from tests.train_fixtures import synthetic_shard
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls on a busy 2-core machine run faster on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(tmp_path, **changes) -> TrainConfig:
+    shard = synthetic_shard(tmp_path / "data" / "shard-00000.arrow", num_samples=300, min_len=12, max_len=24)
+    base = dict(run_name="tiny", target="tiny:llama", data=[str(shard)], output_dir=tmp_path / "runs",
+                token_budget=96, max_steps=300, checkpoint_every=100, keep_last=2, log_every=25,
+                upload_checkpoints=False,
+                drafter={"num_layers": 1, "block_size": 4, "num_anchors": 16, "loss_gamma": 4.0,
+                         "loss_target": "data"},
+                optim={"lr": 1e-2, "warmup_steps": 5})
+    return TrainConfig.model_validate({**base, **changes})
+
+
+def test_loss_falls_and_acceptance_rises(tmp_path) -> None:
+    trainer = Trainer(tiny_config(tmp_path))
+    trainer.validate_capture()
+    result = trainer.run()
+    trainer.close()
+    logs = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in logs] == list(range(25, 301, 25))
+    first, last = logs[0], logs[-3:]
+    assert sum(r["loss"] for r in last) / 3 < 0.6 * first["loss"]
+    assert sum(r["acceptance_length"] for r in last) / 3 > first["acceptance_length"] + 0.3
+    assert len(logs[-1]["accuracy_per_position"]) == 3 and logs[-1]["tokens_per_s"] > 0
+    assert [p.name for p in complete_checkpoints(tmp_path / "runs" / "tiny" / "checkpoints")] == \
+        ["step-000200", "step-000300"]
+
+
+def test_checkpoint_holds_drafter_only_and_full_state(tmp_path) -> None:
+    trainer = Trainer(tiny_config(tmp_path, max_steps=3, checkpoint_every=3))
+    result = trainer.run()
+    model_state, train_state, meta = load_checkpoint(result.checkpoint)
+    assert not any(name.startswith(("embed_tokens", "lm_head", "model.")) for name in model_state)
+    assert set(model_state) == set(trainer.drafter.state_dict())
+    assert {"optimizer", "scheduler", "sampler", "rng", "step"} <= set(train_state)
+    assert train_state["sampler"]["batch_in_epoch"] == 3 and meta["step"] == 3
+    assert meta["drafter_config"]["target_layer_ids"] == trainer.drafter_config.target_layer_ids
+    assert meta["config"]["target"] == "tiny:llama"
+
+
+def test_resume_in_process_continues_identically(tmp_path) -> None:
+    straight = Trainer(tiny_config(tmp_path / "a", max_steps=8, checkpoint_every=4, log_every=1))
+    straight.run()
+    expected = [json.loads(x) for x in straight.run_dir.joinpath("metrics.jsonl").read_text().splitlines()]
+    first = Trainer(tiny_config(tmp_path / "b", max_steps=4, checkpoint_every=4, log_every=1))
+    first.run()
+    second = Trainer(tiny_config(tmp_path / "b", max_steps=8, checkpoint_every=4, log_every=1))
+    assert second.resume() and second.step == 4
+    second.run()
+    resumed = [json.loads(x) for x in second.run_dir.joinpath("metrics.jsonl").read_text().splitlines()]
+    drop = ("tokens_per_s",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in resumed] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in expected]
+
+
+def test_packed_documents_do_not_see_each_other(tmp_path) -> None:
+    """The target's captured states for a document are the same alone or packed after another."""
+    from dflash_core.train.data import collate
+    from dflash_core.train.step import batch_tensors, capture_batch
+
+    trainer = Trainer(tiny_config(tmp_path))
+    packed = batch_tensors(collate(trainer.corpus, [0, 1], token_budget=96), trainer.target_device)
+    alone = batch_tensors(collate(trainer.corpus, [1], token_budget=96), trainer.target_device)
+    first_len = int(trainer.corpus.lengths[0])
+    second_len = int(trainer.corpus.lengths[1])
+    packed_states = capture_batch(trainer.capture, packed).tapped_hidden[0, first_len:first_len + second_len]
+    alone_states = capture_batch(trainer.capture, alone).tapped_hidden[0, :second_len]
+    torch.testing.assert_close(packed_states, alone_states, rtol=1e-4, atol=1e-5)
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    factors = [lr_factor(s, warmup=10, total=100, min_ratio=0.1) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert factors[-1] == pytest.approx(0.1, abs=0.01)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+
+
+def test_config_errors_name_the_field(tmp_path) -> None:
+    from dflash_core.train.config import apply_override
+
+    with pytest.raises(ValueError, match="key=value"):
+        apply_override({}, "optim.lr")
+    raw = {"target": "tiny:llama", "data": ["x"]}
+    apply_override(raw, "optim.lr=1e-4")
+    apply_override(raw, "drafter.num_layers=3")
+    config = TrainConfig.model_validate(raw)
+    assert config.optim.lr == 1e-4 and config.drafter.num_layers == 3
+    with pytest.raises(ValueError, match="run_name"):
+        TrainConfig(run_name="bad name/", target="tiny:llama", data=["x"])
+    with pytest.raises(ValueError, match="neither"):
+        Trainer(tiny_config(tmp_path, target=str(tmp_path / "no-such-model")))
