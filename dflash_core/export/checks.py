@@ -1,0 +1,109 @@
+"""Checks run before any export is written: the drafter must fit its target, and the two formats
+must say the same thing.
+
+A layer-id offset, a mask id outside the target's embedding, or a dropped window / RoPE setting
+all produce a drafter that loads fine and accepts nothing when served, so they are refused here
+with a ValueError that names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig, _rope_settings, _text_config
+
+# Weight names a drafter checkpoint may hold; anything else (embed_tokens, lm_head, a target layer)
+# must never be written.
+DRAFTER_PREFIXES = ("fc.", "hidden_norm.", "layers.", "norm.")
+
+
+def check_against_target(config: DFlashConfig, *, target_config: Any) -> None:
+    """Raise ValueError unless `config` is a drafter for `target_config` (a transformers config)."""
+    text = _text_config(target_config)
+    num_target_layers = text.num_hidden_layers
+    ids = config.target_layer_ids
+    if not ids:
+        raise ValueError("target_layer_ids is empty")
+    if sorted(set(ids)) != list(ids):
+        raise ValueError(f"target_layer_ids must be distinct and ascending, got {ids}")
+    if ids[0] < 0 or ids[-1] >= num_target_layers:
+        raise ValueError(f"target_layer_ids {ids} out of range for a {num_target_layers}-layer target")
+    if config.target_num_layers is not None and config.target_num_layers != num_target_layers:
+        raise ValueError(
+            f"drafter was built for a {config.target_num_layers}-layer target, this target has {num_target_layers}"
+        )
+    if config.hidden_size != text.hidden_size:
+        raise ValueError(f"hidden_size {config.hidden_size} != target hidden_size {text.hidden_size}")
+    if config.vocab_size != text.vocab_size:
+        raise ValueError(f"vocab_size {config.vocab_size} != target vocab_size {text.vocab_size}")
+    if not 0 <= config.mask_token_id < text.vocab_size:
+        raise ValueError(
+            f"mask_token_id {config.mask_token_id} is not a row of the target's {text.vocab_size}-row embedding"
+        )
+    theta, partial, _ = _rope_settings(text)
+    if config.rope_theta != theta:
+        raise ValueError(f"rope_theta {config.rope_theta} != target rope_theta {theta}")
+    if config.partial_rotary_factor != partial:
+        raise ValueError(
+            f"partial_rotary_factor {config.partial_rotary_factor} != target partial_rotary_factor {partial}"
+        )
+    if SLIDING_ATTENTION in config.layer_types and not config.sliding_window:
+        raise ValueError("sliding_attention layers need a sliding_window to export")
+
+
+def check_state_dict(config: DFlashConfig, state: dict[str, Any]) -> None:
+    """Raise ValueError if `state` holds target weights or does not match the drafter's shapes."""
+    foreign = sorted(k for k in state if not k.startswith(DRAFTER_PREFIXES))
+    if foreign:
+        raise ValueError(f"refusing to export non-drafter weights (target weights?): {foreign[:5]}")
+    expected = config.build(device="meta").state_dict()
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise ValueError(f"drafter weights do not match its config: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, config says {tuple(expected[name].shape)}")
+
+
+def check_speculators_compatible(config: DFlashConfig, *, num_target_layers: int) -> None:
+    """What speculators 0.9's DFlash layer (Qwen3 attention) can represent, checked before writing."""
+    if not config.qk_norm:
+        raise ValueError(
+            "speculators' DFlash layer always applies q/k RMSNorm; a drafter without qk_norm "
+            "(Llama-family target) cannot be exported in the speculators format"
+        )
+    if config.partial_rotary_factor != 1.0:
+        raise ValueError(
+            f"speculators' DFlash layer rotates whole heads; partial_rotary_factor "
+            f"{config.partial_rotary_factor} cannot be exported in the speculators format"
+        )
+    if config.attention_bias:
+        raise ValueError("attention_bias=True drafters cannot be exported (o_proj bias layouts differ)")
+    last_aux = config.target_layer_ids[-1] + 1
+    if last_aux >= num_target_layers:
+        raise ValueError(
+            f"native id {config.target_layer_ids[-1]} is the target's last layer; speculators treats aux id "
+            f"{last_aux} as the verifier's last hidden state and drops it"
+        )
+
+
+def check_formats_agree(native: dict[str, Any], speculators: dict[str, Any]) -> None:
+    """The two config.json dicts must describe the same drafter (ids offset by one)."""
+    dflash = native["dflash_config"]
+    layer = speculators["transformer_layer_config"]
+    aux = speculators["aux_hidden_state_layer_ids"]
+    if aux != [k + 1 for k in dflash["target_layer_ids"]]:
+        raise ValueError(f"aux_hidden_state_layer_ids {aux} != native target_layer_ids + 1 {dflash['target_layer_ids']}")
+    pairs = {
+        "mask_token_id": (dflash["mask_token_id"], speculators["mask_token_id"]),
+        "block_size": (native["block_size"], speculators["block_size"]),
+        "layer_types": (native["layer_types"], layer["layer_types"]),
+        "sliding_window": (native["sliding_window"], layer["sliding_window"]),
+        "rope_parameters": (native["rope_parameters"], layer["rope_parameters"]),
+        "num_hidden_layers": (native["num_hidden_layers"], layer["num_hidden_layers"]),
+        "vocab_size": (native["vocab_size"], speculators["draft_vocab_size"]),
+    }
+    for name, (a, b) in pairs.items():
+        if a != b:
+            raise ValueError(f"{name} differs between formats: native {a!r}, speculators {b!r}")

@@ -1,0 +1,123 @@
+"""The native (z-lab) DFlash format: a Qwen3-style `config.json` plus `model.safetensors`.
+
+    {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+     "dflash_config": {"mask_token_id": ..., "target_layer_ids": [1, 9, 17, 25, 33]},
+     "layer_types": [...], "sliding_window": null, "num_hidden_layers": 5, "num_target_layers": 36,
+     "hidden_size": ..., "head_dim": ..., "rope_parameters": {...}, ...}
+
+Layer id k is the OUTPUT of target decoder layer k (transformers `hidden_states[k+1]`). The
+weights hold the drafter body only (fc, hidden_norm, layers.*, norm), never the target's
+embedding or LM head. Fields this project needs to rebuild an equal drafter that z-lab's format
+has no name for (qk_norm, loss_gamma, target_model_type) ride along inside `dflash_config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def rope_parameters(config: DFlashConfig) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if config.partial_rotary_factor != 1.0:
+        params["partial_rotary_factor"] = config.partial_rotary_factor
+    return params
+
+
+def layer_config(config: DFlashConfig, *, max_position_embeddings: int) -> dict[str, Any]:
+    """The Qwen3-style decoder fields a loader needs to build the drafter's layers."""
+    sliding = SLIDING_ATTENTION in config.layer_types
+    return {
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": rope_parameters(config),
+        "attention_bias": config.attention_bias,
+        "attention_dropout": 0.0,
+        "max_position_embeddings": max_position_embeddings,
+        "layer_types": list(config.layer_types),
+        "sliding_window": config.sliding_window if sliding else None,
+        "use_sliding_window": sliding,
+        "max_window_layers": config.num_layers,
+        "tie_word_embeddings": False,
+        "initializer_range": config.initializer_range,
+    }
+
+
+def native_config(config: DFlashConfig, *, max_position_embeddings: int, dtype: str) -> dict[str, Any]:
+    """config.json of the native format."""
+    return {
+        "architectures": [ARCHITECTURE],
+        **layer_config(config, max_position_embeddings=max_position_embeddings),
+        "block_size": config.block_size,
+        "num_target_layers": config.target_num_layers,
+        "dflash_config": {
+            "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),
+            "block_size": config.block_size,
+            "qk_norm": config.qk_norm,
+            "loss_gamma": config.loss_gamma,
+            "target_model_type": config.target_model_type,
+        },
+        "dtype": dtype,
+    }
+
+
+def config_from_layer_fields(
+    layer: dict[str, Any], *, target_layer_ids: list[int], mask_token_id: int, block_size: int,
+    extras: dict[str, Any], num_target_layers: int | None,
+) -> DFlashConfig:
+    """A DFlashConfig from Qwen3-style decoder fields plus the DFlash ones (shared by both importers)."""
+    rope = layer.get("rope_parameters") or {"rope_theta": layer.get("rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rope['rope_type']!r} is not supported by the drafter (only 'default')")
+    layer_types = layer.get("layer_types") or None
+    return DFlashConfig(
+        hidden_size=layer["hidden_size"],
+        intermediate_size=layer["intermediate_size"],
+        num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+        vocab_size=layer["vocab_size"],
+        target_layer_ids=list(target_layer_ids),
+        mask_token_id=mask_token_id,
+        num_layers=layer["num_hidden_layers"],
+        block_size=block_size,
+        layer_types=layer_types,
+        sliding_window=layer.get("sliding_window") if layer_types and SLIDING_ATTENTION in layer_types else None,
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+        qk_norm=bool(extras.get("qk_norm", True)),
+        attention_bias=bool(layer.get("attention_bias", False)),
+        target_model_type=extras.get("target_model_type", "qwen3"),
+        target_num_layers=num_target_layers,
+        loss_gamma=extras.get("loss_gamma"),
+        initializer_range=layer.get("initializer_range", 0.02),
+    )
+
+
+def config_from_native(data: dict[str, Any]) -> DFlashConfig:
+    """Inverse of `native_config` (also reads z-lab configs, where block_size may sit at the top)."""
+    if ARCHITECTURE not in (data.get("architectures") or []):
+        raise ValueError(f"config.json architectures {data.get('architectures')} lacks {ARCHITECTURE!r}")
+    dflash = data.get("dflash_config") or {}
+    if "target_layer_ids" not in dflash or "mask_token_id" not in dflash:
+        raise ValueError("config.json dflash_config needs target_layer_ids and mask_token_id")
+    block_size = data.get("block_size") or dflash.get("block_size")
+    if block_size is None:
+        raise ValueError("config.json has no block_size (top level or dflash_config)")
+    return config_from_layer_fields(
+        data, target_layer_ids=dflash["target_layer_ids"], mask_token_id=dflash["mask_token_id"],
+        block_size=block_size, extras=dflash, num_target_layers=data.get("num_target_layers"),
+    )

@@ -1,0 +1,78 @@
+"""The speculators (vLLM) DFlash format, as speculators 0.9's `DFlashSpeculatorConfig` writes it.
+
+    {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+     "aux_hidden_state_layer_ids": [2, 10, 18, 26, 34], "block_size": 16, "mask_token_id": ...,
+     "draft_vocab_size": V, "transformer_layer_config": {Qwen3 fields}, "sliding_window_non_causal": true,
+     "speculators_config": {"algorithm": "dflash", "proposal_methods": [greedy, B-1 tokens],
+                            "verifier": {"name_or_path": ..., "architectures": [...]}}}
+
+Its aux id k is the INPUT of decoder layer k (transformers `hidden_states[k]`), so aux = native + 1.
+Written without importing speculators; the parity test loads it with speculators itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_core.export.native import config_from_layer_fields, layer_config
+from dflash_core.model.config import DFlashConfig
+
+SPECULATORS_VERSION = "0.9.0"
+
+
+def speculators_config(
+    config: DFlashConfig, *, max_position_embeddings: int, verifier_name_or_path: str,
+    verifier_architectures: list[str], dtype: str,
+) -> dict[str, Any]:
+    """config.json of the speculators format."""
+    layer = layer_config(config, max_position_embeddings=max_position_embeddings)
+    layer["dtype"] = dtype
+    # Fields speculators has no name for; Qwen3Config keeps unknown keys, so they survive its loader.
+    layer["dflash_pipeline"] = {
+        "loss_gamma": config.loss_gamma,
+        "target_model_type": config.target_model_type,
+        "num_target_layers": config.target_num_layers,
+    }
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "aux_hidden_state_layer_ids": [k + 1 for k in config.target_layer_ids],
+        "block_size": config.block_size,
+        "draft_vocab_size": config.vocab_size,
+        "mask_token_id": config.mask_token_id,
+        "target_hidden_size": None,
+        # Our blocks are non-causal inside the block on every layer type.
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{
+                "proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
+                "accept_tolerance": 0.0, "verifier_accept_k": 1,
+            }],
+            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
+        },
+    }
+
+
+def config_from_speculators(data: dict[str, Any]) -> DFlashConfig:
+    """Inverse of `speculators_config` (aux ids - 1 back to native ids)."""
+    if data.get("speculators_model_type") != "dflash":
+        raise ValueError(f"speculators_model_type is {data.get('speculators_model_type')!r}, expected 'dflash'")
+    layer = data["transformer_layer_config"]
+    if data.get("draft_vocab_size", layer["vocab_size"]) != layer["vocab_size"]:
+        raise ValueError("reduced draft vocabularies (draft_vocab_size != vocab_size) are not supported")
+    if data.get("sample_from_anchor"):
+        raise ValueError("sample_from_anchor=True drafters are not DFlash drafters this project can run")
+    aux = data.get("aux_hidden_state_layer_ids")
+    if not aux or data.get("mask_token_id") is None:
+        raise ValueError("config.json needs aux_hidden_state_layer_ids and mask_token_id")
+    extras = dict(layer.get("dflash_pipeline") or {})
+    return config_from_layer_fields(
+        layer, target_layer_ids=[k - 1 for k in aux], mask_token_id=data["mask_token_id"],
+        block_size=data["block_size"], extras={**extras, "qk_norm": True},
+        num_target_layers=extras.get("num_target_layers"),
+    )

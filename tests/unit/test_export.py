@@ -1,0 +1,123 @@
+"""Exports: both formats round-trip to an equal drafter; bad drafters are refused before writing.
+
+Run: .venv/bin/python -m pytest tests/unit/test_export.py -q
+"""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from dflash_core.export import build_export_configs, export_drafter, load_drafter, read_export_config
+from dflash_core.model import DFlashConfig
+from dflash_core.target import tiny_target_config
+
+
+def _drafter(family="qwen3", **overrides):
+    target_config = tiny_target_config(family, num_layers=8 if family == "qwen3_5" else 6)
+    kwargs = dict(num_layers=2, block_size=4, num_tapped_layers=2, loss_gamma=2.0)
+    kwargs.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = DFlashConfig.from_target(target_config, **kwargs)
+    torch.manual_seed(0)
+    return config.build(), target_config
+
+
+def _assert_equal_drafters(a, b):
+    assert a.config.to_dict() == b.config.to_dict()
+    state_b = b.state_dict()
+    assert state_b.keys() == a.state_dict().keys()
+    for name, tensor in a.state_dict().items():
+        assert torch.equal(tensor, state_b[name]), name
+
+
+@pytest.mark.parametrize(
+    ("family", "formats", "overrides"),
+    [
+        ("qwen3", ("native", "speculators"), {}),
+        ("qwen3", ("native", "speculators"), {"layer_types": ["sliding_attention", "full_attention"],
+                                             "sliding_window": 8}),
+        ("llama", ("native",), {}),
+        ("qwen3_5", ("native",), {}),  # partial rotary 0.25 carried in rope_parameters
+    ],
+)
+def test_round_trip_gives_an_equal_drafter(tmp_path, family, formats, overrides):
+    drafter, target_config = _drafter(family, **overrides)
+    paths = export_drafter(drafter, target_config=target_config, out_dir=tmp_path, verifier_name_or_path="/models/t",
+                           formats=formats)
+    assert set(paths) == set(formats)
+    for name, path in paths.items():
+        assert read_export_config(path)[0] == name
+        _assert_equal_drafters(drafter, load_drafter(path))
+
+
+def test_config_fields_and_the_layer_id_offset(tmp_path):
+    drafter, target_config = _drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    paths = export_drafter(drafter, target_config=target_config, out_dir=tmp_path, verifier_name_or_path="/models/t")
+    native = json.loads((paths["native"] / "config.json").read_text())
+    spec = json.loads((paths["speculators"] / "config.json").read_text())
+    ids = drafter.config.target_layer_ids
+    assert native["architectures"] == ["DFlashDraftModel"]
+    assert native["dflash_config"]["target_layer_ids"] == ids
+    assert native["dflash_config"]["mask_token_id"] == drafter.config.mask_token_id
+    assert native["block_size"] == 4 and native["sliding_window"] == 8
+    assert native["layer_types"] == ["sliding_attention", "full_attention"]
+    assert spec["speculators_model_type"] == "dflash"
+    assert spec["aux_hidden_state_layer_ids"] == [k + 1 for k in ids]
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "/models/t"
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert spec["transformer_layer_config"]["sliding_window"] == 8
+
+
+def test_no_target_weights_in_the_files(tmp_path):
+    from safetensors.torch import load_file
+
+    drafter, target_config = _drafter()
+    paths = export_drafter(drafter, target_config=target_config, out_dir=tmp_path, verifier_name_or_path="/t")
+    for path in paths.values():
+        names = load_file(path / "model.safetensors").keys()
+        assert names == drafter.state_dict().keys()
+        assert not any("embed" in n or "lm_head" in n for n in names)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"target_layer_ids": [1, 6]}, "out of range"),
+        ({"mask_token_id": 300, "vocab_size": 512}, "vocab_size"),
+        ({"rope_theta": 5e5}, "rope_theta"),
+        ({"hidden_size": 32}, "hidden_size"),
+    ],
+)
+def test_a_drafter_that_does_not_fit_the_target_is_refused(change, match):
+    drafter, target_config = _drafter()
+    config = DFlashConfig(**{**drafter.config.to_dict(), **change})
+    with pytest.raises(ValueError, match=match):
+        build_export_configs(config, target_config=target_config, verifier_name_or_path="/t", dtype=torch.float32)
+
+
+def test_formats_speculators_cannot_represent_are_refused():
+    llama, target_config = _drafter("llama")
+    with pytest.raises(ValueError, match="q/k RMSNorm"):
+        build_export_configs(llama.config, target_config=target_config, verifier_name_or_path="/t",
+                             dtype=torch.float32)
+    hybrid, target_config = _drafter("qwen3_5")
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        build_export_configs(hybrid.config, target_config=target_config, verifier_name_or_path="/t",
+                             dtype=torch.float32)
+    with pytest.raises(ValueError, match="verifier_name_or_path"):
+        build_export_configs(_drafter()[0].config, target_config=tiny_target_config("qwen3"),
+                             verifier_name_or_path="", dtype=torch.float32)
+
+
+def test_bf16_export_and_missing_config_dir(tmp_path):
+    drafter, target_config = _drafter()
+    paths = export_drafter(drafter, target_config=target_config, out_dir=tmp_path, formats=("native",),
+                           dtype=torch.bfloat16)
+    assert json.loads((paths["native"] / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = load_drafter(paths["native"])
+    torch.testing.assert_close(loaded.fc.weight, drafter.fc.weight.bfloat16().float())
+    with pytest.raises(ValueError, match="does not exist"):
+        load_drafter(tmp_path / "nowhere")
