@@ -1,0 +1,51 @@
+"""Training curves for people: metrics.jsonl -> summary rows and a PNG of loss and acceptance length."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Logged records by step; a step logged twice (before a crash and after resume) keeps the last."""
+    by_step: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[record["step"]] = record
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def summary_rows(records: list[dict], *, every: int = 1) -> list[dict]:
+    rows = []
+    for record in records[::every] + ([records[-1]] if records and (len(records) - 1) % every else []):
+        accuracy = record.get("accuracy_per_position") or []
+        rows.append({"step": record["step"], "loss": round(record["loss"], 4),
+                     "tau": round(record["acceptance_length"], 3),
+                     "acc@1": round(accuracy[0], 3) if accuracy else None,
+                     "lr": f"{record['lr']:.2e}", "tokens/s": round(record.get("tokens_per_s", 0))})
+    return rows
+
+
+def curves_png(records: list[dict], *, title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    figure, (loss_axis, tau_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
+    loss_axis.plot(steps, [r["loss"] for r in records])
+    loss_axis.set(title="loss", xlabel="step")
+    tau_axis.plot(steps, [r["acceptance_length"] for r in records], label="tau (product of accuracies)")
+    if records and "acceptance_length_empirical" in records[0]:
+        tau_axis.plot(steps, [r["acceptance_length_empirical"] for r in records], label="tau (greedy runs)")
+    tau_axis.set(title="expected acceptance length", xlabel="step")
+    tau_axis.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    plt.close(figure)
+    return buffer.getvalue()

@@ -1,0 +1,96 @@
+"""Prefect tasks of the training flow: plan, train (torchrun subprocess, logs streamed), report."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_image_artifact, create_progress_artifact, create_table_artifact
+from prefect.artifacts import update_progress_artifact
+
+from dflash_core.layout import ArtifactKind, artifact_key
+from dflash_core.lineage import InputRef, Manifest, write_artifact
+from dflash_core.planner import PRESETS, Plan, PlanInputs, plan, shape_from_config
+from dflash_core.settings import Settings
+from dflash_core.storage import ObjectStore
+from dflash_core.train.checkpoint import latest_checkpoint
+from dflash_core.train.config import TrainConfig
+from dflash_core.train.report import curves_png, read_metrics, summary_rows
+from tasks.plan import NoLayoutFits
+from tasks.provenance import run_producer
+
+
+class TrainingFailed(RuntimeError):
+    """The training process exited with an error; the message quotes its log tail."""
+
+
+@task(persist_result=True)
+def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, samples: int,
+                  mean_tokens: float) -> Plan | None:
+    """Refuse a run whose target + drafter + optimizer state fits no GPU layout (None for tiny targets)."""
+    if config.target.startswith("tiny:"):
+        return None
+    shape = PRESETS["smollm2-135m"] if config.target == "embedded" else \
+        shape_from_config(Path(config.target) / "config.json")
+    result = plan(PlanInputs(target=shape, samples=samples, mean_tokens=mean_tokens,
+                             drafter_layers=config.drafter.num_layers, block_size=config.drafter.block_size,
+                             token_budget=config.token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus))
+    if not any(layout.fits for layout in result.layouts):
+        raise NoLayoutFits("; ".join(f"{v.layout}: {v.note}" for v in result.layouts))
+    return result
+
+
+@task(retries=2, retry_delay_seconds=[10, 60])
+def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str | None) -> str:
+    """Launch the run (torchrun for several processes), stream its log, resume on retry; the last checkpoint."""
+    logger = get_run_logger()
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = config.run_dir / "run.yaml"
+    config_path.write_text(config.to_yaml())
+    entry = ["-m", "dflash_core.train.entry", "--config", str(config_path), "--resume"]
+    if flow_run_id:
+        entry += ["--flow-run-id", flow_run_id]
+    argv = [sys.executable, *entry] if nproc_per_node == 1 else \
+        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc_per_node), *entry]
+    progress = create_progress_artifact(progress=0.0, description=f"training {config.run_name}")
+    tail: deque[str] = deque(maxlen=40)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
+        for line in process.stdout:
+            line = line.rstrip()
+            tail.append(line)
+            logger.info(line)
+            if line.startswith("step ") and "/" in line:
+                done, total = line.split()[1].split("/")
+                update_progress_artifact(progress, progress=100.0 * int(done) / int(total))
+    if process.returncode == 143:
+        raise TrainingFailed(f"training was stopped by SIGTERM after a checkpoint; a retry resumes it")
+    if process.returncode != 0:
+        raise TrainingFailed(f"training exited with {process.returncode}:\n" + "\n".join(tail))
+    checkpoint = latest_checkpoint(config.run_dir / "checkpoints")
+    if checkpoint is None:
+        raise TrainingFailed(f"training finished but left no checkpoint under {config.run_dir / 'checkpoints'}")
+    return str(checkpoint)
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15])
+def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str) -> Manifest:
+    """Curves and a summary table as artifacts; metrics + PNG to S3 with manifests pointing at the checkpoint."""
+    store = ObjectStore.from_settings(settings)
+    records = read_metrics(config.run_dir / "metrics.jsonl")
+    png = curves_png(records, title=config.run_name)
+    prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "train", config.run_name)
+    checkpoint_uri = store.uri(f"{artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)}/"
+                               f"{Path(checkpoint).name}/model.safetensors")
+    inputs = [InputRef(uri=checkpoint_uri)]
+    producer = run_producer()
+    write_artifact(store, f"{prefix}/curves.png", png, kind=ArtifactKind.REPORT, inputs=inputs, producer=producer)
+    manifest = write_artifact(store, f"{prefix}/metrics.jsonl", config.run_dir / "metrics.jsonl",
+                              kind=ArtifactKind.REPORT, inputs=inputs, config=config, producer=producer)
+    create_table_artifact(summary_rows(records, every=max(1, len(records) // 12)), key="training-metrics",
+                          description=f"{config.run_name}: loss, expected acceptance length, accuracy at slot 1")
+    create_image_artifact(image_url=store.presigned_url(f"{prefix}/curves.png", expires_s=7 * 24 * 3600),
+                          key="training-curves", description=f"{config.run_name}: loss and acceptance length")
+    return manifest
