@@ -192,6 +192,28 @@ def lineage(
 
 
 @app.command()
+def train(
+    config: Annotated[Path, typer.Option(help="Run config (YAML or JSON): dflash_core.train.config.TrainConfig.")],
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: optim.lr=1e-4 (repeatable).")] = None,
+    nproc_per_node: Annotated[int, typer.Option(help="Processes (GPUs) on this node; >1 uses torchrun + DDP.")] = 1,
+    resume: Annotated[bool, typer.Option(help="Continue from the latest complete checkpoint (local, else S3).")] = True,
+) -> None:
+    """Train a drafter online (target forward + drafter step each batch; no hidden states on disk)."""
+    from dflash_core.train.config import TrainConfig
+
+    try:
+        TrainConfig.from_yaml(config, overrides=set_ or [])  # fail here, with the field named, not in N processes
+    except ValueError as error:
+        raise _fail(str(error)) from None
+    entry = ["-m", "dflash_core.train.entry", "--config", str(config), *[f"--set={item}" for item in set_ or []]]
+    if resume:
+        entry.append("--resume")
+    argv = [sys.executable, *entry] if nproc_per_node == 1 else \
+        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc_per_node), *entry]
+    raise typer.Exit(code=subprocess.run(argv).returncode)
+
+
+@app.command()
 def deploy(
     pool: Annotated[str, typer.Option(help="Process work pool to create (or reuse) for the deployments.")] = "dflash",
 ) -> None:

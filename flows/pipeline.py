@@ -1,6 +1,7 @@
-"""The main job on the embedded default. Today: store check -> capacity plan (a report written to
-S3 with its manifest and verified) -> on-policy generation by the embedded SmolLM2 served with
-`transformers serve`. Later stages (tokenize, train, evaluate, export) join here as they land.
+"""The main job on the embedded default: store check -> capacity plan (a report written to S3 with
+its manifest and verified) -> on-policy generation by the embedded SmolLM2 served with
+`transformers serve` -> tokenization with the quality gate -> a short online training run of a
+small drafter against SmolLM2. Evaluation and export join here as they land.
 
 Run: `dflash demo` (starts the local services first) or `python -m flows.pipeline --params '{}'`.
 """
@@ -19,7 +20,10 @@ from pydantic import BaseModel, Field
 
 from dflash_core.planner import PRESETS, PlanInputs
 from dflash_core.settings import load_settings
+from dflash_core.train.config import TrainConfig
 from flows.generate import GenerateParams, PromptSourceParam, generate
+from flows.tokenize import TokenizeParams, tokenize
+from flows.train import TrainFlowParams, train
 from tasks.plan import plan_capacity
 from tasks.store import check_store, publish_report
 
@@ -37,6 +41,18 @@ def demo_generation() -> GenerateParams:
     )
 
 
+def demo_tokenization() -> TokenizeParams:
+    return TokenizeParams(dataset="demo", run="smollm2")
+
+
+def demo_training() -> TrainFlowParams:
+    """A few CPU steps of a 2-layer drafter (block 8) against SmolLM2: shows the loop, not a useful drafter."""
+    return TrainFlowParams(config=TrainConfig(
+        run_name="demo-drafter", target="embedded", data=["tokenized/demo/smollm2/"], token_budget=512,
+        max_steps=20, checkpoint_every=10, log_every=2, validate_capture_batches=1,
+        drafter={"num_layers": 2, "block_size": 8, "num_anchors": 64}, optim={"lr": 1e-3, "warmup_steps": 2}))
+
+
 class PipelineParams(BaseModel):
     target_preset: PresetName = Field("smollm2-135m", description="Target model shape.")
     samples: int = Field(2_000, gt=0, description="Prompts to generate completions for.")
@@ -46,6 +62,9 @@ class PipelineParams(BaseModel):
     generation_tokens_per_s: float = Field(20.0, gt=0, description="Per-instance generation speed.")
     generation: GenerateParams | None = Field(default_factory=demo_generation,
                                               description="Generation stage; None skips it.")
+    tokenization: TokenizeParams | None = Field(default_factory=demo_tokenization,
+                                                description="Tokenization stage; None skips it.")
+    training: TrainFlowParams | None = Field(default_factory=demo_training, description="Training stage; None skips it.")
 
     def plan_inputs(self) -> PlanInputs:
         return PlanInputs(target=PRESETS[self.target_preset], samples=self.samples, mean_tokens=self.mean_tokens,
@@ -65,6 +84,10 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
               "fits": [v.layout for v in capacity.layouts if v.fits]}
     if params.generation is not None:
         result["generation"] = generate(params.generation)
+    if params.tokenization is not None:
+        result["tokenization"] = tokenize(params.tokenization)
+    if params.training is not None:
+        result["training"] = train(params.training)
     return result
 
 

@@ -18,7 +18,7 @@ def test_pipeline_flow_writes_verified_report_and_artifacts(prefect_server, stor
 
     from flows.pipeline import PipelineParams, pipeline
 
-    state = pipeline(PipelineParams(generation=None), return_state=True)
+    state = pipeline(PipelineParams(generation=None, tokenization=None, training=None), return_state=True)
     assert state.is_completed(), state
     result = state.result()
     key = result["report"].removeprefix(f"s3://{store.bucket}/")
@@ -40,7 +40,7 @@ def test_pipeline_flow_writes_verified_report_and_artifacts(prefect_server, stor
 def test_pipeline_refuses_a_layout_that_does_not_fit(prefect_server, env_settings):
     from flows.pipeline import PipelineParams, pipeline
 
-    state = pipeline(PipelineParams(target_preset="qwen3-32b", gpu_memory_gib=24, generation=None), return_state=True)
+    state = pipeline(PipelineParams(target_preset="qwen3-32b", gpu_memory_gib=24, generation=None, tokenization=None, training=None), return_state=True)
     assert state.is_failed()
     with pytest.raises(Exception, match="no GPU layout fits"):
         state.result()
