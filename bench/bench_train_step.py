@@ -42,6 +42,17 @@ from dflash_core.target import (  # noqa: E402
 )
 
 
+def qwen3_5_27b_config():
+    """Qwen3.5-27B's text model shape (26.9B params): Gated DeltaNet x3 + gated attention, repeated."""
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(
+        hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, vocab_size=248320, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
+    )
+
+
 def qwen3_8b_config():
     import transformers
 
@@ -309,6 +320,8 @@ def main(argv=None) -> None:
         help="comma list, run in order: eager; compiled (drafter layers + loss kernel); compiled_all (also the "
         "target's decoder layers, compiled from then on)",
     )
+    parser.add_argument("--target", default="qwen3-8b", choices=["qwen3-8b", "qwen3.5-27b"],
+                        help="target shape (random weights); qwen3.5-27b is the fit check of a 27B hybrid")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", help="write results here")
@@ -321,8 +334,10 @@ def main(argv=None) -> None:
         torch.set_num_threads(1)  # tiny matmuls on a shared CPU: more threads only contend
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if device.type == "cuda":
-        target_config = qwen3_8b_config()
+        target_config = qwen3_8b_config() if args.target == "qwen3-8b" else qwen3_5_27b_config()
         target = build_target_on_device(target_config, device=device, dtype=torch.bfloat16)
+        print(json.dumps({"target": args.target, "params_b": sum(p.numel() for p in target.parameters()) / 1e9,
+                          "weights_gib": torch.cuda.memory_allocated(device) / 2**30}), flush=True)
         peak = measure_matmul_peak(device=device)
     else:
         target_config = tiny_target_config("qwen3", num_layers=8)
