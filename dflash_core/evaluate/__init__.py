@@ -1,0 +1,64 @@
+"""Acceptance-faithful evaluation of a DFlash drafter against its target: real draft/verify rounds
+(block or DDTree), compared token for token with the target's own greedy decoding.
+
+    report = evaluate_prompts(target=t, drafter=d, prompts=[[...], ...], modes=("block", "tree"),
+                              max_new_tokens=128)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dflash_core.evaluate.report import ResponseResult, markdown_table, plot_acceptance, summarize
+from dflash_core.evaluate.speculative import MODES, Decoded, SpeculativeDecoder, greedy_decode
+from dflash_core.evaluate.tree import DraftTree, accepted_path, build_draft_tree
+
+__all__ = [
+    "MODES",
+    "Decoded",
+    "DraftTree",
+    "SpeculativeDecoder",
+    "accepted_path",
+    "build_draft_tree",
+    "evaluate_prompts",
+    "greedy_decode",
+    "markdown_table",
+    "plot_acceptance",
+    "summarize",
+]
+
+
+def evaluate_prompts(
+    *, target: torch.nn.Module, drafter: torch.nn.Module, prompts: list[list[int]], modes: tuple[str, ...] = ("block",),
+    max_new_tokens: int, eos_token_id: int | None = None, tree_budget: int | None = None, warmup: bool = True,
+) -> dict[str, Any]:
+    """Decode every prompt target-only and in each mode; returns {"summaries": [...], "table": md}.
+
+    A response whose speculative output differs from the target's greedy output is reported, not
+    raised: in bf16 a batched verify pass and one-token steps can round differently.
+    """
+    if not prompts:
+        raise ValueError("prompts is empty")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {modes}")
+    decoders = {mode: SpeculativeDecoder(target=target, drafter=drafter, mode=mode, tree_budget=tree_budget)
+                for mode in modes}
+    if warmup:  # first calls pay for allocator and kernel setup; keep them out of the timings
+        greedy_decode(target, prompts[0], max_new_tokens=2)
+        for decoder in decoders.values():
+            decoder.generate(prompts[0], max_new_tokens=2)
+    baselines = [greedy_decode(target, p, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id) for p in prompts]
+    summaries = []
+    for mode, decoder in decoders.items():
+        results = []
+        for index, (prompt, baseline) in enumerate(zip(prompts, baselines)):
+            decoded = decoder.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+            results.append(ResponseResult(
+                prompt_index=index, prompt_tokens=len(prompt), decoded=decoded, baseline_wall_s=baseline.wall_s,
+                matches_target=decoded.tokens == baseline.tokens,
+            ))
+        summaries.append(summarize(results, block_size=drafter.config.block_size, mode=mode))
+    return {"summaries": summaries, "table": markdown_table(summaries)}

@@ -1,0 +1,99 @@
+"""Acceptance statistics of speculative decoding runs: tau, its histogram, per-position acceptance,
+speedup and tokens/s, plus the markdown table and PNG the evaluate flow publishes.
+
+tau: per round, accepted drafted tokens + 1; averaged per response, then over responses.
+Per-position acceptance: for draft position k (1..B-1), the fraction of rounds that accepted at
+least k drafted tokens. Speedup: target-only wall time over speculative wall time, summed over the
+same responses in the same harness (both include prefill).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from dflash_core.evaluate.speculative import Decoded
+
+
+@dataclasses.dataclass
+class ResponseResult:
+    prompt_index: int
+    prompt_tokens: int
+    decoded: Decoded
+    baseline_wall_s: float
+    matches_target: bool
+
+
+def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> dict[str, Any]:
+    """Overall and per-response statistics of one mode over a set of responses."""
+    if not results:
+        raise ValueError("no responses to summarize")
+    rounds = [a for r in results for a in r.decoded.accepted]
+    taus = [r.decoded.tau for r in results if r.decoded.accepted]
+    histogram = {str(t): 0 for t in range(1, block_size + 1)}
+    for accepted in rounds:
+        histogram[str(accepted + 1)] += 1
+    per_position = [sum(a >= k for a in rounds) / len(rounds) if rounds else 0.0 for k in range(1, block_size)]
+    spec_s = sum(r.decoded.wall_s for r in results)
+    base_s = sum(r.baseline_wall_s for r in results)
+    tokens = sum(len(r.decoded.tokens) for r in results)
+    return {
+        "mode": mode,
+        "num_responses": len(results),
+        "num_rounds": len(rounds),
+        "tau": sum(taus) / len(taus) if taus else 0.0,
+        "tau_histogram": histogram,
+        "acceptance_per_position": per_position,
+        "speedup": base_s / spec_s if spec_s > 0 else 0.0,
+        "tokens_per_s": tokens / spec_s if spec_s > 0 else 0.0,
+        "baseline_tokens_per_s": tokens / base_s if base_s > 0 else 0.0,
+        "new_tokens": tokens,
+        "target_forwards": sum(r.decoded.num_target_forwards for r in results),
+        "all_match_target": all(r.matches_target for r in results),
+        "responses": [
+            {"prompt_index": r.prompt_index, "prompt_tokens": r.prompt_tokens, "new_tokens": len(r.decoded.tokens),
+             "tau": r.decoded.tau, "accepted_per_round": r.decoded.accepted, "wall_s": r.decoded.wall_s,
+             "baseline_wall_s": r.baseline_wall_s, "matches_target": r.matches_target}
+            for r in results
+        ],
+    }
+
+
+def markdown_table(summaries: list[dict[str, Any]]) -> str:
+    lines = [
+        "| mode | responses | rounds | tau | speedup | tokens/s | target-only tokens/s | matches target |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s['mode']} | {s['num_responses']} | {s['num_rounds']} | {s['tau']:.3f} | {s['speedup']:.2f}x | "
+            f"{s['tokens_per_s']:.1f} | {s['baseline_tokens_per_s']:.1f} | {s['all_match_target']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_acceptance(summaries: list[dict[str, Any]], path: Path) -> Path:
+    """PNG: tau histogram (per round) and per-position acceptance, one series per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / max(len(summaries), 1)
+    for index, s in enumerate(summaries):
+        keys = sorted(s["tau_histogram"], key=int)
+        total = max(sum(s["tau_histogram"].values()), 1)
+        left.bar([int(k) + index * width for k in keys], [s["tau_histogram"][k] / total for k in keys],
+                 width=width, label=f"{s['mode']} (tau {s['tau']:.2f})")
+        positions = range(1, len(s["acceptance_per_position"]) + 1)
+        right.plot(list(positions), s["acceptance_per_position"], marker="o", label=s["mode"])
+    left.set(title="tau per round", xlabel="accepted + 1", ylabel="fraction of rounds")
+    right.set(title="acceptance per draft position", xlabel="draft position", ylabel="P(accepted >= k)", ylim=(0, 1.05))
+    left.legend()
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return Path(path)
