@@ -14,6 +14,11 @@ target,data --anchors-per-seq 128,512`; bf16 matmul peak measured 787 TFLOP/s:
   data     128    24,748  331.0    180.0   141.5    8.6    42.2      76.2%     87.3%
   target   512    11,264  727.2    191.3   527.8    8.7    55.5      71.3%     81.6%
 Eager target + compiled drafter: 404 ms (20.3K tok/s); all eager but flex: 461 ms (17.8K tok/s).
+
+27B fit check, `--target qwen3.5-27b --variants compiled --anchors-per-seq 128 --warmup 2 --steps 3`
+(Qwen3.5-27B text shape, 26.9B params, bf16 weights 50.1 GiB; 5-layer 5120-wide drafter, 1.83B
+params, fp32 AdamW; 4 x 2048 tokens; GDN layers on transformers' torch path): fits one H200 with
+peak 88.2 GiB; 1,591 ms a step (target 1,312, drafter 267, optimizer 15), 5.1K tok/s.
 """
 
 from __future__ import annotations
