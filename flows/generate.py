@@ -19,7 +19,7 @@ from dflash_core.layout import ArtifactKind, artifact_key, shard_name
 from dflash_core.serving import launcher
 from dflash_core.serving.canary import CanaryThresholds
 from dflash_core.serving.client import ClientConfig, SamplingParams
-from dflash_core.serving.generation import GenerationTarget
+from dflash_core.serving.generation import GenerationTarget, shard_is_done
 from dflash_core.serving.profiles import EngineProfile, TransformersProfile
 from dflash_core.settings import load_settings
 from dflash_core.storage import ObjectStore
@@ -81,6 +81,14 @@ def generate(params: GenerateParams = GenerateParams()) -> dict:
             raise ValueError(f"no prompt shards under {store.uri(prefix)}: pass prompt_sources to import some")
 
     profile = params.engine or TransformersProfile(model=str(_embedded_model(settings)))
+    output_keys = [artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, params.dataset, params.run,
+                                shard_name(index, suffix="jsonl")) for index in range(len(prompt_keys))]
+    planned = GenerationTarget(urls=[], model=profile.request_model, server=profile.engine,
+                               sampling=params.sampling, client=params.client)
+    if all(shard_is_done(store, prompt_key=p, output_key=o, target=planned) for p, o in zip(prompt_keys, output_keys)):
+        get_run_logger().info("every shard is already generated with this model and sampling: no server started")
+        return {"shards": output_keys, "completed": None, "failed": 0, "generated_now": 0,
+                "completion_tokens_now": 0, "flow_run": str(flow_run.id or "")}
     run_dir = _run_dir(settings, params.run)
     urls = launch_servers(profile, num_instances=params.num_instances, base_port=params.base_port,
                           run_dir=run_dir, devices=params.devices)
@@ -92,9 +100,7 @@ def generate(params: GenerateParams = GenerateParams()) -> dict:
             run_canary(settings, prompt_key=prompt_keys[0], target=target, count=params.canary_prompts,
                        thresholds=params.canary)
         outcomes = []
-        for index, prompt_key in enumerate(prompt_keys):
-            output_key = artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, params.dataset, params.run,
-                                      shard_name(index, suffix="jsonl"))
+        for index, (prompt_key, output_key) in enumerate(zip(prompt_keys, output_keys)):
             progress = new_progress(f"shard {index + 1}/{len(prompt_keys)}: {output_key}")
             outcomes.append(generate_completion_shard(settings, prompt_key=prompt_key, output_key=output_key,
                                                       target=target, progress_id=progress))

@@ -50,13 +50,26 @@ class GenerationTarget:
     api_key: str | None = None
 
 
+def _work_config(target: GenerationTarget, num_prompts: int) -> dict:
+    """What makes two generations of a shard the same work (not where the servers run)."""
+    return {"model": target.model, "server": target.server, "sampling": target.sampling.model_dump(mode="json"),
+            "prompts": num_prompts}
+
+
+def shard_is_done(store: ObjectStore, *, prompt_key: str, output_key: str, target: GenerationTarget) -> bool:
+    """True when `output_key` holds every answer for these prompts with this model and sampling."""
+    if not store.exists(output_key) or store.exists(output_key + FAILURES_SUFFIX):
+        return False
+    prompts = read_prompt_lines(store.get_bytes(prompt_key))
+    return _made_from(store, output_key, input_ref(store, prompt_key).sha256, _work_config(target, len(prompts)))
+
+
 def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, target: GenerationTarget,
                    scratch_dir: Path, producer: Producer | None = None, checkpoint_every: int = 64,
                    on_result: Callable[[CompletionRecord | FailedPrompt], None] | None = None) -> ShardOutcome:
     prompts = read_prompt_lines(store.get_bytes(prompt_key))
     failures_key = output_key + FAILURES_SUFFIX
-    config = {"model": target.model, "server": target.server, "sampling": target.sampling.model_dump(mode="json"),
-              "prompts": len(prompts)}
+    config = _work_config(target, len(prompts))
     prompt_ref = input_ref(store, prompt_key)
     same_work = _made_from(store, output_key, prompt_ref.sha256, config)
     if same_work and not store.exists(failures_key):

@@ -65,6 +65,10 @@ def test_generate_flow_imports_generates_and_stops(prefect_server, store, env_se
     assert graph.manifests
     run_dir = env_settings.work_path("servers", params.run)
     assert not any(is_alive(i.record) for i in launcher.load_instances(run_dir)), "servers stopped"
+    (run_dir / "instances.json").unlink()
+    again = generate(params.model_copy(update={"prompt_sources": []}), return_state=True).result()
+    assert again["generated_now"] == 0 and again["shards"] == summary["shards"]
+    assert not (run_dir / "instances.json").exists(), "nothing to generate: no server was started"
 
 
 def test_failed_canary_stops_the_run_and_the_servers(prefect_server, store, env_settings, tiny_model_dir,
