@@ -18,11 +18,25 @@ from dflash_core.storage import ObjectStore, sha256_file
 from tasks.provenance import run_producer
 
 
+def _retry_unless_user_error(task, task_run, state) -> bool:
+    """Retry transient faults, not a ValueError (a wrong path stays wrong)."""
+    try:
+        state.result()
+    except ValueError:
+        return False
+    except Exception:  # noqa: BLE001 - any other failure may be transient
+        return True
+    return True
+
+
+_RETRY = {"retries": 3, "retry_delay_seconds": [2, 5, 15], "retry_condition_fn": _retry_unless_user_error}
+
+
 def _store_key(store: ObjectStore, spec: str) -> str:
     return spec.removeprefix(f"s3://{store.bucket}/")
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15])
+@task(**_RETRY)
 def fetch_checkpoint(settings: Settings, *, checkpoint: str, cache_dir: Path) -> tuple[Path, list[InputRef]]:
     """A local checkpoint dir (downloaded from S3 unless `checkpoint` is a local dir) and its input refs."""
     local = Path(checkpoint)
@@ -42,7 +56,7 @@ def fetch_checkpoint(settings: Settings, *, checkpoint: str, cache_dir: Path) ->
     return target, refs
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15])
+@task(**_RETRY)
 def fetch_prompt_bytes(settings: Settings, *, prompts: str) -> tuple[bytes, InputRef]:
     """The prompt file's bytes (local path or S3 key) and its input ref."""
     local = Path(prompts)
