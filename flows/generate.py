@@ -6,8 +6,6 @@ Run: `dflash run generate --params '{"prompt_sources": [{"path": "prompts.jsonl"
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -23,6 +21,7 @@ from dflash_core.serving.generation import GenerationTarget, shard_is_done
 from dflash_core.serving.profiles import EngineProfile, TransformersProfile
 from dflash_core.settings import load_settings
 from dflash_core.storage import ObjectStore
+from flows.command_line import run_from_command_line
 from tasks.generate import (
     generate_completion_shard, import_prompt_set, launch_servers, new_progress, run_canary, stop_servers,
 )
@@ -120,12 +119,6 @@ def _embedded_model(settings) -> Path:
     return embedded_model_dir(settings.work_path("models"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Run the dflash generate flow.")
-    parser.add_argument("--params", default="{}", help="GenerateParams as JSON")
-    args = parser.parse_args()
-    print(json.dumps(generate(GenerateParams.model_validate_json(args.params)), indent=2))
-
 
 if __name__ == "__main__":
-    main()
+    run_from_command_line(generate, GenerateParams)

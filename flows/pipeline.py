@@ -8,8 +8,6 @@ Run: `dflash demo` (starts the local services first) or `python -m flows.pipelin
 
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Literal
 
 from prefect import flow
@@ -21,6 +19,7 @@ from pydantic import BaseModel, Field
 from dflash_core.planner import PRESETS, PlanInputs
 from dflash_core.settings import load_settings
 from dflash_core.train.config import TrainConfig
+from flows.command_line import run_from_command_line
 from flows.generate import GenerateParams, PromptSourceParam, generate
 from flows.tokenize import TokenizeParams, tokenize
 from flows.train import TrainFlowParams, train
@@ -91,12 +90,6 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Run the dflash pipeline flow.")
-    parser.add_argument("--params", default="{}", help="PipelineParams as JSON")
-    args = parser.parse_args()
-    print(json.dumps(pipeline(PipelineParams.model_validate_json(args.params)), indent=2))
-
 
 if __name__ == "__main__":
-    main()
+    run_from_command_line(pipeline, PipelineParams)

@@ -8,7 +8,6 @@ Run: `python -m flows.tokenize --params '{"dataset": "demo", "run": "smollm2"}'`
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from dflash_core.tokenize import (
     stats_markdown, stats_rows, summarize,
 )
 from dflash_core.tokenize.stats import skip_reasons
+from flows.command_line import run_from_command_line
 from tasks.provenance import run_producer
 from tasks.tokenize import summary_frames, tokenize_completion_shard
 
@@ -112,12 +112,6 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> dict:
             "gate": [p.message for p in problems], "report": store.uri(f"{report_prefix}/stats.json")}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Run the dflash tokenize flow.")
-    parser.add_argument("--params", default="{}", help="TokenizeParams as JSON")
-    args = parser.parse_args()
-    print(json.dumps(tokenize(TokenizeParams.model_validate_json(args.params)), indent=2, default=str))
-
 
 if __name__ == "__main__":
-    main()
+    run_from_command_line(tokenize, TokenizeParams)

@@ -7,8 +7,6 @@ Run: `dflash run train --params '{"config": {"target": "embedded", "data": ["tok
 
 from __future__ import annotations
 
-import argparse
-import json
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -16,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from dflash_core.settings import load_settings
 from dflash_core.train.config import TrainConfig
+from flows.command_line import run_from_command_line
 from tasks.train import plan_training, report_training, run_training
 
 
@@ -38,12 +37,6 @@ def train(params: TrainFlowParams) -> dict:
     return {"checkpoint": checkpoint, "metrics": report.uri, "run_dir": str(config.run_dir)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Run the dflash train flow.")
-    parser.add_argument("--params", required=True, help="TrainFlowParams as JSON")
-    args = parser.parse_args()
-    print(json.dumps(train(TrainFlowParams.model_validate_json(args.params)), indent=2))
-
 
 if __name__ == "__main__":
-    main()
+    run_from_command_line(train, TrainFlowParams)
