@@ -50,15 +50,15 @@ def evaluate_prompts(
         greedy_decode(target, prompts[0], max_new_tokens=2)
         for decoder in decoders.values():
             decoder.generate(prompts[0], max_new_tokens=2)
-    baselines = [greedy_decode(target, p, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id) for p in prompts]
-    summaries = []
-    for mode, decoder in decoders.items():
-        results = []
-        for index, (prompt, baseline) in enumerate(zip(prompts, baselines)):
+    # Per prompt: baseline, then every mode, so drifting machine load hits all of them alike.
+    results: dict[str, list[ResponseResult]] = {mode: [] for mode in modes}
+    for index, prompt in enumerate(prompts):
+        baseline = greedy_decode(target, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        for mode, decoder in decoders.items():
             decoded = decoder.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-            results.append(ResponseResult(
+            results[mode].append(ResponseResult(
                 prompt_index=index, prompt_tokens=len(prompt), decoded=decoded, baseline_wall_s=baseline.wall_s,
                 matches_target=decoded.tokens == baseline.tokens,
             ))
-        summaries.append(summarize(results, block_size=drafter.config.block_size, mode=mode))
+    summaries = [summarize(results[mode], block_size=drafter.config.block_size, mode=mode) for mode in modes]
     return {"summaries": summaries, "table": markdown_table(summaries)}

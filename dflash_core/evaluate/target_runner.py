@@ -12,6 +12,7 @@ recurrent layer cannot take, so tree mode refuses hybrid targets.
 from __future__ import annotations
 
 import copy
+import inspect
 import dataclasses
 from typing import Any
 
@@ -47,6 +48,9 @@ class TargetRunner:
             raise ValueError("targets with sliding-window attention layers are not supported by the evaluator yet")
         self.cache: Any = None
         self.length = 0
+        # transformers 5.2x renamed `past_key_values` to `cache`; older 5.x only knows the old name.
+        params = inspect.signature(target.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     @property
     def device(self) -> torch.device:
@@ -58,7 +62,7 @@ class TargetRunner:
         self._last_fed = list(ids)
         input_ids = torch.tensor([ids], device=self.device)
         out = self.target(
-            input_ids=input_ids, cache=self.cache, position_ids=position_ids, attention_mask=attention_mask,
+            input_ids=input_ids, **{self._cache_kwarg: self.cache}, position_ids=position_ids, attention_mask=attention_mask,
             use_cache=True, output_hidden_states=hidden, logits_to_keep=0 if all_logits else 1,
         )
         self.cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values

@@ -1,0 +1,88 @@
+"""Speculative decoding speed: tau, tokens/s and speedup over target-only greedy decoding in the
+same harness, block and DDTree modes, on a random-weight target and a random-init drafter.
+
+    .venv/bin/python bench/bench_evaluate.py --target tiny:qwen3 --prompts 4 --new-tokens 64
+    python bench/bench_evaluate.py --target qwen3-8b --device cuda --prompts 4 --prompt-len 512 --new-tokens 128
+
+With random weights the drafter proposes noise, so tau is ~1 and the "speedup" is the cost of the
+drafting overhead (< 1): these numbers measure the harness, not a trained drafter. Needs torch and
+transformers only (no pydantic), so it runs on a bare GPU image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.evaluate import evaluate_prompts  # noqa: E402
+from dflash_core.model import DFlashConfig  # noqa: E402
+from dflash_core.target import build_target, build_target_on_device, target_heads, tiny_target_config  # noqa: E402
+
+
+def qwen3_8b_config():
+    """Qwen3-8B's shape (36 layers, hidden 4096, GQA 32/8, head_dim 128, vocab 151,936), random weights."""
+    import transformers
+
+    return transformers.Qwen3Config(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=None,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="tiny:qwen3", help="tiny:<family> or qwen3-8b")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--drafter-layers", type=int, default=5)
+    parser.add_argument("--tree-budget", type=int, default=None)
+    parser.add_argument("--modes", nargs="+", default=["block", "tree"])
+    parser.add_argument("--json", type=Path, default=None, help="also write the report here")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    if args.target == "qwen3-8b":
+        target_config = qwen3_8b_config()
+        target = build_target_on_device(target_config, device=device, dtype=dtype)
+    else:
+        target_config = tiny_target_config(args.target.removeprefix("tiny:"))
+        target = build_target(target_config, device=device, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = DFlashConfig.from_target(target_config, num_layers=args.drafter_layers, block_size=args.block_size)
+    drafter = config.build(device=device).to(dtype)
+    drafter.attach_target(target_heads(target))
+    build_s = time.perf_counter() - start
+    vocab = getattr(target_config, "vocab_size")
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(args.prompts)]
+    report = evaluate_prompts(target=target, drafter=drafter, prompts=prompts, modes=tuple(args.modes),
+                              max_new_tokens=args.new_tokens, tree_budget=args.tree_budget)
+    print(f"target {args.target} ({sum(p.numel() for p in target.parameters()) / 1e9:.2f}B params, {dtype}, "
+          f"{device}), drafter {args.drafter_layers} layers B={args.block_size}, RANDOM weights; built in {build_s:.1f} s")
+    print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each\n")
+    print(report["table"])
+    if device.type == "cuda":
+        print(f"\npeak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+    print("\nreproduce: python bench/bench_evaluate.py " + " ".join(sys.argv[1:]))
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, **report}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
