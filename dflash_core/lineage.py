@@ -15,23 +15,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field
 
 from dflash_core.layout import ArtifactKind, is_manifest_key, manifest_key
 from dflash_core.provenance import Producer
+from dflash_core.redaction import REDACTED, redact  # noqa: F401 (REDACTED re-exported)
 from dflash_core.storage import ObjectInfo, ObjectNotFound, ObjectStore, sha256_bytes, sha256_file
 
 MANIFEST_SCHEMA_VERSION = 1
-REDACTED = "**********"
-_SECRET_SUBSTRINGS = ("secret", "password", "credential")
-_SECRET_SUFFIXES = ("token", "api_key", "apikey", "access_key", "access_key_id", "private_key", "auth")
-
-
-def _looks_secret(name: object) -> bool:
-    name = str(name).lower().replace("-", "_")
-    return any(word in name for word in _SECRET_SUBSTRINGS) or name.endswith(_SECRET_SUFFIXES)
-
-
 class InputRef(BaseModel):
     uri: str
     sha256: str | None = None
@@ -48,24 +39,6 @@ class Manifest(BaseModel):
     inputs: list[InputRef] = Field(default_factory=list)
     config: dict[str, Any] = Field(default_factory=dict)
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
-
-
-def redact(value: Any) -> Any:
-    """Config made safe to store: SecretStr and secret-looking keys become '**********'."""
-    if isinstance(value, SecretStr):
-        return REDACTED
-    if isinstance(value, BaseModel):
-        return redact(value.model_dump(mode="python"))
-    if isinstance(value, dict):
-        return {
-            k: REDACTED if _looks_secret(k) and v is not None else redact(v)
-            for k, v in value.items()
-        }
-    if isinstance(value, (list, tuple)):
-        return [redact(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
 
 
 def input_ref(store: ObjectStore, key: str) -> InputRef:

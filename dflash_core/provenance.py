@@ -11,6 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from dflash_core.redaction import redact_argv
+
 PACKAGE_NAME = "dflash-pipeline"
 
 
@@ -52,5 +54,5 @@ def current_producer(*, flow_run_id: str | None = None, task_run_id: str | None 
         git_sha=git_sha(),
         package_version=package_version(),
         host=platform.node(),
-        argv=list(sys.argv),
+        argv=redact_argv(list(sys.argv)),
     )

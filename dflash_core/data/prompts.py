@@ -67,6 +67,7 @@ class ImportReport:
     accepted: int = 0
     rejected: Counter = field(default_factory=Counter)
     per_source: Counter = field(default_factory=Counter)
+    renamed_ids: int = 0
     quarantine: list[dict[str, Any]] = field(default_factory=list)
 
     def reject(self, source: str, index: int, error: BadPrompt, raw: Any) -> None:
@@ -76,7 +77,7 @@ class ImportReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"read": self.read, "accepted": self.accepted, "rejected": dict(self.rejected),
-                "per_source": dict(self.per_source)}
+                "per_source": dict(self.per_source), "renamed_ids": self.renamed_ids}
 
 
 def iter_raw(path: Path) -> Iterator[tuple[int, Any]]:
@@ -184,6 +185,7 @@ def import_prompts(sources: Iterable[PromptSource], *, total: int | None = None,
     report = report or ImportReport()
     weights = sum(source.weight for source in sources)
     seen: set[str] = set()
+    seen_ids: set[str] = set()
     rng = random.Random(seed)
     mixed: list[PromptRecord] = []
     for source in sources:
@@ -201,6 +203,13 @@ def import_prompts(sources: Iterable[PromptSource], *, total: int | None = None,
                 report.reject(source.name, index, error, raw)
                 continue
             seen.add(digest)
+            if record.id in seen_ids:  # ids must be unique: answers are matched to prompts by id
+                record = record.model_copy(update={"id": f"{source.name}-{index}"})
+                report.renamed_ids += 1
+                if record.id in seen_ids:
+                    report.reject(source.name, index, BadPrompt("duplicate", f"id {record.id!r} repeats"), raw)
+                    continue
+            seen_ids.add(record.id)
             valid += 1
             if quota is None or len(kept) < quota:
                 kept.append(record)

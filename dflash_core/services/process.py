@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_core.redaction import redact_argv
+
 
 class ServiceError(RuntimeError):
     """A managed process failed to start or to become ready; the message quotes its log."""
@@ -51,7 +53,7 @@ def start_detached(name: str, argv: Sequence[str], *, log_path: Path, record_pat
             list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
         )
-    record = ProcessRecord(name=name, pid=process.pid, argv=list(argv), log_path=str(log_path),
+    record = ProcessRecord(name=name, pid=process.pid, argv=redact_argv(list(argv)), log_path=str(log_path),
                            started_at=time.time())
     record.save(record_path)
     return record

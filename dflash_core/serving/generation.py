@@ -80,8 +80,11 @@ def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, targ
     done = _answered(store, output_key, wanted) if same_work else {}
     local_partial = Path(scratch_dir) / (output_key.replace("/", "__") + PARTIAL_SUFFIX)
     local_partial.parent.mkdir(parents=True, exist_ok=True)
+    if len(wanted) != len(prompts):
+        raise ValueError(f"{store.uri(prompt_key)} repeats prompt ids: every prompt needs its own id")
     for source in (_read_local(local_partial), _read_remote(store, output_key + PARTIAL_SUFFIX)):
-        done.update({id_: line for id_, line in _parse_lines(source).items() if id_ in wanted})
+        # A partial file left by a run with another model or sampling is not this run's work.
+        done.update({id_: line for id_, line in _parse_lines(source, made_by=target).items() if id_ in wanted})
     _rewrite(local_partial, done)
 
     remaining = [prompt for prompt in prompts if prompt.id not in done]
@@ -155,8 +158,9 @@ def _read_remote(store: ObjectStore, key: str) -> bytes:
         return b""
 
 
-def _parse_lines(data: bytes) -> dict[str, bytes]:
-    """id -> line for every complete, valid record line (a line cut by a crash is ignored)."""
+def _parse_lines(data: bytes, *, made_by: GenerationTarget | None = None) -> dict[str, bytes]:
+    """id -> line for every complete, valid record line (a line cut by a crash is ignored); with
+    `made_by`, only records generated with that target's model and sampling."""
     answered: dict[str, bytes] = {}
     for line in data.splitlines(keepends=True):
         if not line.endswith(b"\n"):
@@ -165,8 +169,16 @@ def _parse_lines(data: bytes) -> dict[str, bytes]:
             record = CompletionRecord.model_validate_json(line)
         except ValueError:
             continue
-        answered.setdefault(record.id, line)
+        if made_by is None or _generated_with(record, made_by):
+            answered.setdefault(record.id, line)
     return answered
+
+
+def _generated_with(record: CompletionRecord, target: GenerationTarget) -> bool:
+    meta, sampling = record.generation, target.sampling
+    return (meta.model, meta.server, meta.enable_thinking, meta.temperature, meta.top_p, meta.max_tokens,
+            meta.seed) == (target.model, target.server, sampling.enable_thinking, sampling.temperature,
+                           sampling.top_p, sampling.max_tokens, sampling.seed)
 
 
 def _rewrite(path: Path, done: dict[str, bytes]) -> None:

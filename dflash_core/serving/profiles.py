@@ -63,13 +63,14 @@ class VllmProfile(_EngineProfile):
             argv += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.speculative_config:
             argv += ["--speculative-config", json.dumps(self.speculative_config)]
-        if self.api_key:
-            argv += ["--api-key", self.api_key.get_secret_value()]
-        return argv + self.extra_args
+        return argv + self.extra_args  # the API key goes by environment (VLLM_API_KEY), never argv
 
     def instance_env(self, device: str | None) -> dict[str, str]:
-        return {"VLLM_HOST_IP": self.host, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                **super().instance_env(device)}
+        env = {"VLLM_HOST_IP": self.host, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               **super().instance_env(device)}
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key.get_secret_value()
+        return env
 
 
 class SglangProfile(_EngineProfile):

@@ -154,3 +154,26 @@ def test_failed_prompts_are_recorded_then_retried(servers, store, prefix, tmp_pa
                            target=_target(profile, [i.url for i in instances[:2]]), scratch_dir=tmp_path)
     assert fixed.failed == 0 and fixed.generated_now == 6 and failures_of(store, output_key) == []
     assert len(_records(store, output_key)) == 6
+
+
+def test_partial_answers_from_other_sampling_are_not_reused(store, prefix, tmp_path) -> None:
+    from dflash_core.serving.client import parse_response
+    from dflash_core.data.prompts import read_prompt_lines
+
+    prompt_key = _prompt_shard(store, prefix, 4)
+    output_key = f"{prefix}/completions/shard-00000.jsonl"
+    old_sampling = SAMPLING.model_copy(update={"enable_thinking": True})
+    stale = b"".join(
+        parse_response(p, {"choices": [{"message": {"content": "old"}, "finish_reason": "stop"}]}, model="m",
+                       server="transformers", sampling=old_sampling).to_json_line()
+        for p in read_prompt_lines(store.get_bytes(prompt_key)))
+    store.put_bytes(output_key + PARTIAL_SUFFIX, stale)
+    dead = GenerationTarget(urls=[f"http://127.0.0.1:{free_port()}"], model="m", server="transformers",
+                            sampling=SAMPLING, client=CLIENT.model_copy(update={"max_attempts": 1}))
+    outcome = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=dead, scratch_dir=tmp_path)
+    assert outcome.failed == 4 and _records(store, output_key) == [], "thinking-mode answers were reused"
+    same = GenerationTarget(urls=dead.urls, model="m", server="transformers", sampling=old_sampling,
+                            client=dead.client)
+    store.put_bytes(output_key + PARTIAL_SUFFIX, stale)
+    assert generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=same,
+                          scratch_dir=tmp_path / "b").completed == 4

@@ -116,3 +116,15 @@ def test_real_sharegpt_sample_if_installed(tmp_path) -> None:
         if count == 2000:
             break
     assert count == 2000
+
+
+def test_repeated_ids_are_renamed_so_answers_match_prompts(tmp_path) -> None:
+    paths = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"id": str(i), "messages": [{"role": "user", "content": f"{name} {i}"}]})
+                                + "\n" for i in range(3)))
+        paths.append(PromptSource(path, name))
+    prompts, report = import_prompts(paths)
+    assert len({p.id for p in prompts}) == 6 and report.renamed_ids == 3
+    assert {p.id for p in prompts if p.source == "b"} == {"b-0", "b-1", "b-2"}

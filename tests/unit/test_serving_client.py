@@ -34,6 +34,7 @@ def test_profiles_are_data_and_bind_loopback() -> None:
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--reasoning-parser" in argv
     assert '"method": "mtp"' in argv[argv.index("--speculative-config") + 1]
     assert vllm.instance_env("3")["CUDA_VISIBLE_DEVICES"] == "3"
+    assert "k" not in argv and vllm.instance_env(None)["VLLM_API_KEY"] == "k", "the key travels by env only"
     sglang = adapter.validate_python({"engine": "sglang", "model": "/m", "tensor_parallel_size": 2})
     assert sglang.argv(port=1)[1:3] == ["-m", "sglang.launch_server"] and "--tp" in sglang.argv(port=1)
     cpu = adapter.validate_python({"engine": "transformers", "model": "/m", "continuous_batching": True})
@@ -74,3 +75,24 @@ def test_canary_catches_missing_reasoning_and_loops() -> None:
     failed = [FailedPrompt(id="x", source="t", error="boom", attempts=4)] * 3 + good[:7]
     assert "got no answer" in check_canary(failed, expect_thinking=True, thresholds=CanaryThresholds()).problems[0]
     assert looks_degenerate(loop) and not looks_degenerate(" ".join(f"word{i}" for i in range(300)))
+
+
+def test_recorded_command_lines_carry_no_secrets(tmp_path) -> None:
+    import json
+    import sys
+
+    from dflash_core.provenance import current_producer
+    from dflash_core.services.process import ProcessRecord, start_detached, stop
+
+    argv = [sys.executable, "-c", "import time; time.sleep(30)", "--api-key", "sk-live-1",
+            '{"engine": {"api_key": "sk-live-2"}}']
+    record = start_detached("t", argv, log_path=tmp_path / "log", record_path=tmp_path / "rec.json")
+    stop(record, timeout_s=5)
+    saved = (tmp_path / "rec.json").read_text()
+    assert "sk-live-1" not in saved and "sk-live-2" not in saved
+    assert ProcessRecord.load(tmp_path / "rec.json").argv[0] == sys.executable
+    sys_argv, sys.argv = sys.argv, ["dflash", "run", "generate", "--params", '{"engine": {"api_key": "sk-3"}}']
+    try:
+        assert "sk-3" not in json.dumps(current_producer().model_dump())
+    finally:
+        sys.argv = sys_argv
