@@ -205,11 +205,10 @@ def train(
         TrainConfig.from_yaml(config, overrides=set_ or [])  # fail here, with the field named, not in N processes
     except ValueError as error:
         raise _fail(str(error)) from None
-    entry = ["-m", "dflash_core.train.entry", "--config", str(config), *[f"--set={item}" for item in set_ or []]]
-    if resume:
-        entry.append("--resume")
-    argv = [sys.executable, *entry] if nproc_per_node == 1 else \
-        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc_per_node), *entry]
+    from dflash_core.train.entry import training_argv
+
+    argv = training_argv(config, nproc_per_node=nproc_per_node, resume=resume,
+                         extra=[f"--set={item}" for item in set_ or []])
     raise typer.Exit(code=subprocess.run(argv).returncode)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections import deque
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
 from dflash_core.train.checkpoint import latest_checkpoint
 from dflash_core.train.config import TrainConfig
+from dflash_core.train.entry import training_argv
 from dflash_core.train.report import curves_png, read_metrics, summary_rows
 from tasks.plan import NoLayoutFits
 from tasks.provenance import run_producer
@@ -50,11 +50,8 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
     config.run_dir.mkdir(parents=True, exist_ok=True)
     config_path = config.run_dir / "run.yaml"
     config_path.write_text(config.to_yaml())
-    entry = ["-m", "dflash_core.train.entry", "--config", str(config_path), "--resume"]
-    if flow_run_id:
-        entry += ["--flow-run-id", flow_run_id]
-    argv = [sys.executable, *entry] if nproc_per_node == 1 else \
-        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc_per_node), *entry]
+    argv = training_argv(config_path, nproc_per_node=nproc_per_node, resume=True,
+                         extra=["--flow-run-id", flow_run_id] if flow_run_id else [])
     progress = create_progress_artifact(progress=0.0, description=f"training {config.run_name}")
     tail: deque[str] = deque(maxlen=40)
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process:

@@ -88,6 +88,16 @@ def load_corpus(tables: Sequence[tuple[str, pa.Table]]) -> TokenizedCorpus:
     )
 
 
+def samples_with_loss(corpus: TokenizedCorpus) -> np.ndarray:
+    """Bool per sample: does any of its tokens carry loss (samples without any teach nothing)."""
+    lengths = corpus.lengths
+    has_loss = np.zeros(len(lengths), dtype=bool)
+    nonempty = lengths > 0
+    if nonempty.any():
+        has_loss[nonempty] = np.logical_or.reduceat(corpus.loss_mask.astype(bool), corpus.offsets[:-1][nonempty])
+    return has_loss
+
+
 def pack(order: np.ndarray, lengths: np.ndarray, *, token_budget: int,
          max_samples: int | None = None) -> list[list[int]]:
     """Greedy packing in `order`: a batch closes when the next sample would overflow the budget (or

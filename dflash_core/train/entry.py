@@ -16,7 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.provenance import current_producer
+from dflash_core.settings import Settings, load_settings
+from dflash_core.storage import ObjectStore
+from dflash_core.train.checkpoint import complete_checkpoints
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.loop import EXIT_PREEMPTED, Distributed, Trainer
 
@@ -51,9 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.is_available():
             torch.cuda.set_device(dist_info.local_rank)
         dist.init_process_group(backend=backend)
-    store = _store_if_needed(config)
-    trainer = Trainer(config, store=store, models_dir=_models_dir(), dist_info=dist_info,
-                      flow_run_id=args.flow_run_id)
+    existing = complete_checkpoints(config.run_dir / "checkpoints")
+    if existing and not args.resume:
+        raise SystemExit(f"{config.run_dir} already holds checkpoints up to {existing[-1].name}: pass --resume to "
+                         "continue that run, or choose a new run_name")
+    settings = load_settings()
+    store = _store_if_needed(config, settings)
+    trainer = Trainer(config, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
+                      flow_run_id=args.flow_run_id,
+                      checkpoint_prefix=artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name))
     try:
         if dist_info.is_main:
             write_run_record(config)
@@ -72,22 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_PREEMPTED if result.preempted else 0
 
 
-def _store_if_needed(config: TrainConfig):
-    needs = config.upload_checkpoints or any(not Path(item).is_file() for item in config.data)
-    if not needs:
+def _store_if_needed(config: TrainConfig, settings: Settings) -> ObjectStore | None:
+    if not config.upload_checkpoints and all(Path(item).is_file() for item in config.data):
         return None
-    from dflash_core.settings import load_settings
-    from dflash_core.storage import ObjectStore
-
-    store = ObjectStore.from_settings(load_settings())
+    store = ObjectStore.from_settings(settings)
     store.check()
     return store
 
 
-def _models_dir() -> Path:
-    from dflash_core.settings import load_settings
-
-    return load_settings().work_path("models")
+def training_argv(config_path: Path, *, nproc_per_node: int, resume: bool, extra: list[str] = ()) -> list[str]:
+    """The command that runs a training run: this module directly, or under torchrun for N processes."""
+    entry = ["-m", "dflash_core.train.entry", "--config", str(config_path), *extra] + (["--resume"] if resume else [])
+    if nproc_per_node == 1:
+        return [sys.executable, *entry]
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    return [torchrun, "--standalone", "--nproc-per-node", str(nproc_per_node), *entry]
 
 
 def _console_logger(config: TrainConfig):

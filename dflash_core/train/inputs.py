@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dflash_core.lineage import InputRef
-from dflash_core.storage import ObjectStore
+from dflash_core.storage import ObjectStore, sha256_file
 
 
 def fetch_shards(items: list[str], *, store: ObjectStore | None, cache_dir: Path) -> list[tuple[Path, InputRef | None]]:
@@ -31,7 +31,9 @@ def fetch_shards(items: list[str], *, store: ObjectStore | None, cache_dir: Path
         for shard_key in keys:
             info = store.head(shard_key)
             path = cache_dir / shard_key
-            if not (path.is_file() and path.stat().st_size == info.size):
+            cached = path.is_file() and path.stat().st_size == info.size and \
+                (info.sha256 is None or sha256_file(path) == info.sha256)
+            if not cached:  # a re-tokenized shard can keep its size: the hash decides
                 store.get_file(shard_key, path)
             shards.append((path, InputRef(uri=store.uri(shard_key), sha256=info.sha256)))
     return shards

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -25,7 +25,7 @@ from dflash_core.storage import ObjectStore
 from dflash_core.target import HiddenStateCapture, target_heads, validate_capture
 from dflash_core.train import checkpoint as ckpt
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.data import PackedBatchSampler, collate, load_corpus, read_shard_table
+from dflash_core.train.data import PackedBatchSampler, collate, load_corpus, read_shard_table, samples_with_loss
 from dflash_core.train.inputs import fetch_shards, load_target_model
 from dflash_core.train.remote import download_checkpoint, remote_steps, upload_checkpoint
 from dflash_core.train.step import batch_tensors, capture_batch, drafter_step
@@ -94,8 +94,7 @@ class Trainer:
         shards = fetch_shards(config.data, store=store, cache_dir=self.run_dir.parent / ".cache")
         self.inputs: list[InputRef] = [ref for _, ref in shards if ref is not None]
         self.corpus = load_corpus([(str(path), read_shard_table(path)) for path, _ in shards])
-        usable = np.array([self.corpus.loss_mask[s:e].any() for s, e in zip(self.corpus.offsets[:-1],
-                                                                             self.corpus.offsets[1:])])
+        usable = samples_with_loss(self.corpus)
         self.sampler = PackedBatchSampler(self.corpus.lengths, token_budget=config.token_budget, seed=config.seed,
                                           rank=self.dist.rank, world_size=self.dist.world_size,
                                           drop_samples_without_loss=~usable,
@@ -197,10 +196,11 @@ class Trainer:
         previous = signal.signal(signal.SIGTERM, self._request_stop)
         batches = iter(self.sampler)
         last_checkpoint = None
+        saved_step = -1
         started = time.perf_counter()
         tokens_since_log = 0
         try:
-            while self.step < config.max_steps and not self._stop_requested:
+            while self.step < config.max_steps and not self._stop_agreed():
                 metrics, tokens = self._optimizer_step(batches)
                 self.step += 1
                 tokens_since_log += tokens
@@ -214,13 +214,15 @@ class Trainer:
                     started, tokens_since_log = time.perf_counter(), 0
                 if self.step % config.checkpoint_every == 0 or self.step == config.max_steps:
                     last_checkpoint = self.save() or last_checkpoint
+                    saved_step = self.step
                     self._barrier()
-            if self._stop_requested and self.step % config.checkpoint_every:
+            preempted = self.step < config.max_steps
+            if preempted and saved_step != self.step:
                 last_checkpoint = self.save() or last_checkpoint
                 self._barrier()
         finally:
             signal.signal(signal.SIGTERM, previous)
-        return TrainResult(self.step, last_checkpoint, self._stop_requested, metrics_path)
+        return TrainResult(self.step, last_checkpoint, preempted, metrics_path)
 
     def _optimizer_step(self, batches) -> tuple[dict[str, torch.Tensor], int]:
         config = self.config
@@ -233,7 +235,7 @@ class Trainer:
             tensors = batch_tensors(batch, self.target_device)
             captured = capture_batch(self.capture, tensors)
             sync = micro == accum - 1 or self.dist.world_size == 1
-            context = self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else _nullcontext()
+            context = self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else nullcontext()
             with context:
                 metrics = drafter_step(
                     self.model, tensors=tensors, captured=captured, num_anchors=config.drafter.num_anchors,
@@ -260,17 +262,18 @@ class Trainer:
     def _request_stop(self, signum, frame) -> None:
         self._stop_requested = True
 
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop: SIGTERM reaches ranks at different moments, and a rank
+        that left the loop alone would leave the others waiting in their next all-reduce."""
+        if self.dist.world_size == 1 or not dist.is_initialized():
+            return self._stop_requested
+        flag = torch.tensor([float(self._stop_requested)], device=self.drafter_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def _barrier(self) -> None:
         if self.dist.world_size > 1 and dist.is_initialized():
             dist.barrier()
 
     def close(self) -> None:
         self.capture.close()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -102,6 +102,22 @@ def test_sigterm_saves_and_exits_143(tmp_path) -> None:
     assert (tmp_path / "runs" / "stopped" / "run.yaml").exists()
     provenance = json.loads((tmp_path / "runs" / "stopped" / "provenance.json").read_text())
     assert provenance["versions"]["torch"].startswith("2.") and provenance["argv"]
+    fresh = _train(config, tmp_path)  # no --resume on a run that has checkpoints: refused, nothing pruned
+    assert fresh.returncode != 0 and "pass --resume" in fresh.stderr
+    assert latest_checkpoint(tmp_path / "runs" / "stopped" / "checkpoints") == saved
+
+
+def test_sigterm_under_ddp_stops_every_rank_with_a_checkpoint(tmp_path) -> None:
+    config = _config(tmp_path, "ddp-stopped", max_steps=100000, checkpoint_every=1000)
+    process = subprocess.Popen([str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
+                                "-m", "dflash_core.train.entry", "--config", str(config)],
+                               env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    _wait_for_step(tmp_path / "runs" / "ddp-stopped", 3, process)
+    os.killpg(process.pid, signal.SIGTERM)  # as a scheduler would: every rank, at slightly different times
+    process.wait(timeout=60)
+    saved = latest_checkpoint(tmp_path / "runs" / "ddp-stopped" / "checkpoints")
+    assert saved is not None and int(saved.name.split("-")[1]) >= 3
 
 
 def test_two_process_ddp_equals_one_process(tmp_path) -> None:
