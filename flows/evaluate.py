@@ -9,7 +9,6 @@ Run: `.venv/bin/python -m flows.evaluate --params '{"checkpoint": "checkpoints/r
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 import torch
@@ -18,6 +17,7 @@ from pydantic import BaseModel, Field
 
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.settings import load_settings
+from flows.command_line import run_from_command_line
 from tasks.evaluate import fetch_checkpoint, fetch_prompt_bytes, publish_evaluation, run_evaluation
 
 
@@ -72,7 +72,7 @@ def _read_prompts(params: EvaluateParams, data: bytes, *, target, vocab_size: in
     return prompts
 
 
-@flow(name="evaluate", log_prints=True)
+@flow(name="dflash-evaluate", log_prints=True)
 def evaluate(params: EvaluateParams) -> dict:
     """checkpoint + prompts -> speculative decoding rounds -> report with lineage."""
     logger = get_run_logger()
@@ -99,8 +99,4 @@ def evaluate(params: EvaluateParams) -> dict:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", required=True, help="EvaluateParams as JSON")
-    print(json.dumps(evaluate(EvaluateParams.model_validate_json(parser.parse_args().params)), indent=2))
+    run_from_command_line(evaluate, EvaluateParams)

@@ -1,12 +1,14 @@
 """Train a drafter online: plan capacity (refuse what cannot fit) -> train (torchrun subprocess;
-capture validated on the first batches; resumes from the latest checkpoint on retry) -> report.
-Evaluation and export join as their flows land.
+capture validated on the first batches; resumes from the latest checkpoint on retry) -> report ->
+evaluate (speculative decoding against the target) -> export (native and speculators formats).
 
 Run: `dflash run train --params '{"config": {"target": "embedded", "data": ["tokenized/demo/smollm2/"]}}'`
 """
 
 from __future__ import annotations
 
+
+from typing import Literal
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -15,6 +17,8 @@ from pydantic import BaseModel, Field
 from dflash_core.settings import load_settings
 from dflash_core.train.config import TrainConfig
 from flows.command_line import run_from_command_line
+from flows.evaluate import EvaluateParams, evaluate
+from tasks.export import export_checkpoint
 from tasks.train import plan_training, report_training, run_training
 
 
@@ -24,6 +28,12 @@ class TrainFlowParams(BaseModel):
     gpu_memory_gib: float = Field(139.0, gt=0, description="For the capacity check.")
     expected_samples: int = Field(100_000, gt=0, description="For the capacity check's storage figures.")
     expected_mean_tokens: float = Field(2_000, gt=0)
+    evaluate: bool = Field(True, description="Measure acceptance by real draft/verify rounds after training.")
+    eval_prompts: str | None = Field(None, description="Held-out prompts (.arrow/.jsonl, local or S3); None: the first data item's first shard.")
+    eval_num_prompts: int = Field(4, gt=0)
+    eval_max_new_tokens: int = Field(32, gt=0)
+    export_formats: list[Literal["native", "speculators"]] = Field(
+        default_factory=lambda: ["native", "speculators"], description="Formats a format-incompatible drafter skips.")
 
 
 @flow(name="dflash-train", log_prints=True, persist_result=True)
@@ -34,7 +44,28 @@ def train(params: TrainFlowParams) -> dict:
                   samples=params.expected_samples, mean_tokens=params.expected_mean_tokens)
     checkpoint = run_training(config, nproc_per_node=params.nproc_per_node, flow_run_id=str(flow_run.id or ""))
     report = report_training(settings, config, checkpoint=checkpoint)
-    return {"checkpoint": checkpoint, "metrics": report.uri, "run_dir": str(config.run_dir)}
+    result = {"checkpoint": checkpoint, "metrics": report.uri, "run_dir": str(config.run_dir)}
+    if params.evaluate:
+        result["evaluation"] = evaluate(EvaluateParams(
+            checkpoint=checkpoint, prompts=params.eval_prompts or _first_shard(settings, config.data[0]),
+            target=config.target, target_seed=config.seed, run=config.run_name, num_prompts=params.eval_num_prompts,
+            max_new_tokens=params.eval_max_new_tokens))
+    if params.export_formats:
+        result["exports"] = export_checkpoint(settings, config, checkpoint=checkpoint, formats=params.export_formats)
+    return result
+
+
+def _first_shard(settings, item: str) -> str:
+    """`item` itself, or the first .arrow shard under it when it is an S3 prefix."""
+    if not item.endswith("/"):
+        return item
+    from dflash_core.storage import ObjectStore
+
+    store = ObjectStore.from_settings(settings)
+    keys = sorted(i.key for i in store.list(item.removeprefix(f"s3://{store.bucket}/")) if i.key.endswith(".arrow"))
+    if not keys:
+        raise ValueError(f"no .arrow shard under {item!r} to evaluate on: pass eval_prompts")
+    return keys[0]
 
 
 
