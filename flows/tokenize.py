@@ -14,7 +14,6 @@ from pathlib import Path
 import polars as pl
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
-from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 

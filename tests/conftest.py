@@ -42,6 +42,17 @@ def free_port(*, grpc_offset: bool = False) -> int:
             return port
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls on a busy 2-core machine run several times faster on one thread than on two."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("dflash-work")

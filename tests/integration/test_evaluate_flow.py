@@ -16,12 +16,7 @@ import torch
 from dflash_core.lineage import read_manifest
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _checkpoint_in_s3(store, prefix, tmp_path):

@@ -17,7 +17,7 @@ from dflash_core.data.prompts import PromptRecord
 from dflash_core.layout import ArtifactKind
 from dflash_core.lineage import read_manifest, write_artifact
 from dflash_core.serving import launcher
-from dflash_core.serving.client import ClientConfig, FailedPrompt, SamplingParams
+from dflash_core.serving.client import ClientConfig, SamplingParams
 from dflash_core.serving.generation import (
     PARTIAL_SUFFIX, GenerationTarget, failures_of, generate_shard,
 )

@@ -23,12 +23,7 @@ _SEQ, _BLOCK = 24, 4
 _ANCHORS = [3, 9, 15]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _drafter_and_target(tmp_path, *, layer_types=None, sliding_window=None):

@@ -26,13 +26,7 @@ from dflash_core.target import HiddenStateCapture, build_target, target_heads, t
 _BLOCK, _NEW = 4, 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls on a busy 2-core machine run much faster on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _setup(family, *, num_drafter_layers=1, seed=0):

@@ -15,13 +15,7 @@ from dflash_core.target import HiddenStateCapture, build_target, target_heads, t
 _SEQ = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls on a busy 2-core machine run ~8x faster on one thread than on two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _setup(family: str, *, block_size: int = 4, layer_types=None, sliding_window=None, seed: int = 0):

@@ -16,13 +16,7 @@ from dflash_core.train.loop import Trainer, lr_factor
 from tests.train_fixtures import synthetic_shard
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls on a busy 2-core machine run faster on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(tmp_path, **changes) -> TrainConfig:
