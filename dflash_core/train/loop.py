@@ -12,6 +12,7 @@ from contextlib import nullcontext
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +103,13 @@ class Trainer:
 
         self.target = load_target_model(config.target, device=self.target_device, models_dir=models_dir,
                                         seed=config.seed)
+        if self.target_device.type == "cuda":
+            # Packed documents: a BlockMask built from position ids skips the cross-document blocks.
+            try:
+                self.target.set_attn_implementation("flex_attention")
+            except (ValueError, ImportError) as error:
+                warnings.warn(f"target keeps its attention implementation ({error}); packed rows cost more",
+                              stacklevel=2)
         d = config.drafter
         self.drafter_config = DFlashConfig.from_target(
             self.target.config, num_layers=d.num_layers, block_size=d.block_size, mask_token_id=d.mask_token_id,
