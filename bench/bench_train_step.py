@@ -42,30 +42,10 @@ from dflash_core.target import (  # noqa: E402
     build_target,
     build_target_on_device,
     language_model,
+    real_shape_config,
     target_heads,
     tiny_target_config,
 )
-
-
-def qwen3_5_27b_config():
-    """Qwen3.5-27B's text model shape (26.9B params): Gated DeltaNet x3 + gated attention, repeated."""
-    import transformers
-
-    return transformers.Qwen3_5TextConfig(
-        hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
-        num_key_value_heads=4, head_dim=256, vocab_size=248320, linear_num_key_heads=16,
-        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
-    )
-
-
-def qwen3_8b_config():
-    import transformers
-
-    return transformers.Qwen3Config(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-    )
 
 
 def measure_matmul_peak(*, device, size: int = 8192, repeats: int = 20) -> float:
@@ -339,7 +319,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(1)  # tiny matmuls on a shared CPU: more threads only contend
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if device.type == "cuda":
-        target_config = qwen3_8b_config() if args.target == "qwen3-8b" else qwen3_5_27b_config()
+        target_config = real_shape_config(args.target)
         target = build_target_on_device(target_config, device=device, dtype=torch.bfloat16)
         print(json.dumps({"target": args.target, "params_b": sum(p.numel() for p in target.parameters()) / 1e9,
                           "weights_gib": torch.cuda.memory_allocated(device) / 2**30}), flush=True)

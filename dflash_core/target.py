@@ -60,6 +60,25 @@ def tiny_target_config(
     raise ValueError(f"unknown family {family!r}; use one of {TINY_FAMILIES}")
 
 
+def real_shape_config(name: str) -> Any:
+    """The config of a real target family member, for random-weight benchmarks at true shapes."""
+    import transformers
+
+    if name == "qwen3-8b":
+        return transformers.Qwen3Config(
+            hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        )
+    if name == "qwen3.5-27b":  # text model: Gated DeltaNet x3 + gated attention, repeated; 26.9B params
+        return transformers.Qwen3_5TextConfig(
+            hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+            num_key_value_heads=4, head_dim=256, vocab_size=248320, linear_num_key_heads=16,
+            linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
+        )
+    raise ValueError(f"unknown real shape {name!r}; use qwen3-8b or qwen3.5-27b")
+
+
 def freeze(model: nn.Module) -> nn.Module:
     """eval mode, no gradients: the target is never trained."""
     model.eval()

@@ -12,11 +12,18 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
+from typing import TYPE_CHECKING
 
-REQUIRED_COLUMNS = {"input_ids": pa.list_(pa.uint32()), "loss_mask": pa.list_(pa.uint8()), "num_tokens": pa.int32()}
+import numpy as np
+
+if TYPE_CHECKING:  # pyarrow is imported where shards are read, so packing runs on images without it
+    import pyarrow as pa
+
+
+def _required_columns() -> dict:
+    import pyarrow as pa
+
+    return {"input_ids": pa.list_(pa.uint32()), "loss_mask": pa.list_(pa.uint8()), "num_tokens": pa.int32()}
 
 
 class BadShard(ValueError):
@@ -47,6 +54,8 @@ class TokenizedCorpus:
 
 def read_shard_table(path: Path) -> pa.Table:
     """An Arrow IPC shard from local disk (memory-mapped), its schema checked; errors name the shard."""
+    import pyarrow as pa
+
     try:
         with pa.memory_map(str(path)) as source:
             table = pa.ipc.open_file(source).read_all()
@@ -57,7 +66,10 @@ def read_shard_table(path: Path) -> pa.Table:
 
 
 def validate_shard_table(table: pa.Table, *, name: str) -> None:
-    for column, dtype in REQUIRED_COLUMNS.items():
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for column, dtype in _required_columns().items():
         if column not in table.column_names:
             raise BadShard(f"{name}: column {column!r} is missing (has {table.column_names}); "
                            "re-tokenize it with `dflash` tokenization")

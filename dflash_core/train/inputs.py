@@ -4,17 +4,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from dflash_core.lineage import InputRef
-from dflash_core.storage import ObjectStore, sha256_file
+if TYPE_CHECKING:  # storage needs boto3, which a bare GPU image may lack: imported when used
+    from dflash_core.lineage import InputRef
+    from dflash_core.storage import ObjectStore
 
 
 def fetch_shards(items: list[str], *, store: ObjectStore | None, cache_dir: Path) -> list[tuple[Path, InputRef | None]]:
     """Local Arrow paths for every data item (an existing local file, an S3 key, or an S3 prefix
     ending in '/'), each with its S3 input reference when it came from S3."""
+    from dflash_core.lineage import InputRef
+    from dflash_core.storage import sha256_file
+
     shards: list[tuple[Path, InputRef | None]] = []
     for item in items:
         local = Path(item)
@@ -40,8 +45,10 @@ def fetch_shards(items: list[str], *, store: ObjectStore | None, cache_dir: Path
 
 
 def load_target_model(spec: str, *, device: torch.device, models_dir: Path, seed: int) -> nn.Module:
-    """The frozen target: `embedded` (SmolLM2, converted once), `tiny:<family>` (random, seeded) or a path."""
-    from dflash_core.target import build_target, load_target, tiny_target_config
+    """The frozen target: `embedded` (SmolLM2, converted once), `tiny:<family>` (random, seeded),
+    `random:<shape>` (random weights at a real shape, e.g. random:qwen3-8b, for benchmarks) or a path."""
+    from dflash_core.target import build_target, build_target_on_device, load_target, real_shape_config
+    from dflash_core.target import tiny_target_config
 
     if spec == "embedded":
         from dflash_core.embedded import embedded_model_dir
@@ -51,6 +58,10 @@ def load_target_model(spec: str, *, device: torch.device, models_dir: Path, seed
         torch.manual_seed(seed)
         # A wide init gives the tiny frozen LM head logits confident enough to learn against.
         return build_target(tiny_target_config(spec.split(":", 1)[1], initializer_range=0.5), device=device)
+    if spec.startswith("random:"):
+        torch.manual_seed(seed)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        return build_target_on_device(real_shape_config(spec.split(":", 1)[1]), device=device, dtype=dtype)
     if not Path(spec).is_dir():
-        raise ValueError(f"target {spec!r} is neither `embedded`, `tiny:<family>` nor a model directory")
+        raise ValueError(f"target {spec!r} is neither `embedded`, `tiny:<family>`, `random:<shape>` nor a model directory")
     return load_target(spec, device=device)

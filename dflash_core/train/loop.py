@@ -8,28 +8,32 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import nullcontext
 import os
 import signal
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from dflash_core.lineage import InputRef
 from dflash_core.model import DFlashConfig, DFlashDraftModel
 from dflash_core.provenance import current_producer
-from dflash_core.storage import ObjectStore
 from dflash_core.target import HiddenStateCapture, target_heads, validate_capture
 from dflash_core.train import checkpoint as ckpt
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.data import PackedBatchSampler, collate, load_corpus, read_shard_table, samples_with_loss
+from dflash_core.train.data import (
+    PackedBatchSampler, TokenizedCorpus, collate, load_corpus, read_shard_table, samples_with_loss,
+)
 from dflash_core.train.inputs import fetch_shards, load_target_model
-from dflash_core.train.remote import download_checkpoint, remote_steps, upload_checkpoint
 from dflash_core.train.step import batch_tensors, capture_batch, drafter_step
+
+if TYPE_CHECKING:  # the object store needs boto3: imported only where a store is used
+    from dflash_core.lineage import InputRef
+    from dflash_core.storage import ObjectStore
 
 EXIT_PREEMPTED = 143  # SIGTERM: checkpoint written, rerun with resume to continue
 
@@ -82,7 +86,8 @@ def _step_generator(seed: int, step: int, global_micro: int) -> torch.Generator:
 class Trainer:
     def __init__(self, config: TrainConfig, *, store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
                  checkpoint_prefix: str | None = None, dist_info: Distributed | None = None,
-                 flow_run_id: str | None = None):
+                 flow_run_id: str | None = None, corpus: TokenizedCorpus | None = None):
+        """`corpus` given (benchmarks, tests) replaces reading `config.data`."""
         self.config = config
         self.store = store
         self.dist = dist_info or Distributed.from_env()
@@ -92,9 +97,12 @@ class Trainer:
         self.target_device, self.drafter_device = _devices(config, self.dist)
         torch.manual_seed(config.seed)
 
-        shards = fetch_shards(config.data, store=store, cache_dir=self.run_dir.parent / ".cache")
-        self.inputs: list[InputRef] = [ref for _, ref in shards if ref is not None]
-        self.corpus = load_corpus([(str(path), read_shard_table(path)) for path, _ in shards])
+        self.inputs: list[InputRef] = []
+        if corpus is None:
+            shards = fetch_shards(config.data, store=store, cache_dir=self.run_dir.parent / ".cache")
+            self.inputs = [ref for _, ref in shards if ref is not None]
+            corpus = load_corpus([(str(path), read_shard_table(path)) for path, _ in shards])
+        self.corpus = corpus
         usable = samples_with_loss(self.corpus)
         self.sampler = PackedBatchSampler(self.corpus.lengths, token_budget=config.token_budget, seed=config.seed,
                                           rank=self.dist.rank, world_size=self.dist.world_size,
@@ -160,6 +168,8 @@ class Trainer:
                                     model_state=self.drafter.state_dict(), train_state=self._train_state(),
                                     meta=meta, keep_last=self.config.keep_last)
         if self.store is not None and self.config.upload_checkpoints:
+            from dflash_core.train.remote import upload_checkpoint
+
             upload_checkpoint(self.store, path, key_prefix=self.checkpoint_prefix, inputs=self.inputs,
                               config=meta["config"], producer=current_producer(flow_run_id=self.flow_run_id))
         return path
@@ -169,6 +179,8 @@ class Trainer:
         root = self.run_dir / "checkpoints"
         path = ckpt.latest_checkpoint(root)
         if path is None and self.store is not None:
+            from dflash_core.train.remote import download_checkpoint, remote_steps
+
             steps = remote_steps(self.store, self.checkpoint_prefix)
             if steps:
                 path = download_checkpoint(self.store, key_prefix=self.checkpoint_prefix, step=steps[-1], root=root)
