@@ -41,6 +41,7 @@ from dflash_core.target import (  # noqa: E402
     HiddenStateCapture,
     build_target,
     build_target_on_device,
+    compile_decoder_layers,
     language_model,
     real_shape_config,
     target_heads,
@@ -242,8 +243,7 @@ def compile_target_layers(target, target_config, device) -> dict[str, list[float
     del reference_model
     torch.cuda.empty_cache()
     eager = states(target)
-    for layer in language_model(target).layers:
-        layer.forward = torch.compile(layer.forward, dynamic=False)
+    compile_decoder_layers(target)
     target._bench_compiled = True
     compiled = states(target)
 

@@ -60,6 +60,13 @@ def tiny_target_config(
     raise ValueError(f"unknown family {family!r}; use one of {TINY_FAMILIES}")
 
 
+def compile_decoder_layers(model: nn.Module) -> None:
+    """torch.compile each decoder layer's forward with static shapes; capture hooks stay eager, outside
+    it. On an H200 this took the Qwen3-8B-shaped forward over 8K tokens from ~250 to ~190 ms."""
+    for layer in language_model(model).layers:
+        layer.forward = torch.compile(layer.forward, dynamic=False)
+
+
 def real_shape_config(name: str) -> Any:
     """The config of a real target family member, for random-weight benchmarks at true shapes."""
     import transformers

@@ -47,7 +47,7 @@ class TrainConfig(BaseModel):
     target_device: str | None = Field(None, description="None: cuda:<local rank> if available, else cpu.")
     drafter_device: str | None = Field(None, description="With placement=pair: the drafter's device.")
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
-    compile: bool = Field(False, description="torch.compile the drafter layers (GPU).")
+    compile: bool = Field(False, description="torch.compile the drafter layers and the target's decoder layers (GPU).")
     checkpoint_every: int = Field(200, ge=1)
     keep_last: int = Field(3, ge=1)
     upload_checkpoints: bool = Field(True, description="Copy each checkpoint to S3 with manifests.")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dflash_core.model import DFlashConfig, DFlashDraftModel
 from dflash_core.provenance import current_producer
-from dflash_core.target import HiddenStateCapture, target_heads, validate_capture
+from dflash_core.target import HiddenStateCapture, compile_decoder_layers, target_heads, validate_capture
 from dflash_core.train import checkpoint as ckpt
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.data import (
@@ -134,6 +134,7 @@ class Trainer:
         drafter.attach_target(heads)
         if config.compile:
             drafter.compile_layers()
+            compile_decoder_layers(self.target)
         self.drafter = drafter
         self.model = drafter
         if self.dist.world_size > 1:
