@@ -60,6 +60,12 @@ def tiny_target_config(
     raise ValueError(f"unknown family {family!r}; use one of {TINY_FAMILIES}")
 
 
+def has_recurrent_layers(config: Any) -> bool:
+    """True for hybrid targets (Gated DeltaNet / linear-attention layers beside attention)."""
+    text = getattr(config, "text_config", None) or config
+    return any(kind == "linear_attention" for kind in getattr(text, "layer_types", None) or ())
+
+
 def compile_decoder_layers(model: nn.Module) -> None:
     """torch.compile each decoder layer's forward with static shapes; capture hooks stay eager, outside
     it. On an H200 this took the Qwen3-8B-shaped forward over 8K tokens from ~250 to ~190 ms."""

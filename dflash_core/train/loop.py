@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 from dflash_core.model import DFlashConfig, DFlashDraftModel
 from dflash_core.provenance import current_producer
-from dflash_core.target import HiddenStateCapture, compile_decoder_layers, target_heads, validate_capture
+from dflash_core.target import (
+    HiddenStateCapture, compile_decoder_layers, has_recurrent_layers, target_heads, validate_capture,
+)
 from dflash_core.train import checkpoint as ckpt
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.data import (
@@ -103,12 +105,6 @@ class Trainer:
             self.inputs = [ref for _, ref in shards if ref is not None]
             corpus = load_corpus([(str(path), read_shard_table(path)) for path, _ in shards])
         self.corpus = corpus
-        usable = samples_with_loss(self.corpus)
-        self.sampler = PackedBatchSampler(self.corpus.lengths, token_budget=config.token_budget, seed=config.seed,
-                                          rank=self.dist.rank, world_size=self.dist.world_size,
-                                          drop_samples_without_loss=~usable,
-                                          max_samples_per_batch=config.max_samples_per_batch)
-
         self.target = load_target_model(config.target, device=self.target_device, models_dir=models_dir,
                                         seed=config.seed)
         if self.target_device.type == "cuda":
@@ -118,6 +114,15 @@ class Trainer:
             except (ValueError, ImportError) as error:
                 warnings.warn(f"target keeps its attention implementation ({error}); packed rows cost more",
                               stacklevel=2)
+        samples_per_batch = config.max_samples_per_batch
+        if has_recurrent_layers(self.target.config) and samples_per_batch != 1:
+            warnings.warn("the target has recurrent (linear-attention) layers, whose state would flow across "
+                          "packed documents: packing is off (max_samples_per_batch=1)", stacklevel=2)
+            samples_per_batch = 1
+        self.sampler = PackedBatchSampler(self.corpus.lengths, token_budget=config.token_budget, seed=config.seed,
+                                          rank=self.dist.rank, world_size=self.dist.world_size,
+                                          drop_samples_without_loss=~samples_with_loss(self.corpus),
+                                          max_samples_per_batch=samples_per_batch)
         d = config.drafter
         self.drafter_config = DFlashConfig.from_target(
             self.target.config, num_layers=d.num_layers, block_size=d.block_size, mask_token_id=d.mask_token_id,

@@ -144,3 +144,11 @@ def test_loss_falls_on_real_text(tmp_path) -> None:
     logs = [json.loads(x) for x in trainer.run().metrics_path.read_text().splitlines()]
     losses = [r["loss"] for r in logs]
     assert sum(losses[-2:]) < 0.85 * sum(losses[:2]), [round(x, 2) for x in losses]  # seen: 12.8 -> 10.4
+
+
+def test_hybrid_target_turns_packing_off(tmp_path) -> None:
+    with pytest.warns(UserWarning, match="packing is off"):
+        trainer = Trainer(tiny_config(tmp_path, target="tiny:qwen3_5", max_steps=2))
+    assert all(len(batch) == 1 for batch in trainer.sampler.epoch_batches(0))
+    trainer.run()
+    trainer.close()
