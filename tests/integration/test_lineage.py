@@ -12,7 +12,8 @@ from pydantic import SecretStr
 
 from dflash_core.layout import ArtifactKind, manifest_key
 from dflash_core.lineage import (
-    REDACTED, build_lineage, find_unmanifested, input_ref, read_manifest, verify_artifact, write_artifact,
+    REDACTED, build_lineage, find_unmanifested, input_ref, read_manifest, register_artifact, verify_artifact,
+    write_artifact,
 )
 from dflash_core.provenance import current_producer
 from dflash_core.storage import ObjectNotFound, ObjectStore, sha256_bytes
@@ -106,3 +107,12 @@ def test_secrets_never_reach_a_manifest(store: ObjectStore, prefix: str, setting
     assert manifest.config["token_budget"] == 8192
     assert manifest.config["api_key"] == REDACTED
     assert manifest.config["settings"]["s3_secret_access_key"] == REDACTED
+
+
+def test_register_an_object_written_outside_write_artifact(store: ObjectStore, prefix: str) -> None:
+    key = f"{prefix}/backup/node.tar"
+    store.client.put_object(Bucket=store.bucket, Key=key, Body=b"tarball")  # no sha256 metadata
+    manifest = register_artifact(store, key, kind=ArtifactKind.NODE_BACKUP, config={"node": "gpu-1"})
+    assert manifest.sha256 == sha256_bytes(b"tarball") and manifest.bytes == 7
+    assert read_manifest(store, key) == manifest
+    assert find_unmanifested(store, f"{prefix}/backup/") == []
