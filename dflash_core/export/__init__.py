@@ -22,6 +22,7 @@ from dflash_core.export.checks import (
     DRAFTER_PREFIXES,
     check_against_target,
     check_formats_agree,
+    check_runtime_conventions,
     check_speculators_compatible,
     check_state_dict,
 )
@@ -54,6 +55,7 @@ def build_export_configs(
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {formats}")
+    check_runtime_conventions(config)
     check_against_target(config, target_config=target_config)
     text = _text_config(target_config)
     max_positions = int(getattr(text, "max_position_embeddings", None) or 32768)

@@ -40,15 +40,34 @@ def check_against_target(config: DFlashConfig, *, target_config: Any) -> None:
         raise ValueError(
             f"mask_token_id {config.mask_token_id} is not a row of the target's {text.vocab_size}-row embedding"
         )
-    theta, partial, _ = _rope_settings(text)
+    theta, _, _ = _rope_settings(text)
     if config.rope_theta != theta:
         raise ValueError(f"rope_theta {config.rope_theta} != target rope_theta {theta}")
-    if config.partial_rotary_factor != partial:
-        raise ValueError(
-            f"partial_rotary_factor {config.partial_rotary_factor} != target partial_rotary_factor {partial}"
-        )
     if SLIDING_ATTENTION in config.layer_types and not config.sliding_window:
         raise ValueError("sliding_attention layers need a sliding_window to export")
+
+
+def check_runtime_conventions(config: DFlashConfig) -> None:
+    """What every runtime builds, whatever the config says: z-lab's reference, vLLM and SGLang make
+    each drafter layer plain Qwen3 attention (q/k RMSNorm always, whole-head rotary, SGLang with
+    rotary_dim = head_dim hard-coded; no bias on o_proj in vLLM/SGLang). A drafter trained otherwise
+    would load and draft something else, so it is refused here (drafters built by `from_target`
+    always conform; only old checkpoints can trip this)."""
+    if not config.qk_norm:
+        raise ValueError(
+            "this drafter was trained without q/k RMSNorm; every runtime (z-lab, vLLM, SGLang, speculators) "
+            "builds q_norm/k_norm and would run it with untrained norms. Retrain it with the current code "
+            "(q/k norm is always on)."
+        )
+    if config.partial_rotary_factor != 1.0:
+        raise ValueError(
+            f"this drafter rotates {config.partial_rotary_factor:g} of each head (copied from a partial-rotary "
+            "target); SGLang hard-codes rotary_dim = head_dim and z-lab's reference rotates whole heads. "
+            "Retrain it with the current code (full-head rotary)."
+        )
+    if config.attention_bias:
+        raise ValueError("attention_bias=True drafters cannot be served as trained (runtimes build o_proj "
+                         "without bias and q/k/v bias layouts differ); retrain without attention bias")
 
 
 def check_state_dict(config: DFlashConfig, state: dict[str, Any]) -> None:
@@ -67,19 +86,7 @@ def check_state_dict(config: DFlashConfig, state: dict[str, Any]) -> None:
 
 
 def check_speculators_compatible(config: DFlashConfig, *, num_target_layers: int) -> None:
-    """What speculators 0.9's DFlash layer (Qwen3 attention) can represent, checked before writing."""
-    if not config.qk_norm:
-        raise ValueError(
-            "speculators' DFlash layer always applies q/k RMSNorm; a drafter without qk_norm "
-            "(Llama-family target) cannot be exported in the speculators format"
-        )
-    if config.partial_rotary_factor != 1.0:
-        raise ValueError(
-            f"speculators' DFlash layer rotates whole heads; partial_rotary_factor "
-            f"{config.partial_rotary_factor} cannot be exported in the speculators format"
-        )
-    if config.attention_bias:
-        raise ValueError("attention_bias=True drafters cannot be exported (o_proj bias layouts differ)")
+    """What speculators 0.9's DFlash layer can represent beyond the runtime conventions."""
     last_aux = config.target_layer_ids[-1] + 1
     if last_aux >= num_target_layers:
         raise ValueError(

@@ -42,6 +42,8 @@ def layer_config(config: DFlashConfig, *, max_position_embeddings: int) -> dict[
         "vocab_size": config.vocab_size,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_parameters": rope_parameters(config),
+        # Loaders that predate transformers 5's rope_parameters (the MLX port among them) read this.
+        "rope_theta": config.rope_theta,
         "attention_bias": config.attention_bias,
         "attention_dropout": 0.0,
         "max_position_embeddings": max_position_embeddings,

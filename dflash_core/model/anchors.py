@@ -25,25 +25,24 @@ def eligible_anchor_positions(
 ) -> torch.Tensor:
     """Bool [B, T]: p may anchor a block.
 
-    p is a loss-mask position, not in the last `block_size` positions, has at least one token of
-    its own document before it (the block's target context), and its block p..p+B-1 stays
-    inside that document.
+    p is a loss-mask position with at least one token of its own document before it (the block's
+    target context) and whose next token p+1 is a loss position of the same document, so slot 1
+    always carries loss. The block may run past the end of its document (or of the row): those
+    slots get no label (`plan_blocks` masks them), as in speculators. So the last tokens of every
+    response, the end-of-turn token among them, are learned at every slot, not only the last.
+    `block_size` is kept for callers; the rule no longer depends on it.
     """
+    del block_size
     batch, seq_len = loss_mask_BT.shape
-    eligible = loss_mask_BT.bool().clone()
-    last_allowed = seq_len - block_size - 1
-    if last_allowed < 1:
-        return torch.zeros_like(eligible)
-    eligible[:, last_allowed + 1 :] = False
-    eligible[:, 0] = False
+    loss = loss_mask_BT.bool()
+    eligible = torch.zeros_like(loss)
+    if seq_len < 3:
+        return eligible
     docs = document_ids_BT
-    same_doc_before = torch.zeros_like(eligible)
-    same_doc_before[:, 1:] = docs[:, 1:] == docs[:, :-1]
-    block_end_same_doc = torch.zeros_like(eligible)
-    block_end_same_doc[:, : seq_len - block_size + 1] = (
-        docs[:, block_size - 1 :] == docs[:, : seq_len - block_size + 1]
-    )
-    return eligible & same_doc_before & block_end_same_doc
+    same_doc_before = docs[:, 1:-1] == docs[:, :-2]
+    next_is_label = loss[:, 2:] & (docs[:, 2:] == docs[:, 1:-1])
+    eligible[:, 1:-1] = loss[:, 1:-1] & same_doc_before & next_is_label
+    return eligible
 
 
 def sample_anchors(
@@ -138,9 +137,14 @@ def plan_blocks(
     )
     anchors, anchor_valid = sample_anchors(eligible_BT=eligible, num_anchors=num_anchors, generator=generator)
     offsets = torch.arange(1, block_size, device=device)
-    label_pos = (anchors[..., None] + offsets).clamp(max=seq_len - 1)
+    unclamped = anchors[..., None] + offsets
+    label_pos = unclamped.clamp(max=seq_len - 1)
     rows = torch.arange(batch, device=device)[:, None, None]
-    label_valid = anchor_valid[..., None] & loss_mask_BT.bool()[rows, label_pos]
+    # A slot past the row's end or in the next document has no label.
+    in_document = (unclamped < seq_len) & (
+        document_ids_BT[rows, label_pos] == document_ids_BT.gather(1, anchors)[..., None]
+    )
+    label_valid = anchor_valid[..., None] & in_document & loss_mask_BT.bool()[rows, label_pos]
     teacher_index = None
     if with_teacher_index:
         # The target's prediction of token p+k is its output at p+k-1.

@@ -1,14 +1,18 @@
 """The drafter's configuration: one dataclass, derived from the target's config.
 
 `DFlashConfig.from_target` reads the shapes a drafter must share with its target (hidden size,
-heads, head_dim, RoPE, q/k norm) and picks the tapped target layers; `build()` makes the model.
+heads, head_dim, rope_theta) and picks the tapped target layers; `build()` makes the model.
 Only torch and transformers-free Python here, so it imports anywhere.
+
+The drafter's attention is its own, whatever the target's family: plain Qwen3 layers with q/k
+RMSNorm, full-head rotary and no attention bias, as released drafters and every runtime (z-lab's
+reference, vLLM, SGLang) build them. A Llama target's drafter still gets q/k norm; a Qwen3.5
+target's partial rotary (0.25) and attention gate stay with the target.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 FULL_ATTENTION = "full_attention"
@@ -17,9 +21,6 @@ _LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 # Position-weight decay of the loss, per block size, as the DFlash paper sets it.
 DEFAULT_LOSS_GAMMA = {16: 7.0, 8: 4.0}
-
-# Families whose attention has per-head RMSNorm on q and k before RoPE.
-_QK_NORM_FAMILIES = ("qwen3", "qwen3_5", "qwen3_next")
 
 
 def tapped_layer_ids(*, num_target_layers: int, num_tapped_layers: int) -> list[int]:
@@ -49,7 +50,7 @@ def _rope_settings(target_config: Any) -> tuple[float, float, str]:
     """(rope_theta, partial_rotary_factor, rope_type) from a transformers 5.x config.
 
     5.x keeps them in `rope_parameters`; older configs keep attributes. Hybrid Qwen3.5 sets
-    partial_rotary_factor 0.25 there: ignoring it is a known field failure.
+    partial_rotary_factor 0.25 there: it belongs to the target's attention, not the drafter's.
     """
     params = dict(getattr(target_config, "rope_parameters", None) or {})
     theta = params.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
@@ -81,6 +82,8 @@ class DFlashConfig:
     sliding_window: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # Kept so drafters trained before the runtime conventions were enforced still load; new
+    # drafters are always 1.0 / True / False, and exports refuse anything else (export/checks.py).
     partial_rotary_factor: float = 1.0
     qk_norm: bool = True
     attention_bias: bool = False
@@ -142,7 +145,7 @@ class DFlashConfig:
     ) -> DFlashConfig:
         """Derive a drafter for `target_config` (a transformers config, composite or text)."""
         text = _text_config(target_config)
-        theta, partial, rope_type = _rope_settings(text)
+        theta, _, rope_type = _rope_settings(text)
         if rope_type != "default":
             raise ValueError(f"rope_type {rope_type!r} is not supported by the drafter yet (only 'default')")
         num_heads = text.num_attention_heads
@@ -150,12 +153,6 @@ class DFlashConfig:
         model_type = str(getattr(text, "model_type", "")).removesuffix("_text")
         if mask_token_id is None:
             mask_token_id = _default_mask_token_id(text)
-        if model_type.startswith("qwen3_5") or model_type == "qwen3_next":
-            warnings.warn(
-                "hybrid target: the drafter uses plain (ungated) Qwen3 attention layers, as released "
-                "DFlash drafters for this family do; the target's attention output gate is not copied",
-                stacklevel=2,
-            )
         num_target_layers = text.num_hidden_layers
         return cls(
             hidden_size=text.hidden_size,
@@ -174,9 +171,9 @@ class DFlashConfig:
             sliding_window=sliding_window,
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
             rope_theta=theta,
-            partial_rotary_factor=partial,
-            qk_norm=model_type in _QK_NORM_FAMILIES,
-            attention_bias=bool(getattr(text, "attention_bias", False)),
+            partial_rotary_factor=1.0,
+            qk_norm=True,
+            attention_bias=False,
             target_model_type=model_type,
             target_num_layers=num_target_layers,
             loss_gamma=loss_gamma,

@@ -26,9 +26,9 @@ _ANCHORS = [3, 9, 15]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _drafter_and_target(tmp_path, *, layer_types=None, sliding_window=None):
+def _drafter_and_target(tmp_path, *, layer_types=None, sliding_window=None, family="qwen3"):
     torch.manual_seed(0)
-    target_config = tiny_target_config("qwen3")
+    target_config = tiny_target_config(family, **({"num_layers": 8} if family == "qwen3_5" else {}))
     target = build_target(target_config)
     verifier_dir = tmp_path / "verifier"
     target.save_pretrained(verifier_dir)
@@ -85,12 +85,14 @@ def _our_logits(drafter, target, config, input_ids):
 
 
 @pytest.mark.parametrize(
-    ("layer_types", "window"), [(None, None), (["sliding_attention", "full_attention"], 64)],
-    ids=["full", "sliding-window-carried"],
+    ("family", "layer_types", "window"),
+    [("qwen3", None, None), ("qwen3", ["sliding_attention", "full_attention"], 64), ("llama", None, None),
+     ("qwen3_5", None, None)],
+    ids=["qwen3", "qwen3-sliding-window-carried", "llama", "qwen3_5-hybrid"],
 )
-def test_speculators_loads_our_export_and_gives_the_same_logits(tmp_path, layer_types, window):
+def test_speculators_loads_our_export_and_gives_the_same_logits(tmp_path, family, layer_types, window):
     target, target_config, drafter, verifier_dir = _drafter_and_target(
-        tmp_path, layer_types=layer_types, sliding_window=window
+        tmp_path, layer_types=layer_types, sliding_window=window, family=family
     )
     paths = export_drafter(drafter, target_config=target_config, out_dir=tmp_path / "export",
                            verifier_name_or_path=str(verifier_dir), formats=("speculators",))

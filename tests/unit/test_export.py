@@ -39,8 +39,8 @@ def _assert_equal_drafters(a, b):
         ("qwen3", ("native", "speculators"), {}),
         ("qwen3", ("native", "speculators"), {"layer_types": ["sliding_attention", "full_attention"],
                                              "sliding_window": 8}),
-        ("llama", ("native",), {}),
-        ("qwen3_5", ("native",), {}),  # partial rotary 0.25 carried in rope_parameters
+        ("llama", ("native", "speculators"), {}),
+        ("qwen3_5", ("native", "speculators"), {}),  # the target's partial rotary is not the drafter's
     ],
 )
 def test_round_trip_gives_an_equal_drafter(tmp_path, family, formats, overrides):
@@ -98,15 +98,24 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused(change, match):
         build_export_configs(config, target_config=target_config, verifier_name_or_path="/t", dtype=torch.float32)
 
 
-def test_formats_speculators_cannot_represent_are_refused():
-    llama, target_config = _drafter("llama")
-    with pytest.raises(ValueError, match="q/k RMSNorm"):
-        build_export_configs(llama.config, target_config=target_config, verifier_name_or_path="/t",
-                             dtype=torch.float32)
-    hybrid, target_config = _drafter("qwen3_5")
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        build_export_configs(hybrid.config, target_config=target_config, verifier_name_or_path="/t",
-                             dtype=torch.float32)
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [({"qk_norm": False}, "q/k RMSNorm"), ({"partial_rotary_factor": 0.25}, "rotary_dim = head_dim"),
+     ({"attention_bias": True}, "attention_bias")],
+)
+def test_drafters_no_runtime_would_serve_as_trained_are_refused(tmp_path, change, match):
+    """Old checkpoints (Llama drafters without q/k norm, hybrid drafters with the target's partial
+    rotary) load, but are never written: every runtime would run them with different attention."""
+    drafter, target_config = _drafter()
+    legacy = DFlashConfig(**{**drafter.config.to_dict(), **change}).build()
+    for formats in (("native",), ("native", "speculators")):
+        with pytest.raises(ValueError, match=match):
+            export_drafter(legacy, target_config=target_config, out_dir=tmp_path, verifier_name_or_path="/t",
+                           formats=formats)
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_speculators_format_needs_a_verifier_path():
     with pytest.raises(ValueError, match="verifier_name_or_path"):
         build_export_configs(_drafter()[0].config, target_config=tiny_target_config("qwen3"),
                              verifier_name_or_path="", dtype=torch.float32)

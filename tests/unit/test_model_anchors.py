@@ -52,19 +52,21 @@ def test_anchor_invariants(case):
         assert valid.tolist() == sorted(valid.tolist(), reverse=True)
         assert anchors == sorted(set(anchors))
         eligible = [
-            p for p in range(1, seq_len - block_size)
-            if loss_mask[row, p] and docs[row, p - 1] == docs[row, p] == docs[row, p + block_size - 1]
+            p for p in range(1, seq_len - 1)
+            if loss_mask[row, p] and loss_mask[row, p + 1] and docs[row, p - 1] == docs[row, p] == docs[row, p + 1]
         ]
         assert set(anchors) <= set(eligible)
         assert len(anchors) == min(num_anchors, len(eligible))
         for p in anchors:
-            assert p < seq_len - block_size  # not in the last B positions
-            assert loss_mask[row, p]
-            assert docs[row, p - 1] == docs[row, p]  # some same-document context before it
-            assert (docs[row, p : p + block_size] == docs[row, p]).all()  # block inside its document
-        # label slots carry loss exactly where the data's loss mask does
+            assert loss_mask[row, p] and loss_mask[row, p + 1]  # slot 1 always carries loss
+            assert docs[row, p - 1] == docs[row, p] == docs[row, p + 1]  # context before, label after
+        # label slots carry loss exactly where the data's loss mask does, inside the row and the document
         for slot, p in enumerate(plan.anchors[row].tolist()):
-            expected = [bool(valid[slot]) and bool(loss_mask[row, p + k]) for k in range(1, block_size)]
+            expected = [
+                bool(valid[slot]) and p + k < seq_len and bool(loss_mask[row, p + k])
+                and bool(docs[row, p + k] == docs[row, p])
+                for k in range(1, block_size)
+            ]
             assert plan.label_valid[row, slot].tolist() == expected
 
 
@@ -96,9 +98,21 @@ def test_sampling_is_uniform_enough_and_seeded():
     for _ in range(300):
         plan = plan_blocks(loss_mask_BT=loss_mask, num_anchors=20, block_size=4, generator=generator)
         counts[plan.anchors[0]] += 1
-    eligible = counts[1:196]
-    assert counts[0] == 0 and counts[196:].sum() == 0
-    assert eligible.min() > 5 and eligible.max() < 65  # expected 300 * 20 / 195 ~ 31
+    eligible = counts[1:199]  # the last token has no next token to learn; the first has no context
+    assert counts[0] == 0 and counts[199] == 0
+    assert eligible.min() > 5 and eligible.max() < 65  # expected 300 * 20 / 198 ~ 30
+
+
+def test_blocks_may_run_past_the_end_of_a_response():
+    """The end-of-turn token is learned at every slot: anchors reach the last loss token but one,
+    and slots past the document get no label (the next document's prompt is never a label)."""
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
+    plan = plan_blocks(loss_mask_BT=loss_mask, num_anchors=12, block_size=4, position_ids_BT=position_ids)
+    assert plan.anchors[plan.anchor_valid].tolist() == [2, 3, 4, 8, 9, 10]
+    by_anchor = dict(zip(plan.anchors[0].tolist(), plan.label_valid[0].tolist()))
+    assert by_anchor[4] == [True, False, False]  # token 5 ends document 0; 6, 7 belong to document 1
+    assert by_anchor[10] == [True, False, False]  # token 11 ends the row
 
 
 def test_document_ids_from_positions():
@@ -108,7 +122,7 @@ def test_document_ids_from_positions():
 
 def test_short_rows_have_no_anchors_and_bad_inputs_raise():
     eligible = eligible_anchor_positions(
-        loss_mask_BT=torch.ones(1, 4, dtype=torch.bool), document_ids_BT=torch.zeros(1, 4, dtype=torch.long), block_size=4
+        loss_mask_BT=torch.ones(1, 2, dtype=torch.bool), document_ids_BT=torch.zeros(1, 2, dtype=torch.long), block_size=4
     )
     assert not eligible.any()
     with pytest.raises(ValueError, match="num_anchors"):

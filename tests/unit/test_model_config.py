@@ -52,13 +52,16 @@ def test_qwen3_8b_shape_derives_the_released_drafter_shape():
     assert _from_target(target, num_layers=5, block_size=8).loss_gamma == 4.0
 
 
-def test_families_get_their_attention_details():
+def test_every_family_gets_the_runtime_attention_conventions():
+    """z-lab's reference, vLLM and SGLang build every drafter layer as plain Qwen3 attention: q/k
+    norm, full-head rotary, no bias. The target's own attention details are not copied."""
     llama = _from_target(tiny_target_config("llama"), num_layers=2, block_size=8)
     qwen3 = _from_target(tiny_target_config("qwen3"), num_layers=2, block_size=8)
     hybrid = _from_target(tiny_target_config("qwen3_5", num_layers=8), num_layers=2, block_size=8)
-    assert not llama.qk_norm and qwen3.qk_norm and hybrid.qk_norm
-    assert hybrid.partial_rotary_factor == 0.25 and hybrid.rotary_dim == hybrid.head_dim // 4
-    assert llama.rotary_dim == llama.head_dim
+    for config in (llama, qwen3, hybrid):
+        assert config.qk_norm and not config.attention_bias
+        assert config.partial_rotary_factor == 1.0 and config.rotary_dim == config.head_dim
+    assert llama.build(device="meta").layers[0].self_attn.q_norm is not None
 
 
 def test_composite_qwen3_5_config_uses_its_text_config():
@@ -69,9 +72,11 @@ def test_composite_qwen3_5_config_uses_its_text_config():
     ).to_dict()
 
 
-def test_partial_rotary_matches_the_hybrid_targets_own_rope():
+def test_partial_rotary_kernel_matches_the_hybrid_targets_own_rope():
+    """New drafters rotate whole heads; the partial path stays exact for drafters trained before."""
     text = tiny_target_config("qwen3_5", num_layers=8)
-    config = _from_target(text, num_layers=2, block_size=8)
+    config = DFlashConfig(**{**_from_target(text, num_layers=2, block_size=8).to_dict(),
+                             "partial_rotary_factor": 0.25})
     ours = RotaryEmbedding(rotary_dim=config.rotary_dim, theta=config.rope_theta)
     theirs = modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(text)
     positions = torch.arange(50)[None]
