@@ -9,6 +9,14 @@ Layer id k is the OUTPUT of target decoder layer k (transformers `hidden_states[
 weights hold the drafter body only (fc, hidden_norm, layers.*, norm), never the target's
 embedding or LM head. Fields this project needs to rebuild an equal drafter that z-lab's format
 has no name for (qk_norm, loss_gamma, target_model_type) ride along inside `dflash_config`.
+
+Causality: our blocks are non-causal on every layer type. z-lab's reference and vLLM make
+`sliding_attention` layers causal unless the config says otherwise (top-level `is_causal`, which
+both read; vLLM also reads `dflash_config.causal`), so both are written as false. SGLang builds
+before it read `is_causal` run sliding layers causally: serve sliding-window drafters on a build
+that reads it. The window is per query, as every runtime applies it: slot k of the block anchored
+at p sees context j when (p + k) - j < sliding_window. (speculators trains the window relative to
+the anchor, p - j <= sliding_window, which no runtime serves; we train what is served.)
 """
 
 from __future__ import annotations
@@ -63,10 +71,12 @@ def native_config(config: DFlashConfig, *, max_position_embeddings: int, dtype: 
         **layer_config(config, max_position_embeddings=max_position_embeddings),
         "block_size": config.block_size,
         "num_target_layers": config.target_num_layers,
+        "is_causal": False,
         "dflash_config": {
             "mask_token_id": config.mask_token_id,
             "target_layer_ids": list(config.target_layer_ids),
             "block_size": config.block_size,
+            "causal": False,
             "qk_norm": config.qk_norm,
             "loss_gamma": config.loss_gamma,
             "target_model_type": config.target_model_type,
@@ -109,6 +119,17 @@ def config_from_layer_fields(
     )
 
 
+def _causal_layers(data: dict[str, Any]) -> list[int]:
+    """Layers a runtime would run causally, by the rule z-lab's reference and vLLM share."""
+    layer_types = data.get("layer_types") or ["full_attention"] * int(data.get("num_hidden_layers", 0))
+    flag = data.get("is_causal")
+    if flag is None:
+        flag = (data.get("dflash_config") or {}).get("causal")
+    if flag is not None:
+        return list(range(len(layer_types))) if flag else []
+    return [index for index, kind in enumerate(layer_types) if kind == SLIDING_ATTENTION]
+
+
 def config_from_native(data: dict[str, Any]) -> DFlashConfig:
     """Inverse of `native_config` (also reads z-lab configs, where block_size may sit at the top)."""
     if ARCHITECTURE not in (data.get("architectures") or []):
@@ -119,6 +140,13 @@ def config_from_native(data: dict[str, Any]) -> DFlashConfig:
     block_size = data.get("block_size") or dflash.get("block_size")
     if block_size is None:
         raise ValueError("config.json has no block_size (top level or dflash_config)")
+    causal_layers = _causal_layers(data)
+    if causal_layers:
+        raise ValueError(
+            f"config.json makes drafter layers {causal_layers} causal inside the block (runtimes read "
+            "`is_causal`, then `dflash_config.causal`, else sliding_attention layers are causal); this "
+            "project's drafter is non-causal on every layer and would draft differently"
+        )
     return config_from_layer_fields(
         data, target_layer_ids=dflash["target_layer_ids"], mask_token_id=dflash["mask_token_id"],
         block_size=block_size, extras=dflash, num_target_layers=data.get("num_target_layers"),

@@ -69,6 +69,28 @@ def test_config_fields_and_the_layer_id_offset(tmp_path):
     assert spec["speculators_config"]["verifier"]["name_or_path"] == "/models/t"
     assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert spec["transformer_layer_config"]["sliding_window"] == 8
+    # What runtimes read: non-causal blocks on every layer (z-lab and vLLM: is_causal; vLLM also
+    # dflash_config.causal; speculators -> vLLM: sliding_window_non_causal), and a top-level rope_theta.
+    assert native["is_causal"] is False and native["dflash_config"]["causal"] is False
+    assert spec["sliding_window_non_causal"] is True
+    assert native["rope_theta"] == native["rope_parameters"]["rope_theta"] == drafter.config.rope_theta
+
+
+@pytest.mark.parametrize("flags", [{}, {"is_causal": True}, {"dflash_config_causal": True}])
+def test_a_native_config_with_causal_layers_is_refused(tmp_path, flags):
+    """A z-lab config with sliding layers and no flag runs them causally in every runtime: our
+    non-causal drafter would draft something else, so it is not loaded as if it were ours."""
+    drafter, target_config = _drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    path = export_drafter(drafter, target_config=target_config, out_dir=tmp_path, formats=("native",))["native"]
+    data = json.loads((path / "config.json").read_text())
+    del data["is_causal"], data["dflash_config"]["causal"]
+    if "is_causal" in flags:
+        data["is_causal"] = True
+    if "dflash_config_causal" in flags:
+        data["dflash_config"]["causal"] = True
+    (path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="causal"):
+        load_drafter(path)
 
 
 def test_no_target_weights_in_the_files(tmp_path):
