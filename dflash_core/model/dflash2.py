@@ -1,0 +1,452 @@
+"""DFlash 2: our drafter plus a grouped dynamic causal convolution around every sublayer and a
+low-rank candidate selector over the unary (LM-head) top-K.
+
+    config = DFlash2Config.from_target(target_config, num_layers=5, block_size=8, conv_kernel_size=2)
+    drafter = config.build()                      # a DFlash2DraftModel, a DFlashDraftModel subclass
+    _, loss, metrics = drafter(input_ids=..., target_hidden=..., plan=..., teacher_hidden=...)
+    tokens = drafter.draft_tokens(cache, last_token_ids=..., position_ids=...)   # the selector path
+
+Convolution (per layer, around attention and around the MLP): output slot t is
+sum_j (base[j] + delta_t[j, group]) * x[t - j], j < kernel_size. `base` is a static per-channel
+kernel; `delta_t` is one value per channel group, projected from the sublayer's (normed) input at
+slot t. One projection feeds both taps: the pre-sublayer conv and the post-sublayer conv of the
+sublayer's output. Taps never reach across a block boundary: in training many blocks sit back to
+back in one sequence, and slot 0 (the anchor) sees no previous slot. Identity init (base[0] = 1,
+other taps 0, projection 0) makes a fresh DFlash 2 compute exactly what DFlash computes.
+
+Selector: per drafted slot the K best unary logits are candidates; a transition from predecessor
+token a to candidate c at hidden state h scores `unary[c] + <A[a] * P(h), B[c]>`; drafting walks
+greedily from the verified anchor token. Parameter names are z-lab's (`dflash/model.py`,
+`DFlash2DraftModel`) and speculators 0.9's: the codebooks are bare parameters
+(`candidate_selector.predecessor_codebook`), which z-lab's `from_pretrained` maps onto its
+`nn.Embedding`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_core.model.anchors import BlockPlan
+from dflash_core.model.attention import DFlashDecoderLayer
+from dflash_core.model.config import DFlashConfig
+from dflash_core.model.dflash2_loss import dflash2_objective, selector_metrics, transform_logits
+from dflash_core.model.drafter import ContextCache, DFlashDraftModel, DraftOutput, TargetHeads
+from dflash_core.model.loss import default_chunk_size
+
+VARIANTS = ("dflash", "dflash2")
+DFLASH2_FIELDS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "selector_loss_weight",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
+
+
+@dataclasses.dataclass
+class DFlash2Config(DFlashConfig):
+    """A DFlashConfig plus the DFlash 2 modules. Defaults are those of released DFlash 2 drafters
+    (speculators 0.9's too); `selector_loss_weight` is alpha in loss = dflash + alpha * selector."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    selector_loss_weight: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.conv_kernel_size < 1:
+            raise ValueError(f"conv_kernel_size must be >= 1, got {self.conv_kernel_size}")
+        if self.conv_kernel_size > self.block_size:
+            raise ValueError(f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}")
+        if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}"
+            )
+        if self.selector_rank < 1:
+            raise ValueError(f"selector_rank must be >= 1, got {self.selector_rank}")
+        if not 1 <= self.selector_top_k <= self.vocab_size:
+            raise ValueError(f"selector_top_k must be in [1, {self.vocab_size}], got {self.selector_top_k}")
+        if self.selector_loss_weight < 0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
+        if self.output_multiplier <= 0:
+            raise ValueError(
+                f"output_multiplier must be > 0 (top-K must not flip), got {self.output_multiplier}"
+            )
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            raise ValueError(
+                f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping}"
+            )
+        # Base-DFlash loss options (fields present once the trainer's loss options land) that the
+        # DFlash 2 objective does not implement yet: refused, never silently ignored.
+        for name, supported in (("loss_type", "ce"), ("loss_weighting", "exp_decay")):
+            value = getattr(self, name, supported)
+            if value != supported:
+                raise ValueError(f"DFlash 2 training supports {name}={supported!r} only, got {value!r}")
+
+    @property
+    def conv_num_groups(self) -> int:
+        return self.hidden_size // self.conv_group_size
+
+    @classmethod
+    def from_dflash(cls, base: DFlashConfig, **dflash2_fields: Any) -> DFlash2Config:
+        """`base` with the DFlash 2 fields set (the rest at their defaults)."""
+        unknown = sorted(set(dflash2_fields) - set(DFLASH2_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown DFlash 2 fields {unknown}; use {DFLASH2_FIELDS}")
+        shared = {f.name: getattr(base, f.name) for f in dataclasses.fields(DFlashConfig) if f.init}
+        return cls(**shared, **dflash2_fields)
+
+    @classmethod
+    def from_target(cls, target_config: Any, **kwargs: Any) -> DFlash2Config:  # type: ignore[override]
+        """`DFlashConfig.from_target(target_config, ...)` plus DFlash 2 fields, in one keyword set."""
+        extra = {name: kwargs.pop(name) for name in DFLASH2_FIELDS if name in kwargs}
+        return cls.from_dflash(DFlashConfig.from_target(target_config, **kwargs), **extra)
+
+    def build(self, *, device: Any = None) -> DFlash2DraftModel:
+        return DFlash2DraftModel(self, device=device)
+
+
+def drafter_config(variant: str, base: DFlashConfig, **dflash2_fields: Any) -> DFlashConfig:
+    """The trainer's `variant` setting: 'dflash' keeps `base`; 'dflash2' adds the DFlash 2 fields."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "dflash":
+        if dflash2_fields:
+            raise ValueError(f"DFlash 2 settings {sorted(dflash2_fields)} given for variant 'dflash'")
+        return base
+    return DFlash2Config.from_dflash(base, **dflash2_fields)
+
+
+def config_from_dict(data: dict[str, Any]) -> DFlashConfig:
+    """Inverse of `config.to_dict()` for either variant (a checkpoint's `drafter_config`)."""
+    is_dflash2 = any(name in data for name in DFLASH2_FIELDS)
+    return (DFlash2Config if is_dflash2 else DFlashConfig)(**data)
+
+
+# -- the convolution ---------------------------------------------------------------------------
+
+
+def grouped_dynamic_causal_conv(
+    x_BSH: torch.Tensor, delta_BSKG: torch.Tensor, base_KH: torch.Tensor, *, block_size: int, group_size: int
+) -> torch.Tensor:
+    """out[t] = sum_j (base[j] + delta[t, j, group]) * x[t - j], with x[t - j] = 0 when slot t - j
+    lies in an earlier block. S must be a whole number of blocks (blocks back to back)."""
+    batch, seq_len, hidden = x_BSH.shape
+    if seq_len % block_size:
+        raise ValueError(f"sequence length {seq_len} is not a whole number of {block_size}-slot blocks")
+    kernel_size = base_KH.shape[0]
+    num_groups = hidden // group_size
+    blocks = x_BSH.view(batch, seq_len // block_size, block_size, num_groups, group_size)
+    delta = delta_BSKG.reshape(batch, seq_len // block_size, block_size, kernel_size, num_groups, 1)
+    base = base_KH.to(x_BSH.dtype).view(kernel_size, num_groups, group_size)
+    out = None
+    for tap in range(kernel_size):
+        # Shift by `tap` slots inside each block; the first `tap` slots of a block get zeros.
+        shifted = blocks if tap == 0 else F.pad(blocks[:, :, :-tap], (0, 0, 0, 0, tap, 0))
+        term = shifted * (base[tap] + delta[:, :, :, tap].to(x_BSH.dtype))
+        out = term if out is None else out + term
+    return out.view(batch, seq_len, hidden)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """The conv pair around one sublayer: `prepare` convolves its input and returns the dynamic
+    kernel that `finish` applies to its output (both from one projection of the input)."""
+
+    def __init__(
+        self, *, hidden_size: int, kernel_size: int, group_size: int, block_size: int, device=None
+    ) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.block_size = block_size
+        self.num_groups = hidden_size // group_size
+        # [input side, output side] x taps x channels; names and layout are z-lab's.
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size, device=device))
+        self.kernel_projection = nn.Linear(
+            hidden_size, 2 * kernel_size * self.num_groups, bias=False, device=device
+        )
+        if device is None or torch.device(device).type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Identity: tap 0 weighs 1, earlier slots 0, no content-dependent correction."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0].fill_(1.0)
+            self.kernel_projection.weight.zero_()
+
+    def _conv(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
+        return grouped_dynamic_causal_conv(
+            x, delta, self.base_kernel[side], block_size=self.block_size, group_size=self.group_size
+        )
+
+    def prepare(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        delta = self.kernel_projection(x_BSH).view(*x_BSH.shape[:-1], 2, self.kernel_size, self.num_groups)
+        return self._conv(x_BSH, delta[..., 0, :, :], 0), delta[..., 1, :, :]
+
+    def finish(self, y_BSH: torch.Tensor, delta_BSKG: torch.Tensor) -> torch.Tensor:
+        return self._conv(y_BSH, delta_BSKG, 1)
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    """DFlash's pre-norm layer with a conv pair around attention and one around the MLP."""
+
+    def __init__(self, config: DFlash2Config, *, layer_type: str, device=None) -> None:
+        super().__init__(config, layer_type=layer_type, device=device)
+        conv = dict(
+            hidden_size=config.hidden_size,
+            kernel_size=config.conv_kernel_size,
+            group_size=config.conv_group_size,
+            block_size=config.block_size,
+            device=device,
+        )
+        self.attention_conv = GroupedDynamicCausalConv(**conv)
+        self.mlp_conv = GroupedDynamicCausalConv(**conv)
+
+    def forward(self, block_BQH: torch.Tensor, **attention_kwargs: Any) -> torch.Tensor:
+        # Block K/V come from the convolved input, as in the reference (k_proj of the conv output).
+        attn_in, attn_delta = self.attention_conv.prepare(self.input_layernorm(block_BQH))
+        attn_out = self.self_attn(attn_in, **attention_kwargs)
+        hidden = block_BQH + self.attention_conv.finish(attn_out, attn_delta)
+        mlp_in, mlp_delta = self.mlp_conv.prepare(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp_conv.finish(self.mlp(mlp_in), mlp_delta)
+
+
+# -- the selector ------------------------------------------------------------------------------
+
+
+class CandidateSelector(nn.Module):
+    """score(a -> c | h) = unary[c] + <A[a] * P(h), B[c]>, over the unary top-K candidates c."""
+
+    def __init__(self, *, vocab_size: int, hidden_size: int, rank: int, top_k: int, device=None) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank, device=device))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank, device=device))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False, device=device)
+
+    def reset_parameters(self, *, std: float) -> None:
+        for weight in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
+            nn.init.normal_(weight, mean=0.0, std=std)
+
+    def context(self, hidden_NH: torch.Tensor, predecessor_ids_N: torch.Tensor) -> torch.Tensor:
+        """A[a] * P(h): [..., rank]."""
+        projected = self.hidden_projection(hidden_NH)
+        return self.predecessor_codebook[predecessor_ids_N] * projected.to(self.predecessor_codebook.dtype)
+
+    def transition_scores(self, context_NR: torch.Tensor, candidate_ids_NK: torch.Tensor) -> torch.Tensor:
+        """<context, B[c]> for each candidate: [..., K]."""
+        successors = self.successor_codebook[candidate_ids_NK]
+        return (context_NR.unsqueeze(-2) * successors).sum(-1)
+
+    @torch.no_grad()
+    def greedy_path(
+        self, hidden_BSH: torch.Tensor, unary_BSV: torch.Tensor, anchor_ids_B: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(path [B, S], candidates [B, S, K]): slot by slot, the best-scoring candidate given the
+        previous slot's pick, starting from the verified anchor token."""
+        unary, candidates = unary_BSV.topk(self.top_k, dim=-1)
+        projected = self.hidden_projection(hidden_BSH).to(self.predecessor_codebook.dtype)
+        predecessor = anchor_ids_B
+        path = []
+        for slot in range(hidden_BSH.shape[1]):
+            context = self.predecessor_codebook[predecessor] * projected[:, slot]
+            scores = unary[:, slot].float() + self.transition_scores(context, candidates[:, slot]).float()
+            predecessor = candidates[:, slot].gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+            path.append(predecessor)
+        return torch.stack(path, dim=1), candidates
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlashDraftModel with DFlash 2 layers and a candidate selector (same training and drafting
+    API; `draft_tokens` gives the selector's greedy path)."""
+
+    def __init__(self, config: DFlash2Config, *, device=None) -> None:
+        if not isinstance(config, DFlash2Config):
+            raise ValueError(f"DFlash2DraftModel needs a DFlash2Config, got {type(config).__name__}")
+        super().__init__(config, device=device)
+        # The base builds DFlash layers; replace them (a layer-factory hook in the base would spare
+        # building them twice).
+        self.layers = nn.ModuleList(
+            DFlash2DecoderLayer(config, layer_type=layer_type, device=device)
+            for layer_type in config.layer_types
+        )
+        self.candidate_selector = CandidateSelector(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            rank=config.selector_rank,
+            top_k=config.selector_top_k,
+            device=device,
+        )
+        if device is None or torch.device(device).type != "meta":
+            self.init_weights()
+
+    def init_weights(self) -> None:
+        """DFlash's init, then identity convolutions and N(0, initializer_range) selector tables
+        (speculators 0.9's init; z-lab's reference leaves `base_kernel` to the checkpoint)."""
+        super().init_weights()
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_parameters()
+            elif isinstance(module, CandidateSelector):
+                module.reset_parameters(std=self.config.initializer_range)
+
+    def unary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head on drafter states, with output_multiplier and softcapping."""
+        cfg = self.config
+        logits = self.target_heads.lm_head(hidden)
+        return transform_logits(logits, multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping)
+
+    # -- training ---------------------------------------------------------------------------
+    def _block_hidden(
+        self, *, input_ids, target_hidden, plan: BlockPlan, attention_backend: str
+    ) -> torch.Tensor:
+        """Drafter states of every slot of every block: [B, A, block_size, H] (after the final norm)."""
+        cfg = self.config
+        batch, seq_len = input_ids.shape
+        block = cfg.block_size
+        if plan.block_size != block:
+            raise ValueError(f"plan block_size {plan.block_size} != drafter block_size {block}")
+        if target_hidden.shape[:2] != (batch, seq_len):
+            raise ValueError(
+                f"target_hidden {tuple(target_hidden.shape)} does not match "
+                f"input_ids {tuple(input_ids.shape)}"
+            )
+        num_anchors = plan.num_anchors
+        context = self.fuse_target_features(target_hidden)
+        block_ids = torch.full((batch, num_anchors, block), cfg.mask_token_id, device=input_ids.device)
+        block_ids[..., 0] = input_ids.gather(1, plan.anchors)
+        block_hidden = self._embed_block(block_ids).view(batch, num_anchors * block, -1)
+        anchor_pos = plan.position_ids.gather(1, plan.anchors)
+        block_pos = (anchor_pos[..., None] + torch.arange(block, device=input_ids.device)).view(batch, -1)
+        context_rope = self.rotary_emb(plan.position_ids)
+        context_kv = [layer.self_attn.key_value(context, context_rope) for layer in self.layers]
+        hidden = self._run_layers(
+            block_hidden,
+            block_rope=self.rotary_emb(block_pos),
+            context_kv_per_layer=context_kv,
+            attend_by_type=self._training_attend_fns(plan, attention_backend),
+        )
+        return hidden.view(batch, num_anchors, block, -1)
+
+    @staticmethod
+    def _predecessor_ids(
+        *, input_ids: torch.Tensor, plan: BlockPlan, labels_BAK: torch.Tensor
+    ) -> torch.Tensor:
+        """[B, A, block_size-1] the token before each drafted slot on a path that is still accepted:
+        the anchor token for slot 1, slot k-1's label after it (the data token where that label
+        carries no loss)."""
+        batch, seq_len = input_ids.shape
+        offsets = torch.arange(plan.block_size - 1, device=input_ids.device)
+        positions = (plan.anchors[..., None] + offsets).clamp(max=seq_len - 1)
+        data = input_ids[torch.arange(batch, device=input_ids.device)[:, None, None], positions]
+        previous_labels = torch.where(plan.label_valid[..., :-1], labels_BAK[..., :-1], data[..., 1:])
+        return torch.cat((data[..., :1], previous_labels), dim=-1)
+
+    def forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        target_hidden: torch.Tensor,
+        plan: BlockPlan,
+        teacher_hidden: torch.Tensor | None = None,
+        attention_backend: str = "auto",
+        loss_chunk_size: int | None = None,
+    ) -> tuple[DraftOutput, torch.Tensor, dict[str, torch.Tensor]]:
+        """One training pass: DFlash's loss on the unary logits plus alpha x the selector's K-way
+        cross-entropy (teacher-forced predecessors, the label injected when the top-K lacks it).
+        Same inputs as `DFlashDraftModel.forward`; metrics add the selector's."""
+        cfg = self.config
+        hidden = self._block_hidden(
+            input_ids=input_ids, target_hidden=target_hidden, plan=plan, attention_backend=attention_backend
+        )
+        drafted = hidden[:, :, 1:]
+        labels = self._labels(input_ids_BT=input_ids, plan=plan, teacher_hidden_BTH=teacher_hidden)
+        predecessors = self._predecessor_ids(input_ids=input_ids, plan=plan, labels_BAK=labels)
+        weights = self.slot_weights[1:] * plan.label_valid
+        lm_head_weight = self.target_heads.lm_head.weight
+        objective = dflash2_objective(
+            drafted.reshape(-1, drafted.shape[-1]),
+            lm_head_weight=lm_head_weight,
+            selector=self.candidate_selector,
+            labels_N=labels.flatten(),
+            predecessor_ids_N=predecessors.flatten(),
+            token_weights_N=weights.flatten(),
+            output_multiplier=cfg.output_multiplier,
+            softcap=cfg.final_logit_softcapping,
+            selector_loss_weight=cfg.selector_loss_weight,
+            chunk_size=loss_chunk_size or default_chunk_size(vocab_size=lm_head_weight.shape[0]),
+        )
+        metrics = selector_metrics(objective, valid_BAK=plan.label_valid, anchor_valid_BA=plan.anchor_valid)
+        return DraftOutput(hidden_BAKH=drafted, labels_BAK=labels), objective.loss, metrics
+
+    # -- drafting ---------------------------------------------------------------------------
+    @contextmanager
+    def _states_instead_of_logits(self) -> Iterator[None]:
+        """While active, the LM head is the identity: the base class's drafting pass (its masks,
+        windows and cache handling, kept in one place) then returns the drafter states."""
+        heads = self.target_heads
+        self.attach_target(
+            TargetHeads(embed_tokens=heads.embed_tokens, final_norm=heads.final_norm, lm_head=nn.Identity())
+        )
+        try:
+            yield
+        finally:
+            self.attach_target(heads)
+
+    @torch.no_grad()
+    def draft_hidden(
+        self, cache: ContextCache, *, last_token_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Drafter states [B, block_size-1, H] of the slots after `last_token_ids` (see `draft_block`)."""
+        with self._states_instead_of_logits():
+            return super().draft_block(cache, last_token_ids=last_token_ids, position_ids=position_ids)
+
+    @torch.no_grad()
+    def draft_block(
+        self, cache: ContextCache, *, last_token_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Unary logits [B, block_size-1, V] (multiplier and softcap applied). Their argmax is NOT
+        what DFlash 2 proposes: use `draft_tokens` for the selector's path."""
+        hidden = self.draft_hidden(cache, last_token_ids=last_token_ids, position_ids=position_ids)
+        return self.unary_logits(hidden)
+
+    @torch.no_grad()
+    def draft_tokens(
+        self, cache: ContextCache, *, last_token_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The selector's greedy path [B, block_size-1] after `last_token_ids` [B] at `position_ids` [B]."""
+        hidden = self.draft_hidden(cache, last_token_ids=last_token_ids, position_ids=position_ids)
+        path, _ = self.candidate_selector.greedy_path(hidden, self.unary_logits(hidden), last_token_ids)
+        return path
+
+
+@torch.no_grad()
+def draft_tokens(
+    drafter: DFlashDraftModel,
+    cache: ContextCache,
+    *,
+    last_token_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Greedy block proposal [B, block_size-1] of either variant: DFlash's argmax, DFlash 2's
+    selector path. The one call an evaluator needs for block (non-tree) rounds."""
+    if isinstance(drafter, DFlash2DraftModel):
+        return drafter.draft_tokens(cache, last_token_ids=last_token_ids, position_ids=position_ids)
+    return drafter.draft_block(cache, last_token_ids=last_token_ids, position_ids=position_ids).argmax(-1)

@@ -1,0 +1,201 @@
+"""DFlash 2's training objective: DFlash's weighted cross-entropy on the unary logits plus alpha x a
+K-way cross-entropy of the candidate selector, without [tokens, vocab] logits for all tokens at once.
+
+One chunked pass over the LM head gives, per drafted slot, the unary loss and its input gradient
+(as `loss.chunked_lm_head_cross_entropy` does) and the slot's training candidates: the unary top-K,
+with the label put in place of the weakest candidate when the top-K lacks it (so every slot has a
+K-way label; serving would not have it, and the metrics say so). The candidates' unary logits leave
+the pass as a differentiable [N, K] tensor whose backward gathers K LM-head rows per slot, so the
+selector loss trains the drafter's states through both the unary and the transition terms.
+
+Metrics keep serving apart from teacher forcing: `unary_topk_recall` (the label is among the
+serving candidates), `selector_accuracy` (teacher-forced predecessor, serving candidates) and
+`selector_acceptance_length`: the accepted run of the selector's own greedy path, exact because a
+path that is still accepted has exactly the teacher-forced predecessors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from dflash_core.model.metrics import block_metrics
+
+
+def transform_logits(logits: torch.Tensor, *, multiplier: float, softcap: float | None) -> torch.Tensor:
+    """multiplier * logits, then softcap * tanh(. / softcap) when softcap is set (z-lab's order)."""
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _transform_slope(
+    logits: torch.Tensor, *, multiplier: float, softcap: float | None
+) -> torch.Tensor | float:
+    """d(transformed)/d(raw), written in terms of the transformed logits."""
+    if softcap is None:
+        return multiplier
+    return multiplier * (1.0 - (logits / softcap).square())
+
+
+class _UnaryLossAndCandidates(torch.autograd.Function):
+    """Chunked: weighted-mean CE of transformed logits, correctness, training candidates, and their
+    (differentiable) logits. The CE's input gradient is computed in the forward pass, chunk by
+    chunk; the candidate logits' gradient gathers K LM-head rows per slot in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, labels_N, token_weights_N, top_k, multiplier, softcap, chunk_size):
+        num_rows = hidden_NH.shape[0]
+        device = hidden_NH.device
+        compute_dtype = weight_VH.dtype
+        inv_total_weight = 1.0 / token_weights_N.sum().clamp_min(1e-12)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        correct = torch.empty(num_rows, dtype=torch.bool, device=device)
+        contains = torch.empty(num_rows, dtype=torch.bool, device=device)
+        candidate_ids = torch.empty(num_rows, top_k, dtype=torch.long, device=device)
+        candidate_logits = torch.empty(num_rows, top_k, dtype=torch.float32, device=device)
+        needs_grad = ctx.needs_input_grad[0]
+        grad_hidden = torch.empty_like(hidden_NH) if needs_grad else hidden_NH.new_empty(0)
+        for start in range(0, num_rows, chunk_size):
+            rows = slice(start, start + chunk_size)
+            raw = (hidden_NH[rows].to(compute_dtype) @ weight_VH.T).float()
+            logits = transform_logits(raw, multiplier=multiplier, softcap=softcap)
+            labels = labels_N[rows]
+            weights = token_weights_N[rows]
+            log_norm = torch.logsumexp(logits, dim=-1)
+            label_logit = logits.gather(1, labels[:, None]).squeeze(1)
+            loss_sum += (weights * (log_norm - label_logit)).sum()
+            correct[rows] = logits.argmax(dim=-1) == labels
+            values, ids = logits.topk(top_k, dim=-1)  # sorted: the last is the weakest
+            has_label = (ids == labels[:, None]).any(dim=-1)
+            ids[:, -1] = torch.where(has_label, ids[:, -1], labels)
+            values[:, -1] = torch.where(has_label, values[:, -1], label_logit)
+            candidate_ids[rows], candidate_logits[rows], contains[rows] = ids, values, has_label
+            if needs_grad:
+                grad = torch.exp(logits - log_norm[:, None])
+                grad.scatter_add_(1, labels[:, None], torch.full_like(label_logit[:, None], -1.0))
+                grad = grad * (weights * inv_total_weight)[:, None]
+                grad = grad * _transform_slope(logits, multiplier=multiplier, softcap=softcap)
+                grad_hidden[rows] = (grad.to(compute_dtype) @ weight_VH).to(hidden_NH.dtype)
+        ctx.save_for_backward(grad_hidden, weight_VH, candidate_ids, candidate_logits)
+        ctx.transform = (multiplier, softcap)
+        ctx.chunk_size = chunk_size
+        ctx.hidden_dtype = hidden_NH.dtype
+        ctx.mark_non_differentiable(correct, candidate_ids, contains)
+        return loss_sum * inv_total_weight, correct, candidate_ids, candidate_logits, contains
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct, _grad_ids, grad_candidate_logits, _grad_contains):
+        grad_ce, weight_VH, candidate_ids, candidate_logits = ctx.saved_tensors
+        grad_hidden = grad_ce * grad_loss.to(grad_ce.dtype)
+        if grad_candidate_logits is not None:
+            multiplier, softcap = ctx.transform
+            grad_raw = grad_candidate_logits * _transform_slope(
+                candidate_logits, multiplier=multiplier, softcap=softcap
+            )
+            for start in range(0, grad_raw.shape[0], ctx.chunk_size):
+                rows = slice(start, start + ctx.chunk_size)
+                rows_of_head = weight_VH[candidate_ids[rows]]  # [chunk, K, H]
+                grad_rows = torch.einsum("nk,nkh->nh", grad_raw[rows].to(weight_VH.dtype), rows_of_head)
+                grad_hidden[rows] += grad_rows.to(ctx.hidden_dtype)
+        return grad_hidden, None, None, None, None, None, None, None
+
+
+@dataclasses.dataclass
+class DFlash2Objective:
+    """loss = dflash_loss + alpha * selector_loss; per-slot booleans [N] for the metrics."""
+
+    loss: torch.Tensor
+    dflash_loss: torch.Tensor
+    selector_loss: torch.Tensor
+    unary_correct: torch.Tensor
+    label_in_top_k: torch.Tensor
+    selector_correct: torch.Tensor
+
+
+def selector_cross_entropy(
+    scores_NK: torch.Tensor, label_index_N: torch.Tensor, token_weights_N: torch.Tensor
+) -> torch.Tensor:
+    """sum(w * CE_K(scores, label index)) / sum(w): the unary loss's normalization."""
+    ce = torch.logsumexp(scores_NK, dim=-1) - scores_NK.gather(1, label_index_N[:, None]).squeeze(1)
+    return (token_weights_N * ce).sum() / token_weights_N.sum().clamp_min(1e-12)
+
+
+def dflash2_objective(
+    hidden_NH: torch.Tensor,
+    *,
+    lm_head_weight: torch.Tensor,
+    selector: nn.Module,
+    labels_N: torch.Tensor,
+    predecessor_ids_N: torch.Tensor,
+    token_weights_N: torch.Tensor,
+    output_multiplier: float = 1.0,
+    softcap: float | None = None,
+    selector_loss_weight: float = 1.0,
+    chunk_size: int = 2048,
+) -> DFlash2Objective:
+    """Both losses over N drafted slots. `selector` is a `CandidateSelector` (top_k, context,
+    transition_scores); `predecessor_ids_N` the token before each slot on an accepted path."""
+    if lm_head_weight.requires_grad:
+        raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    token_weights_N = token_weights_N.float()
+    dflash_loss, unary_correct, candidate_ids, candidate_logits, label_in_top_k = (
+        _UnaryLossAndCandidates.apply(
+            hidden_NH,
+            lm_head_weight,
+            labels_N,
+            token_weights_N,
+            selector.top_k,
+            float(output_multiplier),
+            None if softcap is None else float(softcap),
+            chunk_size,
+        )
+    )
+    context = selector.context(hidden_NH, predecessor_ids_N)
+    scores = candidate_logits + selector.transition_scores(context, candidate_ids).float()
+    # The label sits where the top-K has it, else in the last slot (injected).
+    label_index = (candidate_ids == labels_N[:, None]).long().argmax(dim=-1)
+    selector_loss = selector_cross_entropy(scores, label_index, token_weights_N)
+    with torch.no_grad():
+        selector_correct = (scores.argmax(dim=-1) == label_index) & label_in_top_k
+    return DFlash2Objective(
+        loss=dflash_loss + selector_loss_weight * selector_loss,
+        dflash_loss=dflash_loss,
+        selector_loss=selector_loss,
+        unary_correct=unary_correct,
+        label_in_top_k=label_in_top_k,
+        selector_correct=selector_correct,
+    )
+
+
+def selector_metrics(
+    objective: DFlash2Objective, *, valid_BAK: torch.Tensor, anchor_valid_BA: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """DFlash's block metrics of the unary argmax, plus the selector's (all detached tensors)."""
+    valid = valid_BAK.detach()
+    unary = block_metrics(
+        correct_BAK=objective.unary_correct.view_as(valid), valid_BAK=valid, anchor_valid_BA=anchor_valid_BA
+    )
+    selector_correct = objective.selector_correct.view_as(valid)
+    selector = block_metrics(correct_BAK=selector_correct, valid_BAK=valid, anchor_valid_BA=anchor_valid_BA)
+    num_valid = valid.sum().float().clamp_min(1.0)
+    in_top_k = objective.label_in_top_k.view_as(valid) & valid
+    return {
+        **unary,
+        "loss": objective.loss.detach(),
+        "dflash_loss": objective.dflash_loss.detach(),
+        "selector_loss": objective.selector_loss.detach(),
+        "unary_topk_recall": in_top_k.sum().float() / num_valid,
+        "selector_accuracy": (selector_correct & valid).sum().float() / num_valid,
+        "selector_accuracy_in_top_k": (selector_correct & valid).sum().float()
+        / in_top_k.sum().float().clamp_min(1.0),
+        "selector_accuracy_per_position": selector["accuracy_per_position"],
+        "selector_acceptance_length": selector["acceptance_length_empirical"],
+        "selector_acceptance_length_expected": selector["acceptance_length"],
+    }
