@@ -91,6 +91,12 @@ class DFlashConfig:
     target_num_layers: int | None = None
     loss_gamma: float | None = None
     initializer_range: float = 0.02
+    # Training loss (not needed to run a drafter): "ce" learns the target's argmax (or the data
+    # tokens), "kl" its whole distribution at the block's positions; slot weights "exp_decay"
+    # (exp(-(k-1)/loss_gamma)) or "dpace" (speculators' D-PACE, smoothing dpace_alpha).
+    loss_type: str = "ce"
+    loss_weighting: str = "exp_decay"
+    dpace_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         if self.layer_types is None:

@@ -18,7 +18,7 @@ from torch import nn
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.model.attention import AttendFn, DFlashDecoderLayer, RMSNorm, RotaryEmbedding
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
-from dflash_core.model.loss import chunked_lm_head_cross_entropy, compile_loss_kernel, default_chunk_size
+from dflash_core.model.loss import chunked_lm_head_loss, compile_loss_kernel, default_chunk_size
 from dflash_core.model.loss import position_weights
 from dflash_core.model.loss import teacher_token_ids
 from dflash_core.model.masks import create_flex_block_mask, dense_mask, drafting_mask, flex_attend, sdpa_attend
@@ -207,7 +207,8 @@ class DFlashDraftModel(nn.Module):
 
         input_ids [B, T]; target_hidden [B, T, L*H] (tapped layers, concatenated in
         target_layer_ids order); teacher_hidden [B, T, H]: the target's last layer output before
-        its final norm, to learn the target's argmax; None learns the data tokens.
+        its final norm, to learn the target's argmax (loss_type "ce") or distribution ("kl");
+        None learns the data tokens.
         """
         cfg = self.config
         batch, seq_len = input_ids.shape
@@ -234,21 +235,49 @@ class DFlashDraftModel(nn.Module):
         )
         drafted = hidden.view(batch, num_anchors, block, -1)[:, :, 1:]
 
-        labels = self._labels(input_ids_BT=input_ids, plan=plan, teacher_hidden_BTH=teacher_hidden)
-        weights = self.slot_weights[1:] * plan.label_valid
+        valid = plan.label_valid
+        kl = self._loss_is_kl(teacher_hidden)
+        dpace = cfg.loss_weighting == "dpace"
         lm_head_weight = self.target_heads.lm_head.weight
-        loss, correct = chunked_lm_head_cross_entropy(
+        out = chunked_lm_head_loss(
             drafted.reshape(-1, drafted.shape[-1]),
             lm_head_weight=lm_head_weight,
-            labels_N=labels.flatten(),
-            token_weights_N=weights.flatten(),
+            valid_N=valid.flatten(),
+            labels_N=None if kl else self._labels(input_ids_BT=input_ids, plan=plan,
+                                                  teacher_hidden_BTH=teacher_hidden).flatten(),
+            teacher_hidden_NH=self._teacher_rows(teacher_hidden_BTH=teacher_hidden, plan=plan) if kl else None,
+            token_weights_N=None if dpace else self.slot_weights[1:].expand_as(valid).flatten(),
+            dpace_alpha=cfg.dpace_alpha if dpace else None,
+            num_slots=block - 1,
             chunk_size=loss_chunk_size or default_chunk_size(vocab_size=lm_head_weight.shape[0]),
         )
+        labels = torch.where(valid, out.labels.view_as(valid), torch.zeros_like(valid, dtype=torch.long))
         metrics = block_metrics(
-            correct_BAK=correct.view_as(labels), valid_BAK=plan.label_valid, anchor_valid_BA=plan.anchor_valid
+            correct_BAK=out.correct.view_as(valid), valid_BAK=valid, anchor_valid_BA=plan.anchor_valid
         )
-        metrics["loss"] = loss.detach()
-        return DraftOutput(hidden_BAKH=drafted, labels_BAK=labels), loss, metrics
+        metrics["loss"] = out.loss.detach()
+        return DraftOutput(hidden_BAKH=drafted, labels_BAK=labels), out.loss, metrics
+
+    def _loss_is_kl(self, teacher_hidden: torch.Tensor | None) -> bool:
+        cfg = self.config
+        if cfg.loss_type not in ("ce", "kl"):
+            raise ValueError(f"loss_type must be 'ce' or 'kl', got {cfg.loss_type!r}")
+        if cfg.loss_weighting not in ("exp_decay", "dpace"):
+            raise ValueError(f"loss_weighting must be 'exp_decay' or 'dpace', got {cfg.loss_weighting!r}")
+        if cfg.loss_type == "kl" and teacher_hidden is None:
+            raise ValueError("loss_type 'kl' learns the target's distribution: it needs teacher_hidden "
+                             "(loss_target 'teacher'), not the data tokens")
+        return cfg.loss_type == "kl"
+
+    def _teacher_rows(self, *, teacher_hidden_BTH: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
+        """[B*A*K, H]: per drafted slot, the target's final-normed state at the position before its label
+        (whose logits predict it), in the target's dtype; the loss turns them into logits a chunk at a time."""
+        batch, seq_len = teacher_hidden_BTH.shape[:2]
+        label_pos = plan.label_positions()
+        rows = torch.arange(batch, device=label_pos.device)[:, None, None]
+        flat = teacher_hidden_BTH.reshape(-1, teacher_hidden_BTH.shape[-1])
+        with torch.no_grad(), torch.autocast(flat.device.type, enabled=False):
+            return self.target_heads.final_norm(flat.index_select(0, (rows * seq_len + label_pos - 1).flatten()))
 
     # -- drafting ---------------------------------------------------------------------------
     def new_cache(self) -> ContextCache:

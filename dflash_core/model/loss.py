@@ -1,4 +1,5 @@
-"""Loss pieces: position weights, teacher tokens, and a chunked LM-head + cross-entropy.
+"""Loss pieces: slot weights (fixed decay or D-PACE), teacher tokens, and a chunked LM-head loss
+(cross-entropy against labels, or KL against the target's distribution).
 
 Neither the teacher nor the drafter ever holds [tokens, vocab] logits for all tokens at once:
 both walk over row chunks. The drafter's loss computes its input gradient chunk by chunk in the
@@ -8,6 +9,7 @@ peak memory at one chunk of fp32 logits and costs the same two matmuls per chunk
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -48,61 +50,166 @@ def teacher_token_ids(
     return out
 
 
-def _chunk_loss_and_grad(logits, labels, scale, inv_total_weight, *, with_grad: bool):
-    """Per chunk: weighted CE sum, correctness, and d(loss)/d(logits) in the logits' dtype.
+def dpace_weights(nll_RK: torch.Tensor, valid_RK: torch.Tensor, *, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights [R, K] (speculators 0.9's DFlash default), no gradient.
+
+    With c_k = (1 - alpha) * exp(-nll_k) + alpha (the drafter's smoothed probability of slot k's
+    label; 1 on slots without loss), slot k weighs sum_{j>=k, valid} prod_{i<=j} c_i: the derivative
+    of the expected accepted length sum_j prod_{i<=j} c_i with respect to log c_k. Early slots of
+    blocks the drafter already gets right weigh most; invalid slots weigh 0.
+    """
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in (0, 1], got {alpha}")
+    with torch.no_grad():
+        valid = valid_RK.to(torch.float32)
+        smooth = (1.0 - alpha) * torch.exp(-nll_RK.float()) + alpha
+        smooth = torch.where(valid > 0, smooth, torch.ones_like(smooth))
+        prefix = torch.cumprod(smooth, dim=-1)
+        suffix = torch.flip(torch.cumsum(torch.flip(prefix * valid, dims=[-1]), dim=-1), dims=[-1])
+        return suffix * valid
+
+
+def _ce_rows(logits, labels, *, with_grad: bool):
+    """Per row: cross-entropy, the same as the label's NLL, correctness, and d(ce)/d(logits).
 
     One function so torch.compile can fuse the fp32 upcast, logsumexp, argmax and softmax into a
     couple of passes over the [chunk, vocab] logits (see `compile_loss_kernel`).
     """
     logits32 = logits.float()
     log_norm = torch.logsumexp(logits32, dim=-1)
-    label_logit = logits32.gather(1, labels[:, None]).squeeze(1)
-    loss_sum = (scale * (log_norm - label_logit)).sum()
+    ce = log_norm - logits32.gather(1, labels[:, None]).squeeze(1)
     correct = logits32.argmax(dim=-1) == labels
     if not with_grad:
-        return loss_sum, correct, None
-    # d(ce)/d(logits) = softmax - onehot, scaled by this token's share of the loss.
-    grad_logits = torch.exp(logits32 - log_norm[:, None])
-    grad_logits.scatter_add_(1, labels[:, None], torch.full_like(label_logit[:, None], -1.0))
-    grad_logits = grad_logits * (scale * inv_total_weight)[:, None]
-    return loss_sum, correct, grad_logits.to(logits.dtype)
+        return ce, correct, None
+    grad_logits = torch.exp(logits32 - log_norm[:, None])  # softmax - onehot
+    grad_logits.scatter_add_(1, labels[:, None], torch.full_like(ce[:, None], -1.0))
+    return ce, correct, grad_logits.to(logits.dtype)
 
 
-_chunk_kernel = _chunk_loss_and_grad
+def _kl_rows(logits, teacher_logits, *, with_grad: bool):
+    """Per row: KL(teacher || drafter), the NLL of the teacher's argmax, correctness, the teacher's
+    argmax, and d(kl)/d(logits) = softmax(drafter) - softmax(teacher)."""
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    log_p = torch.log_softmax(teacher_logits.float(), dim=-1)
+    p = torch.exp(log_p)
+    kl = (p * (log_p - log_q)).sum(dim=-1)
+    labels = teacher_logits.argmax(dim=-1)
+    nll = -log_q.gather(1, labels[:, None]).squeeze(1)
+    correct = log_q.argmax(dim=-1) == labels
+    if not with_grad:
+        return kl, nll, correct, labels, None
+    return kl, nll, correct, labels, (torch.exp(log_q) - p).to(logits.dtype)
+
+
+_ce_kernel = _ce_rows
+_kl_kernel = _kl_rows
 
 
 def compile_loss_kernel(enabled: bool = True) -> None:
-    """Use a torch.compile'd per-chunk loss kernel (GPU); eager when disabled."""
-    global _chunk_kernel
-    _chunk_kernel = torch.compile(_chunk_loss_and_grad, dynamic=False) if enabled else _chunk_loss_and_grad
+    """Use torch.compile'd per-chunk loss kernels (GPU); eager when disabled."""
+    global _ce_kernel, _kl_kernel
+    _ce_kernel = torch.compile(_ce_rows, dynamic=False) if enabled else _ce_rows
+    _kl_kernel = torch.compile(_kl_rows, dynamic=False) if enabled else _kl_rows
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+@dataclasses.dataclass
+class LMHeadLoss:
+    """loss: scalar; per row [N]: correct (argmax == label), labels (the teacher's argmax under
+    KL), weights (the slot weight applied, before normalization)."""
+
+    loss: torch.Tensor
+    correct: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+
+
+class _ChunkedLMHeadLoss(torch.autograd.Function):
+    """Per chunk of rows: logits, per-row loss and the per-row gradient d(loss_row)/d(hidden),
+    unweighted. Weights are applied once every row's loss is known, which is what lets D-PACE
+    weigh a slot by its whole block in the same single pass over the vocabulary."""
+
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, labels_N, token_weights_N, chunk_size):
+    def forward(ctx, hidden_NH, weight_VH, labels_N, teacher_NH, token_weights_N, valid_N, chunk_size,
+                dpace_alpha, num_slots):
         compute_dtype = weight_VH.dtype
-        inv_total_weight = 1.0 / token_weights_N.sum().clamp_min(1e-12)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
-        correct = torch.empty(labels_N.shape, dtype=torch.bool, device=hidden_NH.device)
+        num_rows = hidden_NH.shape[0]
+        device = hidden_NH.device
+        loss_rows = torch.empty(num_rows, dtype=torch.float32, device=device)
+        nll_rows = torch.empty(num_rows, dtype=torch.float32, device=device) if teacher_NH is not None else loss_rows
+        correct = torch.empty(num_rows, dtype=torch.bool, device=device)
+        labels_out = labels_N.clone() if teacher_NH is None else torch.empty(num_rows, dtype=torch.long, device=device)
         needs_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty_like(hidden_NH) if needs_grad else None
-        for start in range(0, hidden_NH.shape[0], chunk_size):
+        for start in range(0, num_rows, chunk_size):
             end = start + chunk_size
             logits = hidden_NH[start:end].to(compute_dtype) @ weight_VH.T
-            chunk_loss, correct[start:end], grad_logits = _chunk_kernel(
-                logits, labels_N[start:end], token_weights_N[start:end], inv_total_weight, with_grad=needs_grad
-            )
-            loss_sum += chunk_loss
+            if teacher_NH is None:
+                loss_rows[start:end], correct[start:end], grad_logits = _ce_kernel(
+                    logits, labels_N[start:end], with_grad=needs_grad)
+            else:
+                with torch.autocast(device.type, enabled=False):
+                    teacher_logits = teacher_NH[start:end].to(compute_dtype) @ weight_VH.T
+                (loss_rows[start:end], nll_rows[start:end], correct[start:end], labels_out[start:end],
+                 grad_logits) = _kl_kernel(logits, teacher_logits, with_grad=needs_grad)
             if needs_grad:
                 grad_hidden[start:end] = (grad_logits @ weight_VH).to(hidden_NH.dtype)
+        if dpace_alpha is None:
+            weights = token_weights_N * valid_N
+            total = weights.sum().clamp_min(1e-12)
+        else:  # as speculators: D-PACE weights, normalized by the number of slots with loss
+            weights = dpace_weights(nll_rows.view(-1, num_slots), valid_N.view(-1, num_slots),
+                                    alpha=dpace_alpha).flatten()
+            total = valid_N.sum().clamp_min(1.0)
+        scale = weights / total
+        if needs_grad:
+            grad_hidden.mul_(scale[:, None].to(grad_hidden.dtype))
         ctx.save_for_backward(grad_hidden if needs_grad else hidden_NH.new_empty(0))
-        ctx.mark_non_differentiable(correct)
-        return loss_sum * inv_total_weight, correct
+        ctx.mark_non_differentiable(correct, labels_out, weights)
+        return (scale * loss_rows).sum(), correct, labels_out, weights
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_correct):
+    def backward(ctx, grad_loss, grad_correct, grad_labels, grad_weights):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
+
+
+def chunked_lm_head_loss(
+    hidden_NH: torch.Tensor,
+    *,
+    lm_head_weight: torch.Tensor,
+    valid_N: torch.Tensor,
+    labels_N: torch.Tensor | None = None,
+    teacher_hidden_NH: torch.Tensor | None = None,
+    token_weights_N: torch.Tensor | None = None,
+    dpace_alpha: float | None = None,
+    num_slots: int | None = None,
+    chunk_size: int = 2048,
+) -> LMHeadLoss:
+    """The drafter's loss over logits = hidden @ lm_head_weight.T, a chunk of rows at a time.
+
+    Target, one of: `labels_N` (cross-entropy) or `teacher_hidden_NH` (KL to the teacher's
+    distribution; rows already through the target's final norm, one per drafted slot, so teacher
+    logits exist only for the slots' positions and only a chunk at a time).
+    Weighting, one of: `token_weights_N` (loss = sum(w * l) / sum(w) over valid rows) or
+    `dpace_alpha` with `num_slots` (rows grouped as blocks of num_slots; loss = sum(w * l) /
+    num_valid, as speculators). The LM head weight gets no gradient (it is the target's, frozen).
+    """
+    if lm_head_weight.requires_grad:
+        raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if (labels_N is None) == (teacher_hidden_NH is None):
+        raise ValueError("pass exactly one of labels_N (cross-entropy) and teacher_hidden_NH (KL)")
+    if (token_weights_N is None) == (dpace_alpha is None):
+        raise ValueError("pass exactly one of token_weights_N (fixed weights) and dpace_alpha (D-PACE)")
+    num_rows = hidden_NH.shape[0]
+    if dpace_alpha is not None and (not num_slots or num_rows % num_slots):
+        raise ValueError(f"D-PACE needs num_slots dividing the {num_rows} rows, got {num_slots}")
+    valid = valid_N.to(torch.float32)
+    weights = token_weights_N.float() if token_weights_N is not None else None
+    loss, correct, labels, applied = _ChunkedLMHeadLoss.apply(
+        hidden_NH, lm_head_weight, labels_N, teacher_hidden_NH, weights, valid, chunk_size, dpace_alpha, num_slots)
+    return LMHeadLoss(loss=loss, correct=correct, labels=labels, weights=applied)
 
 
 def chunked_lm_head_cross_entropy(
@@ -115,16 +222,11 @@ def chunked_lm_head_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted mean CE, correct [N] bool) of logits = hidden @ lm_head_weight.T, chunked.
 
-    The loss is sum(w * ce) / sum(w); tokens of weight 0 cost compute but add nothing. The LM
-    head weight gets no gradient (it is the target's, frozen).
+    The loss is sum(w * ce) / sum(w); tokens of weight 0 cost compute but add nothing.
     """
-    if lm_head_weight.requires_grad:
-        raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _ChunkedLinearCrossEntropy.apply(
-        hidden_NH, lm_head_weight, labels_N, token_weights_N.float(), chunk_size
-    )
+    out = chunked_lm_head_loss(hidden_NH, lm_head_weight=lm_head_weight, valid_N=torch.ones_like(labels_N),
+                               labels_N=labels_N, token_weights_N=token_weights_N, chunk_size=chunk_size)
+    return out.loss, out.correct
 
 
 def default_chunk_size(*, vocab_size: int, budget_bytes: int = 4 << 30) -> int:
