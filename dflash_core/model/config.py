@@ -196,8 +196,8 @@ class DFlashConfig:
 
 
 def _default_mask_token_id(text_config: Any) -> int:
-    """A row that exists in the target's embedding and is rare in text: pad, else the last row."""
-    pad = getattr(text_config, "pad_token_id", None)
-    if isinstance(pad, int) and 0 <= pad < text_config.vocab_size:
-        return pad
-    return text_config.vocab_size - 1
+    """The mask row when only the config is known: the last row that is no end, BOS or pad token.
+    The trainer passes a better one (it knows the tokenizer and the corpus): see `mask_token`."""
+    from dflash_core.model.mask_token import choose_mask_token_id
+
+    return choose_mask_token_id(text_config)

@@ -9,6 +9,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, model_validator
 
+from dflash_core.model.config import tapped_layer_ids
+
 
 class DrafterSettings(BaseModel):
     num_layers: int = Field(5, ge=1, description="Drafter decoder layers.")
@@ -19,7 +21,46 @@ class DrafterSettings(BaseModel):
     loss_gamma: float | None = Field(None, gt=0, description="Position-weight decay; None: 7 for B=16, 4 for B=8.")
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
     sliding_window: int | None = Field(None, gt=0)
-    mask_token_id: int | None = Field(None, ge=0, description="None: the target's pad token (or last row).")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="None: a row no text uses (past the tokenizer's vocabulary, else an unused special "
+        "token); an end-of-turn/EOS token is refused.")
+    num_tapped_layers: int | None = Field(
+        None, ge=1, description="Target layers the drafter reads, spread by the reference formula; None: as many as "
+        "the drafter has layers (the z-lab reference).")
+    target_layer_ids: list[int] | None = Field(
+        None, description="Explicit native tapped ids (k = output of decoder layer k), ascending; overrides "
+        "num_tapped_layers.")
+    loss_type: Literal["ce", "kl"] = Field(
+        "ce", description="ce: cross-entropy to the target's argmax (or the data tokens); kl: KL to the target's "
+        "whole distribution at each slot (needs loss_target=teacher).")
+    loss_weighting: Literal["exp_decay", "dpace"] = Field(
+        "exp_decay", description="Slot weights: exp(-(k-1)/loss_gamma), or D-PACE (speculators' DFlash default).")
+    dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DrafterSettings:
+        if self.target_layer_ids is not None:
+            if self.num_tapped_layers is not None and self.num_tapped_layers != len(self.target_layer_ids):
+                raise ValueError(f"num_tapped_layers {self.num_tapped_layers} disagrees with target_layer_ids "
+                                 f"{self.target_layer_ids}: set one of them")
+            ids = self.target_layer_ids
+            if not ids or ids != sorted(set(ids)) or ids[0] < 0:
+                raise ValueError(f"target_layer_ids must be distinct, ascending and >= 0, got {ids}")
+        if self.loss_type == "kl" and self.loss_target != "teacher":
+            raise ValueError("loss_type=kl learns the target's distribution: it needs loss_target=teacher")
+        return self
+
+    def tapped_layer_ids(self, *, num_target_layers: int) -> list[int]:
+        """Native ids of the tapped target layers, checked against a target of `num_target_layers`."""
+        last = num_target_layers - 2  # the last layer's transformers output is already final-normed
+        if self.target_layer_ids is not None:
+            bad = [k for k in self.target_layer_ids if k > last]
+            if bad:
+                raise ValueError(f"target_layer_ids {bad} out of range: a {num_target_layers}-layer target can be "
+                                 f"tapped at native ids 0..{last} (id k is the output of decoder layer k)")
+            return list(self.target_layer_ids)
+        return tapped_layer_ids(num_target_layers=num_target_layers,
+                                num_tapped_layers=self.num_tapped_layers or self.num_layers)
 
 
 class OptimSettings(BaseModel):

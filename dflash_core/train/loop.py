@@ -85,6 +85,79 @@ def _step_generator(seed: int, step: int, global_micro: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash((seed, step, global_micro)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
+def load_target_tokenizer(spec: str, *, models_dir: Path):
+    """The target's tokenizer where there is one (`embedded`, a model directory holding tokenizer
+    files), else None (`tiny:`/`random:` targets). Used to pick the mask token."""
+    if spec == "embedded":
+        from dflash_core.embedded import embedded_model_dir
+
+        directory = embedded_model_dir(models_dir)
+    elif Path(spec).is_dir() and any((Path(spec) / name).is_file()
+                                     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        directory = Path(spec)
+    else:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as error:
+        warnings.warn(f"could not load the target's tokenizer from {directory} ({error}); the mask token is "
+                      "chosen from the config and the corpus only", stacklevel=2)
+        return None
+
+
+def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedCorpus | None = None,
+                       tokenizer=None) -> DFlashConfig:
+    """The drafter a run trains: shapes from the target, tapped layers, mask token and loss from
+    `config.drafter`. The mask token is checked (never an end token) or chosen with the tokenizer and
+    the corpus's token counts (a row the data never contains)."""
+    import dataclasses
+
+    import numpy as np
+
+    from dflash_core.model.config import _text_config
+    from dflash_core.model.mask_token import resolve_mask_token_id
+
+    d = config.drafter
+    text = _text_config(target_config)
+    counts = None
+    if corpus is not None and corpus.tokens.size:
+        counts = np.bincount(corpus.tokens, minlength=int(text.vocab_size))
+    mask_token_id = resolve_mask_token_id(d.mask_token_id, target_config=target_config, tokenizer=tokenizer,
+                                          token_counts=counts)
+    layer_ids = d.tapped_layer_ids(num_target_layers=text.num_hidden_layers)
+    base = DFlashConfig.from_target(
+        target_config, num_layers=d.num_layers, block_size=d.block_size, num_tapped_layers=len(layer_ids),
+        mask_token_id=mask_token_id, layer_types=d.layer_types, sliding_window=d.sliding_window,
+        loss_gamma=d.loss_gamma)
+    return dataclasses.replace(base, target_layer_ids=layer_ids, loss_type=d.loss_type,
+                               loss_weighting=d.loss_weighting, dpace_alpha=d.dpace_alpha)
+
+
+class MetricsWindow:
+    """Running sums of the per-step metric tensors on their device (no host sync until `pop`)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.steps = 0
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        for name, value in metrics.items():
+            value = value.detach().float()
+            self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
+        self.steps += 1
+
+    def pop(self) -> dict[str, torch.Tensor]:
+        """{name: mean over the window} plus {"steps": n}; starts a new window."""
+        if not self.steps:
+            return {}
+        means = {name: total / self.steps for name, total in self.sums.items()}
+        means["steps"] = torch.tensor(float(self.steps))
+        self.sums, self.steps = {}, 0
+        return means
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, *, store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
                  checkpoint_prefix: str | None = None, dist_info: Distributed | None = None,
@@ -123,10 +196,8 @@ class Trainer:
                                           rank=self.dist.rank, world_size=self.dist.world_size,
                                           drop_samples_without_loss=~samples_with_loss(self.corpus),
                                           max_samples_per_batch=samples_per_batch)
-        d = config.drafter
-        self.drafter_config = DFlashConfig.from_target(
-            self.target.config, num_layers=d.num_layers, block_size=d.block_size, mask_token_id=d.mask_token_id,
-            layer_types=d.layer_types, sliding_window=d.sliding_window, loss_gamma=d.loss_gamma)
+        self.drafter_config = drafter_config_for(config, target_config=self.target.config, corpus=self.corpus,
+                                                 tokenizer=load_target_tokenizer(config.target, models_dir=models_dir))
         torch.manual_seed(config.seed)
         drafter = DFlashDraftModel(self.drafter_config, device=self.drafter_device)
         drafter.init_weights()
@@ -147,7 +218,7 @@ class Trainer:
 
             device_ids = [self.drafter_device.index] if self.drafter_device.type == "cuda" else None
             self.model = DistributedDataParallel(drafter, device_ids=device_ids)
-        self.teacher = d.loss_target == "teacher"
+        self.teacher = config.drafter.loss_target == "teacher"
         self.capture = HiddenStateCapture(self.target, layer_ids=self.drafter_config.target_layer_ids,
                                           capture_final=self.teacher)
         o = config.optim
@@ -225,14 +296,17 @@ class Trainer:
         saved_step = -1
         started = time.perf_counter()
         tokens_since_log = 0
+        window = MetricsWindow()
         try:
             while self.step < config.max_steps and not self._stop_agreed():
                 metrics, tokens = self._optimizer_step(batches)
                 self.step += 1
                 tokens_since_log += tokens
+                if self.dist.is_main:
+                    window.add(metrics)
                 if self.dist.is_main and (self.step % config.log_every == 0 or self.step == config.max_steps):
                     elapsed = time.perf_counter() - started
-                    record = self._log_record(metrics, tokens_since_log / max(elapsed, 1e-9))
+                    record = self._log_record(metrics, tokens_since_log / max(elapsed, 1e-9), window=window.pop())
                     with open(metrics_path, "a") as handle:
                         handle.write(json.dumps(record) + "\n")
                     if on_log is not None:
@@ -277,10 +351,17 @@ class Trainer:
         summed["grad_norm"] = grad_norm.detach()
         return summed, tokens
 
-    def _log_record(self, metrics: dict[str, torch.Tensor], tokens_per_s: float) -> dict:
+    def _log_record(self, metrics: dict[str, torch.Tensor], tokens_per_s: float, *,
+                    window: dict[str, torch.Tensor] | None = None) -> dict:
+        """The last step's metrics at the top level; `window`: their means over the steps since the last
+        record (`window.steps` of them), which is what to read: one step's accuracy is noisy."""
         record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": round(tokens_per_s, 1)}
         for name, value in metrics.items():
             record[name] = value.tolist() if value.numel() > 1 else float(value)
+        if window:
+            record["window"] = {name: value.tolist() if value.numel() > 1 else float(value)
+                                for name, value in window.items()}
+            record["window"]["steps"] = int(record["window"]["steps"])
         if self.drafter_device.type == "cuda":
             record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.drafter_device) / 2**30
         return record

@@ -1,4 +1,5 @@
-"""Training curves for people: metrics.jsonl -> summary rows and a PNG of loss and acceptance length."""
+"""Training curves for people: metrics.jsonl -> summary rows and a PNG of loss and acceptance length,
+from the window means each record carries (one step's metrics are noisy)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,18 @@ def read_metrics(path: Path) -> list[dict]:
     return [by_step[step] for step in sorted(by_step)]
 
 
+def smoothed(record: dict) -> dict:
+    """The record's metrics averaged over its logging window where it has one (runs logged before
+    windows existed keep their last-step values)."""
+    window = record.get("window") or {}
+    return {**record, **{name: value for name, value in window.items() if name != "steps"}}
+
+
 def summary_rows(records: list[dict], *, every: int = 1) -> list[dict]:
+    """Rows for a table, one per `every` records plus the last; metrics are window means."""
     rows = []
     for record in records[::every] + ([records[-1]] if records and (len(records) - 1) % every else []):
+        record = smoothed(record)
         accuracy = record.get("accuracy_per_position") or []
         rows.append({"step": record["step"], "loss": round(record["loss"], 4),
                      "tau": round(record["acceptance_length"], 3),
@@ -34,6 +44,7 @@ def curves_png(records: list[dict], *, title: str) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records = [smoothed(r) for r in records]
     steps = [r["step"] for r in records]
     figure, (loss_axis, tau_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
     loss_axis.plot(steps, [r["loss"] for r in records])

@@ -152,3 +152,73 @@ def test_hybrid_target_turns_packing_off(tmp_path) -> None:
     assert all(len(batch) == 1 for batch in trainer.sampler.epoch_batches(0))
     trainer.run()
     trainer.close()
+
+
+def test_logged_window_is_the_mean_of_its_steps(tmp_path) -> None:
+    every_step = Trainer(tiny_config(tmp_path / "a", max_steps=6, log_every=1, checkpoint_every=100))
+    per_step = [json.loads(x) for x in every_step.run().metrics_path.read_text().splitlines()]
+    windowed = Trainer(tiny_config(tmp_path / "b", max_steps=6, log_every=3, checkpoint_every=100))
+    records = [json.loads(x) for x in windowed.run().metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 6] and records[0]["window"]["steps"] == 3
+    for record, steps in zip(records, (per_step[:3], per_step[3:])):
+        assert record["loss"] == pytest.approx(steps[-1]["loss"])  # top level: the last step
+        assert record["window"]["loss"] == pytest.approx(sum(s["loss"] for s in steps) / 3, rel=1e-5)
+        for key in ("acceptance_length", "grad_norm"):
+            assert record["window"][key] == pytest.approx(sum(s[key] for s in steps) / 3, rel=1e-5)
+        accuracy = [sum(s["accuracy_per_position"][k] for s in steps) / 3 for k in range(3)]
+        assert record["window"]["accuracy_per_position"] == pytest.approx(accuracy, rel=1e-5)
+
+
+def test_mask_token_is_a_row_the_data_never_uses_and_end_tokens_are_refused(tmp_path) -> None:
+    import numpy as np
+
+    trainer = Trainer(tiny_config(tmp_path, max_steps=1))
+    mask = trainer.drafter_config.mask_token_id
+    assert mask not in (0, 1, 2)  # pad, BOS, EOS of the tiny Llama
+    assert not np.isin(mask, trainer.corpus.tokens)
+    config = tiny_config(tmp_path / "eos", max_steps=1)
+    config.drafter.mask_token_id = 2
+    with pytest.raises(ValueError, match="end token"):
+        Trainer(config)
+
+
+def test_tapped_layers_come_from_the_settings(tmp_path) -> None:
+    config = tiny_config(tmp_path, max_steps=1)
+    config.drafter.num_tapped_layers = 3  # a 1-layer drafter reading 3 of the tiny target's 6 layers
+    trainer = Trainer(config)
+    assert trainer.drafter_config.target_layer_ids == [1, 2, 3] == trainer.capture.layer_ids
+    assert trainer.drafter.fc.in_features == 3 * trainer.drafter_config.hidden_size
+    trainer.run()
+    explicit = tiny_config(tmp_path / "explicit", max_steps=1)
+    explicit.drafter.target_layer_ids = [0, 4]
+    assert Trainer(explicit).drafter_config.target_layer_ids == [0, 4]
+    explicit.drafter.target_layer_ids = [0, 5]  # id 5 is the last layer of 6: its output is final-normed
+    with pytest.raises(ValueError, match="out of range"):
+        Trainer(explicit)
+
+
+def test_loss_options_train(tmp_path) -> None:
+    """D-PACE and KL runs learn as the default does (teacher labels from the tiny random target)."""
+    for name, changes in {"dpace": {"loss_weighting": "dpace"}, "kl": {"loss_type": "kl"}}.items():
+        config = tiny_config(tmp_path / name, max_steps=60, log_every=20, checkpoint_every=100)
+        config.drafter = config.drafter.model_copy(update={"loss_target": "teacher", **changes})
+        trainer = Trainer(config)
+        assert getattr(trainer.drafter_config, next(iter(changes))) == next(iter(changes.values()))
+        logs = [json.loads(x) for x in trainer.run().metrics_path.read_text().splitlines()]
+        assert logs[-1]["window"]["loss"] < 0.7 * logs[0]["window"]["loss"], (name, [r["window"]["loss"] for r in logs])
+
+
+def test_drafter_settings_errors_name_the_problem() -> None:
+    from dflash_core.train.config import DrafterSettings
+
+    with pytest.raises(ValueError, match="ascending"):
+        DrafterSettings(target_layer_ids=[8, 1])
+    with pytest.raises(ValueError, match="disagrees"):
+        DrafterSettings(target_layer_ids=[1, 8], num_tapped_layers=3)
+    with pytest.raises(ValueError, match="loss_target=teacher"):
+        DrafterSettings(loss_type="kl", loss_target="data")
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        DrafterSettings(dpace_alpha=0)
+    assert DrafterSettings(num_layers=2).tapped_layer_ids(num_target_layers=30) == [1, 27]
+    assert DrafterSettings(num_layers=2, num_tapped_layers=5).tapped_layer_ids(num_target_layers=30) == \
+        [1, 8, 14, 20, 27]
