@@ -32,10 +32,10 @@ def test_train_flow_trains_from_s3_uploads_checkpoints_and_resumes(prefect_serve
     result = state.result()
     assert result["checkpoint"].endswith("step-000012")
     weights_key = f"checkpoints/{run_name}/step-000012/model.safetensors"
-    # Evaluated by real draft/verify rounds; exported natively (a Llama drafter has no q/k norm, which the
-    # speculators format requires, so that format is skipped with a warning).
+    # Evaluated by real draft/verify rounds; exported in both formats (a Llama target's drafter has
+    # q/k norm and full rotary like every other, so speculators can express it).
     assert {s["mode"] for s in result["evaluation"]["summaries"]} >= {"block"}
-    assert set(result["exports"]) == {"native"}
+    assert set(result["exports"]) == {"native", "speculators"}
     export_key = f"exports/{run_name}/native/config.json"
     assert read_manifest(store, export_key).inputs[0].uri == store.uri(weights_key)
     weights_key = f"checkpoints/{run_name}/step-000012/model.safetensors"
