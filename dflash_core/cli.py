@@ -195,20 +195,31 @@ def lineage(
 def train(
     config: Annotated[Path, typer.Option(help="Run config (YAML or JSON): dflash_core.train.config.TrainConfig.")],
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: optim.lr=1e-4 (repeatable).")] = None,
-    nproc_per_node: Annotated[int, typer.Option(help="Processes (GPUs) on this node; >1 uses torchrun + DDP.")] = 1,
+    nproc_per_node: Annotated[int, typer.Option(help="Processes on this node: one per GPU (colocated) or per GPU "
+                                                     "pair (placement=pair); >1 uses torchrun + DDP.")] = 1,
     resume: Annotated[bool, typer.Option(help="Continue from the latest complete checkpoint (local, else S3).")] = True,
+    nnodes: Annotated[int, typer.Option(help="Nodes in the job; run this same command on each.")] = 1,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="host:port every node reaches (c10d store, or the "
+                                                              "static master).")] = None,
+    rdzv_id: Annotated[Optional[str], typer.Option(help="c10d: job id, the same on every node.")] = None,
+    rdzv_backend: Annotated[str, typer.Option(help="c10d (ranks assigned at rendezvous) or static "
+                                                   "(--node-rank).")] = "c10d",
+    node_rank: Annotated[Optional[int], typer.Option(help="static: this node's rank, 0 on the master.")] = None,
+    pair_overlap: Annotated[bool, typer.Option(help="placement=pair: overlap the next batch's target forward "
+                                                    "and transfer with this batch's drafter step.")] = False,
 ) -> None:
     """Train a drafter online (target forward + drafter step each batch; no hidden states on disk)."""
     from dflash_core.train.config import TrainConfig
+    from dflash_core.train.entry import Rendezvous, training_argv
 
     try:
         TrainConfig.from_yaml(config, overrides=set_ or [])  # fail here, with the field named, not in N processes
+        rendezvous = Rendezvous(nnodes=nnodes, endpoint=rdzv_endpoint, job_id=rdzv_id, backend=rdzv_backend,
+                                node_rank=node_rank)
     except ValueError as error:
         raise _fail(str(error)) from None
-    from dflash_core.train.entry import training_argv
-
-    argv = training_argv(config, nproc_per_node=nproc_per_node, resume=resume,
-                         extra=[f"--set={item}" for item in set_ or []])
+    extra = [f"--set={item}" for item in set_ or []] + (["--pair-overlap"] if pair_overlap else [])
+    argv = training_argv(config, nproc_per_node=nproc_per_node, resume=resume, extra=extra, rendezvous=rendezvous)
     raise typer.Exit(code=subprocess.run(argv).returncode)
 
 

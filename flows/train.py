@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from dflash_core.settings import load_settings
 from dflash_core.train.config import TrainConfig
+from dflash_core.train.entry import Rendezvous
 from flows.command_line import run_from_command_line
 from flows.evaluate import EvaluateParams, evaluate
 from tasks.export import export_checkpoint
@@ -24,7 +25,11 @@ from tasks.train import plan_training, report_training, run_training
 
 class TrainFlowParams(BaseModel):
     config: TrainConfig = Field(description="The run schema: every hyperparameter and path.")
-    nproc_per_node: int = Field(1, ge=1, description="Processes (GPUs) on this node; >1 runs torchrun with DDP.")
+    nproc_per_node: int = Field(1, ge=1, description="Processes on this node: one per GPU (colocated) or per GPU "
+                                "pair (placement=pair); >1 runs torchrun with DDP.")
+    rendezvous: Rendezvous = Field(default_factory=Rendezvous, description=(
+        "Several nodes: run this flow once per node with these torchrun rendezvous settings (identical on every "
+        "node with c10d); checkpoints must reach every node (S3 upload or a shared output_dir)."))
     gpu_memory_gib: float = Field(139.0, gt=0, description="For the capacity check.")
     expected_samples: int = Field(100_000, gt=0, description="For the capacity check's storage figures.")
     expected_mean_tokens: float = Field(2_000, gt=0)
@@ -40,9 +45,13 @@ class TrainFlowParams(BaseModel):
 def train(params: TrainFlowParams) -> dict:
     settings = load_settings()
     config = params.config.model_copy(update={"output_dir": params.config.output_dir.resolve()})
-    plan_training(config, gpu_memory_gib=params.gpu_memory_gib, num_gpus=params.nproc_per_node,
+    gpus_per_process = 2 if config.placement == "pair" else 1
+    plan_training(config, gpu_memory_gib=params.gpu_memory_gib, num_gpus=params.nproc_per_node * gpus_per_process,
                   samples=params.expected_samples, mean_tokens=params.expected_mean_tokens)
-    checkpoint = run_training(config, nproc_per_node=params.nproc_per_node, flow_run_id=str(flow_run.id or ""))
+    checkpoint = run_training(config, nproc_per_node=params.nproc_per_node, flow_run_id=str(flow_run.id or ""),
+                              rendezvous=params.rendezvous)
+    if checkpoint is None:  # another node hosted global rank 0; its flow run carries on from here
+        return {"checkpoint": None, "run_dir": str(config.run_dir), "node_rank": params.rendezvous.node_rank}
     report = report_training(settings, config, checkpoint=checkpoint)
     result = {"checkpoint": checkpoint, "metrics": report.uri, "run_dir": str(config.run_dir)}
     if params.evaluate:

@@ -17,7 +17,7 @@ from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
 from dflash_core.train.checkpoint import latest_checkpoint
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.entry import training_argv
+from dflash_core.train.entry import Rendezvous, training_argv
 from dflash_core.train.report import curves_png, read_metrics, summary_rows
 from tasks.plan import NoLayoutFits
 from tasks.provenance import run_producer
@@ -44,16 +44,20 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
 
 
 @task(retries=2, retry_delay_seconds=[10, 60])
-def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str | None) -> str:
-    """Launch the run (torchrun for several processes), stream its log, resume on retry; the last checkpoint."""
+def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str | None,
+                 rendezvous: Rendezvous | None = None) -> str | None:
+    """Launch the run (torchrun for several processes or nodes), stream its log, resume on retry; the last
+    checkpoint. None on the nodes of a multi-node job that did not host global rank 0 (it writes them)."""
     logger = get_run_logger()
+    rendezvous = rendezvous or Rendezvous()
     config.run_dir.mkdir(parents=True, exist_ok=True)
     config_path = config.run_dir / "run.yaml"
     config_path.write_text(config.to_yaml())
-    argv = training_argv(config_path, nproc_per_node=nproc_per_node, resume=True,
+    argv = training_argv(config_path, nproc_per_node=nproc_per_node, resume=True, rendezvous=rendezvous,
                          extra=["--flow-run-id", flow_run_id] if flow_run_id else [])
     progress = create_progress_artifact(progress=0.0, description=f"training {config.run_name}")
     tail: deque[str] = deque(maxlen=40)
+    hosted_rank_0 = False
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
         for line in process.stdout:
             line = line.rstrip()
@@ -62,10 +66,14 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
             if line.startswith("step ") and "/" in line:
                 done, total = line.split()[1].split("/")
                 update_progress_artifact(progress, progress=100.0 * int(done) / int(total))
+            hosted_rank_0 = hosted_rank_0 or line.startswith('{"final_step"')  # printed by global rank 0 only
     if process.returncode == 143:
         raise TrainingFailed(f"training was stopped by SIGTERM after a checkpoint; a retry resumes it")
     if process.returncode != 0:
         raise TrainingFailed(f"training exited with {process.returncode}:\n" + "\n".join(tail))
+    if rendezvous.nnodes > 1 and not hosted_rank_0:
+        logger.info("global rank 0 ran on another node: its flow run reports, evaluates and exports")
+        return None
     checkpoint = latest_checkpoint(config.run_dir / "checkpoints")
     if checkpoint is None:
         raise TrainingFailed(f"training finished but left no checkpoint under {config.run_dir / 'checkpoints'}")

@@ -1,28 +1,99 @@
 """Process entry point of a training run: `python -m dflash_core.train.entry --config run.yaml`,
-one process per device under torchrun (`torchrun --nproc-per-node N -m dflash_core.train.entry ...`).
+one process per device (per GPU pair in the pair layout) under torchrun, on one node or many
+(`training_argv` builds the torchrun command from a `Rendezvous`).
 
 Exit codes: 0 done, 143 stopped by SIGTERM after writing a checkpoint (rerun with --resume).
+Every rank prints one `rank-summary {json}` line at the end: step, a checksum of its drafter
+weights (DDP replicas must agree) and peak GPU memory per device.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import signal
+import socket
 import sys
+import threading
+import time
+import warnings
+from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, Field, model_validator
 
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.provenance import current_producer
 from dflash_core.settings import Settings, load_settings
-from dflash_core.storage import ObjectStore
-from dflash_core.train.checkpoint import complete_checkpoints
+from dflash_core.train.checkpoint import complete_checkpoints, latest_checkpoint
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.loop import EXIT_PREEMPTED, Distributed, Trainer
+from dflash_core.train.step import PairOverlapSteps
+
+if TYPE_CHECKING:  # boto3 is imported only when a run reads S3 or uploads checkpoints
+    from dflash_core.storage import ObjectStore
+
+DEFAULT_PG_TIMEOUT_S = 600  # > the longest wait at a barrier: rank 0 writing (and uploading) a checkpoint
+
+
+class PairOverlapTrainer(PairOverlapSteps, Trainer):
+    """The pair layout with the transfer overlapped (dflash_core.train.step.PairOverlapSteps)."""
+
+
+class Rendezvous(BaseModel):
+    """torchrun's multi-node settings; one node needs none of them (`--standalone`). Every node runs
+    the same command. With the c10d backend torchrun assigns node ranks at rendezvous (every node
+    gets identical settings); with static each node names its own rank and node 0 is the master."""
+
+    nnodes: int = Field(1, ge=1, description="Nodes in the job.")
+    backend: Literal["c10d", "static"] = Field("c10d", description="c10d: ranks assigned at rendezvous; "
+                                                "static: --node-rank and a master address.")
+    endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d+$", description=(
+        "host:port every node reaches: the c10d store (run on any one node, e.g. node 0, port 29400) "
+        "or, for static, the master (node 0, e.g. port 29500)."))
+    job_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$",
+                               description="c10d: the same id on every node of one job.")
+    node_rank: int | None = Field(None, ge=0, description="static: this node's rank, 0 on the master.")
+
+    @model_validator(mode="after")
+    def _complete(self) -> Rendezvous:
+        if self.nnodes > 1 and self.endpoint is None:
+            raise ValueError(f"nnodes={self.nnodes} needs a rendezvous endpoint (host:port) that every node reaches")
+        if self.endpoint is not None and self.backend == "c10d" and self.job_id is None:
+            raise ValueError("the c10d rendezvous needs a job_id, the same on every node")
+        if self.endpoint is not None and self.backend == "static" and self.node_rank is None:
+            raise ValueError("the static rendezvous needs node_rank (0 on the master node)")
+        if self.node_rank is not None and self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} is outside nnodes {self.nnodes}")
+        return self
+
+    def torchrun_args(self) -> list[str]:
+        if self.endpoint is None:
+            return ["--standalone"]
+        if self.backend == "c10d":
+            return ["--nnodes", str(self.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint,
+                    "--rdzv-id", self.job_id]
+        host, port = self.endpoint.rsplit(":", 1)
+        return ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank), "--master-addr", host,
+                "--master-port", port]
+
+
+def training_argv(config_path: Path, *, nproc_per_node: int, resume: bool, extra: list[str] = (),
+                  rendezvous: Rendezvous | None = None) -> list[str]:
+    """The command that runs a training run: this module directly (one process on one node), else
+    under torchrun (`python -m torch.distributed.run`, the same program as the `torchrun` script)."""
+    rendezvous = rendezvous or Rendezvous()
+    entry = ["-m", "dflash_core.train.entry", "--config", str(config_path), *extra] + (["--resume"] if resume else [])
+    if nproc_per_node == 1 and rendezvous.nnodes == 1 and rendezvous.endpoint is None:
+        return [sys.executable, *entry]
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun_args(),
+            "--nproc-per-node", str(nproc_per_node), *entry]
 
 
 def write_run_record(config: TrainConfig) -> None:
@@ -41,37 +112,71 @@ def _version(name: str) -> str | None:
         return None
 
 
+def process_devices(config: TrainConfig, dist_info: Distributed) -> TrainConfig:
+    """The devices of this process. Pair layout without explicit devices: local rank r takes the GPU
+    pair (2r, 2r+1), target on the first; run N/2 processes per node of N GPUs."""
+    if config.placement != "pair" or config.target_device is not None or not torch.cuda.is_available():
+        return config
+    target, drafter = 2 * dist_info.local_rank, 2 * dist_info.local_rank + 1
+    if drafter >= torch.cuda.device_count():
+        raise ValueError(f"placement=pair: local rank {dist_info.local_rank} needs cuda:{target} and cuda:{drafter}, "
+                         f"this node has {torch.cuda.device_count()} GPUs; run nproc_per_node = GPUs / 2")
+    return config.model_copy(update={"target_device": f"cuda:{target}",
+                                     "drafter_device": config.drafter_device or f"cuda:{drafter}"})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one DFlash training process.")
     parser.add_argument("--config", type=Path, required=True, help="run.yaml (TrainConfig)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     parser.add_argument("--flow-run-id", default=None, help="Prefect flow run that launched this run (lineage)")
+    parser.add_argument("--pair-overlap", action="store_true",
+                        help="placement=pair: queue the next batch's target forward and transfer before the "
+                             "drafter trains on this one (same losses)")
+    parser.add_argument("--pg-timeout-s", type=float, default=DEFAULT_PG_TIMEOUT_S,
+                        help="a collective waiting this long (a rank died) ends the process")
     args = parser.parse_args(argv)
     config = TrainConfig.from_yaml(args.config, overrides=args.set)
     dist_info = Distributed.from_env()
+    devices = process_devices(config, dist_info)
+    # The drafter's device is this process's device: DDP, NCCL collectives and barriers run there.
+    device = torch.device((devices.drafter_device if devices.placement == "pair" else None)
+                          or devices.target_device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", dist_info.local_rank if device.index is None else device.index)
+        torch.cuda.set_device(device)
     if dist_info.world_size > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(dist_info.local_rank)
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=args.pg_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
     existing = complete_checkpoints(config.run_dir / "checkpoints")
     if existing and not args.resume:
         raise SystemExit(f"{config.run_dir} already holds checkpoints up to {existing[-1].name}: pass --resume to "
                          "continue that run, or choose a new run_name")
+    _announce_sigterm(dist_info, config.run_dir / "checkpoints", pg_timeout_s=args.pg_timeout_s)
     settings = load_settings()
     store = _store_if_needed(config, settings)
-    trainer = Trainer(config, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
-                      flow_run_id=args.flow_run_id,
-                      checkpoint_prefix=artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name))
+    trainer_class = Trainer
+    if args.pair_overlap:
+        if config.placement == "pair":
+            trainer_class = PairOverlapTrainer
+        else:
+            warnings.warn("--pair-overlap applies to placement=pair only; ignored", stacklevel=1)
+    trainer = trainer_class(devices, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
+                            flow_run_id=args.flow_run_id,
+                            checkpoint_prefix=artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT,
+                                                           config.run_name))
     try:
         if dist_info.is_main:
             write_run_record(config)
         resumed = args.resume and trainer.resume()
+        _ranks_agree_on_step(trainer)
         if not resumed:
             trainer.validate_capture()
         log = _console_logger(config) if dist_info.is_main else None
         result = trainer.run(on_log=log)
+        _print_rank_summary(trainer)
     finally:
         trainer.close()
         if dist.is_initialized():
@@ -85,18 +190,74 @@ def main(argv: list[str] | None = None) -> int:
 def _store_if_needed(config: TrainConfig, settings: Settings) -> ObjectStore | None:
     if not config.upload_checkpoints and all(Path(item).is_file() for item in config.data):
         return None
+    from dflash_core.storage import ObjectStore
+
     store = ObjectStore.from_settings(settings)
     store.check()
     return store
 
 
-def training_argv(config_path: Path, *, nproc_per_node: int, resume: bool, extra: list[str] = ()) -> list[str]:
-    """The command that runs a training run: this module directly, or under torchrun for N processes."""
-    entry = ["-m", "dflash_core.train.entry", "--config", str(config_path), *extra] + (["--resume"] if resume else [])
-    if nproc_per_node == 1:
-        return [sys.executable, *entry]
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    return [torchrun, "--standalone", "--nproc-per-node", str(nproc_per_node), *entry]
+def _ranks_agree_on_step(trainer: Trainer) -> None:
+    """Every rank must start at the same step: a node that found no checkpoint (no shared output_dir,
+    no S3 upload) would otherwise train from step 0 beside ranks that resumed."""
+    if not dist.is_initialized():
+        return
+    device = trainer.drafter_device if trainer.drafter_device.type == "cuda" else torch.device("cpu")
+    steps = torch.tensor([trainer.step, -trainer.step], device=device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    high, low = int(steps[0]), -int(steps[1])
+    if high != low:
+        raise ValueError(f"ranks resumed at different steps ({low} to {high}): every node must see the same "
+                         "checkpoints (a shared output_dir, or upload_checkpoints with S3)")
+
+
+def weights_checksum(module: torch.nn.Module) -> str:
+    """A bit-exact fingerprint of a module's weights, computed on their device: per tensor, the sum
+    of its raw bits and of bits x position (int64, wrapping, so independent of reduction order)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        flat = tensor.detach().contiguous().view(-1)
+        bits = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()])
+        bits = bits.to(torch.int64)
+        positions = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
+        digest.update(f"{name}:{int(bits.sum())}:{int((bits * positions).sum())};".encode())
+    return digest.hexdigest()[:16]
+
+
+def _print_rank_summary(trainer: Trainer) -> None:
+    devices = {str(d): d for d in (trainer.target_device, trainer.drafter_device) if d.type == "cuda"}
+    summary = {"rank": trainer.dist.rank, "step": trainer.step, "drafter_checksum": weights_checksum(trainer.drafter),
+               "peak_gib": {name: round(torch.cuda.max_memory_allocated(d) / 2**30, 2) for name, d in devices.items()}}
+    print("rank-summary " + json.dumps(summary), flush=True)
+    if dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, summary["drafter_checksum"])
+        if trainer.dist.is_main:
+            verdict = "identical" if len(set(gathered)) == 1 else f"DIFFERENT ({gathered})"
+            print(f"drafter weights on {len(gathered)} ranks: {verdict}", flush=True)
+
+
+def _announce_sigterm(dist_info: Distributed, checkpoints: Path, *, pg_timeout_s: float) -> None:
+    """Say on stderr, from a thread, when this rank gets SIGTERM: torchrun sends it to every rank when
+    one rank dies, and a rank blocked in a collective with the dead one cannot run Python handlers
+    (torchrun then kills it after 30 s; without torchrun the process-group timeout ends it)."""
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while signal.SIGTERM not in reader.recv(64):
+            pass
+        latest = latest_checkpoint(checkpoints)
+        print(f"[rank {dist_info.rank}] SIGTERM: stopping at the next step boundary. If another rank died, "
+              f"this one may be blocked in a collective with it: torchrun ends it within 30 s, the process-group "
+              f"timeout within {pg_timeout_s:.0f} s. Rerun with --resume to continue from the last complete "
+              f"checkpoint ({latest.name if latest else 'none yet'}).", file=sys.stderr, flush=True)
+        time.sleep(20)
+        print(f"[rank {dist_info.rank}] still running 20 s after SIGTERM: writing a checkpoint, or blocked in a "
+              "collective with a rank that died", file=sys.stderr, flush=True)
+
+    threading.Thread(target=watch, name="sigterm-announcer", daemon=True).start()
 
 
 def _console_logger(config: TrainConfig):
