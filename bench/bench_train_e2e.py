@@ -5,7 +5,12 @@ AdamW, metrics, on synthetic tokenized data and a random-weight target of a real
 This times what a run does, host work included, where bench_train_step.py times the GPU step alone.
 
 H200:      python3 bench/bench_train_e2e.py                 (random:qwen3-8b, 8,192-token rows)
-CPU smoke: .venv/bin/python bench/bench_train_e2e.py --tiny
+           python3 bench/bench_train_e2e.py --variant dflash2   (the same step for a DFlash 2 drafter)
+CPU smoke: .venv/bin/python bench/bench_train_e2e.py --tiny [--variant dflash2]
+
+`--variant dflash2` trains a DFlash 2 drafter (conv around every sublayer, candidate selector with the
+published defaults: kernel 2, group 16, rank 256, top-K 16) at the same shape; its row adds the
+selector's own acceptance length next to the unary argmax's.
 
 Measured on one H200 (torch 2.11, transformers 5.17), Qwen3-8B-shaped random target, 4 samples of
 2,048 tokens packed per row, 512 anchors per row, B=16, 5 layers, teacher = target argmax, metrics
@@ -56,6 +61,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--variant", choices=["dflash", "dflash2"], default="dflash",
+                        help="drafter variant (drafter.variant in the run config)")
     args = parser.parse_args()
     if args.tiny:
         args.target, args.token_budget, args.sample_len, args.anchors = "tiny:qwen3", 256, 64, 16
@@ -69,7 +76,7 @@ def main() -> None:
         token_budget=args.token_budget, max_steps=args.warmup + args.steps, log_every=1, upload_checkpoints=False,
         compile=cuda and not args.no_compile, validate_capture_batches=1,
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
-                 "loss_target": args.teacher},
+                 "loss_target": args.teacher, "variant": args.variant},
     )
     started = time.perf_counter()
     trainer = Trainer(config, corpus=corpus)
@@ -88,11 +95,13 @@ def main() -> None:
     median_ms = statistics.median(step_ms)
     real_tokens = args.token_budget  # every row is full: samples tile the budget exactly
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    print(f"{'target':<18}{'tokens/row':>11}{'anchors':>8}{'ms/step':>9}{'tokens/s':>10}{'peak GiB':>9}"
-          f"{'loss':>8}{'tau':>7}{'setup s':>8}")
-    print(f"{args.target:<18}{args.token_budget:>11}{args.anchors:>8}{median_ms:>9.1f}"
+    selector_tau = records[-1].get("selector_acceptance_length", float("nan"))  # DFlash 2 only
+    print(f"{'target':<18}{'variant':<9}{'tokens/row':>11}{'anchors':>8}{'ms/step':>9}{'tokens/s':>10}"
+          f"{'peak GiB':>9}{'loss':>8}{'tau':>7}{'sel tau':>8}{'setup s':>8}")
+    print(f"{args.target:<18}{args.variant:<9}{args.token_budget:>11}{args.anchors:>8}{median_ms:>9.1f}"
           f"{real_tokens / median_ms * 1e3:>10,.0f}{peak:>9.1f}{records[-1]['loss']:>8.3f}"
-          f"{records[-1]['acceptance_length']:>7.3f}{setup_s:>8.1f}")
+          f"{records[-1]['acceptance_length']:>7.3f}{selector_tau:>8.3f}{setup_s:>8.1f}")
+    print(f"drafter parameters: {sum(p.numel() for p in trainer.drafter.parameters()):,}")
     print(f"per-step ms after warmup: {[round(x) for x in step_ms]}")
     print("reproduce: python3 bench/bench_train_e2e.py " + " ".join(sys.argv[1:]))
     trainer.close()

@@ -32,7 +32,9 @@ class EvaluateParams(BaseModel):
     num_prompts: int = Field(16, gt=0)
     max_prompt_tokens: int = Field(1024, gt=0, description="Keep the last N tokens of longer prompts.")
     max_new_tokens: int = Field(128, gt=0)
-    modes: list[Literal["block", "tree"]] = Field(default_factory=lambda: ["block", "tree"], min_length=1)
+    modes: list[Literal["block", "tree"]] = Field(
+        default_factory=lambda: ["block", "tree"], min_length=1,
+        description="Decoding modes; DDTree (tree) is DFlash-only and skipped, with a warning, for DFlash 2 drafters.")
     tree_budget: int | None = Field(None, gt=0, description="DDTree node budget (None: 4 x (block_size - 1)).")
     eos_token_id: int | None = Field(None, description="Stop a response at this token (None: the target's).")
     device: str = Field("cpu", description="cpu or cuda[:n]; the target runs in bf16 on GPU, fp32 on CPU.")
@@ -72,6 +74,19 @@ def _read_prompts(params: EvaluateParams, data: bytes, *, target, vocab_size: in
     return prompts
 
 
+def _modes_for(drafter, modes: list[str], *, logger) -> tuple[str, ...]:
+    """`modes` less those the drafter cannot be decoded in (tree for DFlash 2), with a warning."""
+    from dflash_core.evaluate import supported_modes
+
+    kept = tuple(mode for mode in modes if mode in supported_modes(drafter))
+    skipped = sorted(set(modes) - set(kept))
+    if skipped:
+        logger.warning("skipping modes %s: DDTree is DFlash-only, this is a DFlash 2 drafter", skipped)
+    if not kept:
+        raise ValueError(f"none of the modes {list(modes)} can evaluate this drafter; use {supported_modes(drafter)}")
+    return kept
+
+
 @flow(name="dflash-evaluate", log_prints=True)
 def evaluate(params: EvaluateParams) -> dict:
     """checkpoint + prompts -> speculative decoding rounds -> report with lineage."""
@@ -85,8 +100,9 @@ def evaluate(params: EvaluateParams) -> dict:
     prompts = _read_prompts(params, prompt_bytes, target=target, vocab_size=text_config.vocab_size)
     eos = params.eos_token_id if params.eos_token_id is not None else getattr(text_config, "eos_token_id", None)
     eos = eos[0] if isinstance(eos, list) else eos
-    logger.info("evaluating %s on %d prompts, modes %s", params.checkpoint, len(prompts), params.modes)
-    report = run_evaluation(target=target, drafter=drafter, prompts=prompts, modes=tuple(params.modes),
+    modes = _modes_for(drafter, params.modes, logger=logger)
+    logger.info("evaluating %s on %d prompts, modes %s", params.checkpoint, len(prompts), modes)
+    report = run_evaluation(target=target, drafter=drafter, prompts=prompts, modes=modes,
                             max_new_tokens=params.max_new_tokens, eos_token_id=eos, tree_budget=params.tree_budget)
     key_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "evaluate", params.run)
     config = {**params.model_dump(mode="json"), "drafter_config": drafter.config.to_dict(), "num_prompts_used": len(prompts)}

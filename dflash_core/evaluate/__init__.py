@@ -1,5 +1,6 @@
 """Acceptance-faithful evaluation of a DFlash drafter against its target: real draft/verify rounds
-(block or DDTree), compared token for token with the target's own greedy decoding.
+(block or DDTree; a DFlash 2 drafter: block rounds on its selector path), compared token for token
+with the target's own greedy decoding.
 
     report = evaluate_prompts(target=t, drafter=d, prompts=[[...], ...], modes=("block", "tree"),
                               max_new_tokens=128)
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from dflash_core.evaluate.report import ResponseResult, markdown_table, plot_acceptance, summarize
-from dflash_core.evaluate.speculative import MODES, Decoded, SpeculativeDecoder, greedy_decode
+from dflash_core.evaluate.speculative import MODES, Decoded, SpeculativeDecoder, greedy_decode, supported_modes
 from dflash_core.evaluate.tree import DraftTree, accepted_path, build_draft_tree
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "markdown_table",
     "plot_acceptance",
     "summarize",
+    "supported_modes",
 ]
 
 

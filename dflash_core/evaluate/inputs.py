@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from dflash_core.model import DFlashConfig
+from dflash_core.model.dflash2 import config_from_dict
 
 CHECKPOINT_MODEL_FILE = "model.safetensors"
 CHECKPOINT_META_FILE = "meta.json"
@@ -79,7 +79,8 @@ def check_prompts(prompts: list[list[int]], *, vocab_size: int) -> None:
 
 
 def load_drafter_checkpoint(path: Path, *, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """A DFlashDraftModel from a training checkpoint dir (train_state.pt is not needed)."""
+    """A DFlashDraftModel (DFlash2DraftModel for a DFlash 2 run) from a training checkpoint dir
+    (train_state.pt is not needed)."""
     path = Path(path)
     meta_path, model_path = path / CHECKPOINT_META_FILE, path / CHECKPOINT_MODEL_FILE
     if not meta_path.is_file() or not model_path.is_file():
@@ -87,6 +88,6 @@ def load_drafter_checkpoint(path: Path, *, device: str | torch.device = "cpu") -
     meta = json.loads(meta_path.read_text())
     if "drafter_config" not in meta:
         raise ValueError(f"{meta_path} has no drafter_config")
-    drafter = DFlashConfig(**meta["drafter_config"]).build(device=device)
+    drafter = config_from_dict(meta["drafter_config"]).build(device=device)
     drafter.load_state_dict(load_file(model_path, device=str(device)), strict=True)
     return drafter

@@ -6,6 +6,11 @@ every verified token) and the last accepted token; the target verifies them in o
 longest prefix equal to the target's own greedy choices is accepted plus one bonus token (the
 target's choice after it); both caches are cut back to the accepted length. The emitted tokens
 are therefore exactly the target's greedy decoding, whatever the drafter proposes.
+
+Block rounds draft through `draft_tokens`: DFlash proposes the argmax of each slot, DFlash 2 the
+candidate selector's greedy path from the last accepted token (what z-lab's `dflash_generate`
+serves). DDTree builds its tree from per-slot distributions, which a selector path is not: tree
+mode is DFlash-only.
 """
 
 from __future__ import annotations
@@ -17,8 +22,14 @@ import torch
 
 from dflash_core.evaluate.target_runner import TargetRunner
 from dflash_core.evaluate.tree import accepted_path, build_draft_tree
+from dflash_core.model.dflash2 import DFlash2DraftModel, draft_tokens
 
 MODES = ("block", "tree")
+
+
+def supported_modes(drafter: torch.nn.Module) -> tuple[str, ...]:
+    """The decoding modes a drafter can be evaluated in: DDTree is DFlash-only."""
+    return ("block",) if isinstance(drafter, DFlash2DraftModel) else MODES
 
 
 @dataclasses.dataclass
@@ -73,6 +84,12 @@ class SpeculativeDecoder:
                  tree_budget: int | None = None, tree_branch: int = 8) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in supported_modes(drafter):
+            raise ValueError(
+                f"mode {mode!r} is DFlash-only: DDTree expands per-slot distributions, while a DFlash 2 drafter "
+                "proposes the candidate selector's path (each slot's choice depends on the previous one); "
+                "evaluate it with mode='block'"
+            )
         self.target = target
         self.drafter = drafter.eval()
         self.block_size = drafter.config.block_size
@@ -90,17 +107,18 @@ class SpeculativeDecoder:
         positions = torch.arange(start, start + tapped.shape[0], device=tapped.device)[None]
         self.drafter.extend_context(cache, target_hidden=tapped[None].to(self._feature_dtype), position_ids=positions)
 
-    def _draft_logits(self, cache, last_token: int) -> torch.Tensor:
+    def _draft_inputs(self, cache, last_token: int) -> dict[str, torch.Tensor]:
         device = self.runner.device
-        return self.drafter.draft_block(
-            cache, last_token_ids=torch.tensor([last_token], device=device),
-            position_ids=torch.tensor([cache.length], device=device),
-        )[0]
+        return {"last_token_ids": torch.tensor([last_token], device=device),
+                "position_ids": torch.tensor([cache.length], device=device)}
+
+    def _draft_logits(self, cache, last_token: int) -> torch.Tensor:
+        return self.drafter.draft_block(cache, **self._draft_inputs(cache, last_token))[0]
 
     def _block_round(self, cache, last_token: int) -> tuple[list[int], int]:
         """One round; returns (new tokens incl. bonus, accepted draft count)."""
         start = self.runner.length
-        drafts = self._draft_logits(cache, last_token).argmax(-1).tolist()
+        drafts = draft_tokens(self.drafter, cache, **self._draft_inputs(cache, last_token))[0].tolist()
         fed = [last_token, *drafts]
         step = self.runner.verify_block(fed)
         choices = step.logits.argmax(-1).tolist()  # choices[i]: target's token after fed[i]

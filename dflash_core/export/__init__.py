@@ -1,5 +1,7 @@
 """Export a trained drafter in the native (z-lab) and speculators (vLLM) formats, and import either
-back as an equal `DFlashDraftModel`.
+back as an equal `DFlashDraftModel` (a `DFlash2DraftModel` for a DFlash 2 drafter: the same formats
+with architecture `DFlash2DraftModel` / `speculators_model_type` "dflash2", see native.py and
+speculators.py).
 
     paths = export_drafter(drafter, target_config=cfg, out_dir=d, verifier_name_or_path="Qwen/Qwen3-8B")
     drafter = load_drafter(paths["native"])          # or paths["speculators"]
@@ -115,7 +117,8 @@ def read_export_config(path: Path) -> tuple[str, DFlashConfig]:
 
 
 def load_drafter(path: Path, *, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """A `DFlashDraftModel` (fp32) from a native or speculators export directory; attach the target after."""
+    """A `DFlashDraftModel` or `DFlash2DraftModel` (fp32) from a native or speculators export directory;
+    attach the target after."""
     _, config = read_export_config(path)
     state = load_file(Path(path) / WEIGHTS_FILE, device=str(device))
     # speculators' own save_pretrained may also hold verifier-owned tensors: not drafter weights.

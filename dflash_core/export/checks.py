@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig, _rope_settings, _text_config
+from dflash_core.model.dflash2 import DFlash2Config
 
-# Weight names a drafter checkpoint may hold; anything else (embed_tokens, lm_head, a target layer)
-# must never be written.
-DRAFTER_PREFIXES = ("fc.", "hidden_norm.", "layers.", "norm.")
+# Weight names a drafter checkpoint may hold (candidate_selector: DFlash 2); anything else
+# (embed_tokens, lm_head, a target layer) must never be written.
+DRAFTER_PREFIXES = ("fc.", "hidden_norm.", "layers.", "norm.", "candidate_selector.")
 
 
 def check_against_target(config: DFlashConfig, *, target_config: Any) -> None:
@@ -86,7 +87,15 @@ def check_state_dict(config: DFlashConfig, state: dict[str, Any]) -> None:
 
 
 def check_speculators_compatible(config: DFlashConfig, *, num_target_layers: int) -> None:
-    """What speculators 0.9's DFlash layer can represent beyond the runtime conventions."""
+    """What speculators 0.9's DFlash (and DFlash 2) layer can represent beyond the runtime conventions."""
+    if isinstance(config, DFlash2Config) and (
+        config.output_multiplier != 1.0 or config.final_logit_softcapping is not None
+    ):
+        raise ValueError(
+            "speculators 0.9's DFlash2 applies neither output_multiplier nor final_logit_softcapping to the "
+            f"unary logits (this drafter: {config.output_multiplier:g}, {config.final_logit_softcapping}); "
+            "served from that format it would propose other tokens. Export it in the native format only."
+        )
     last_aux = config.target_layer_ids[-1] + 1
     if last_aux >= num_target_layers:
         raise ValueError(

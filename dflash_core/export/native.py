@@ -8,7 +8,16 @@
 Layer id k is the OUTPUT of target decoder layer k (transformers `hidden_states[k+1]`). The
 weights hold the drafter body only (fc, hidden_norm, layers.*, norm), never the target's
 embedding or LM head. Fields this project needs to rebuild an equal drafter that z-lab's format
-has no name for (qk_norm, loss_gamma, target_model_type) ride along inside `dflash_config`.
+has no name for (qk_norm, target_model_type and the training loss settings) ride along inside
+`dflash_config`.
+
+DFlash 2 (a `DFlash2Config`) is the same format with `architectures: ["DFlash2DraftModel"]`, the
+DFlash 2 fields in `dflash_config` (conv_kernel_size, conv_group_size, selector_rank,
+selector_top_k, output_multiplier, final_logit_softcapping, input_embedding_scale 1.0; our
+selector_loss_weight rides along), and weights that add `layers.N.{attention,mlp}_conv.*` and
+`candidate_selector.{predecessor_codebook,successor_codebook,hidden_projection.weight}`: the
+codebooks bare, without `.weight`, as published drafters and speculators store them and z-lab's
+`from_pretrained` key mapping expects.
 
 Causality: our blocks are non-causal on every layer type. z-lab's reference and vLLM make
 `sliding_attention` layers causal unless the config says otherwise (top-level `is_causal`, which
@@ -24,8 +33,16 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
+from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
 
 ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+# Training settings no runtime reads; carried so an export reads back to the drafter it was.
+LOSS_FIELDS = ("loss_gamma", "loss_type", "loss_weighting", "dpace_alpha")
+
+
+def architecture(config: DFlashConfig) -> str:
+    return DFLASH2_ARCHITECTURE if isinstance(config, DFlash2Config) else ARCHITECTURE
 
 
 def rope_parameters(config: DFlashConfig) -> dict[str, Any]:
@@ -65,36 +82,43 @@ def layer_config(config: DFlashConfig, *, max_position_embeddings: int) -> dict[
 
 
 def native_config(config: DFlashConfig, *, max_position_embeddings: int, dtype: str) -> dict[str, Any]:
-    """config.json of the native format."""
+    """config.json of the native format (DFlash or DFlash 2, by the config's type)."""
+    dflash = {
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+        "block_size": config.block_size,
+        "causal": False,
+        "qk_norm": config.qk_norm,
+        "target_model_type": config.target_model_type,
+        **{name: getattr(config, name) for name in LOSS_FIELDS},
+    }
+    if isinstance(config, DFlash2Config):
+        dflash.update({name: getattr(config, name) for name in DFLASH2_FIELDS})
+        # z-lab scales F.embedding(ids, target weight) by this; our drafter uses the target's embedding
+        # module as is, which for the families we support (Llama, Qwen) is the same thing at 1.0.
+        dflash["input_embedding_scale"] = 1.0
     return {
-        "architectures": [ARCHITECTURE],
+        "architectures": [architecture(config)],
         **layer_config(config, max_position_embeddings=max_position_embeddings),
         "block_size": config.block_size,
         "num_target_layers": config.target_num_layers,
         "is_causal": False,
-        "dflash_config": {
-            "mask_token_id": config.mask_token_id,
-            "target_layer_ids": list(config.target_layer_ids),
-            "block_size": config.block_size,
-            "causal": False,
-            "qk_norm": config.qk_norm,
-            "loss_gamma": config.loss_gamma,
-            "target_model_type": config.target_model_type,
-        },
+        "dflash_config": dflash,
         "dtype": dtype,
     }
 
 
 def config_from_layer_fields(
     layer: dict[str, Any], *, target_layer_ids: list[int], mask_token_id: int, block_size: int,
-    extras: dict[str, Any], num_target_layers: int | None,
+    extras: dict[str, Any], num_target_layers: int | None, dflash2: bool = False,
 ) -> DFlashConfig:
-    """A DFlashConfig from Qwen3-style decoder fields plus the DFlash ones (shared by both importers)."""
+    """A DFlashConfig from Qwen3-style decoder fields plus the DFlash ones (shared by both importers);
+    with `dflash2`, a DFlash2Config whose fields `extras` gives (absent ones: the published defaults)."""
     rope = layer.get("rope_parameters") or {"rope_theta": layer.get("rope_theta", 10000.0)}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_type {rope['rope_type']!r} is not supported by the drafter (only 'default')")
     layer_types = layer.get("layer_types") or None
-    return DFlashConfig(
+    base = DFlashConfig(
         hidden_size=layer["hidden_size"],
         intermediate_size=layer["intermediate_size"],
         num_attention_heads=layer["num_attention_heads"],
@@ -114,9 +138,12 @@ def config_from_layer_fields(
         attention_bias=bool(layer.get("attention_bias", False)),
         target_model_type=extras.get("target_model_type", "qwen3"),
         target_num_layers=num_target_layers,
-        loss_gamma=extras.get("loss_gamma"),
         initializer_range=layer.get("initializer_range", 0.02),
+        **{name: extras[name] for name in LOSS_FIELDS if extras.get(name) is not None},
     )
+    if not dflash2:
+        return base
+    return DFlash2Config.from_dflash(base, **{name: extras[name] for name in DFLASH2_FIELDS if name in extras})
 
 
 def _causal_layers(data: dict[str, Any]) -> list[int]:
@@ -131,10 +158,22 @@ def _causal_layers(data: dict[str, Any]) -> list[int]:
 
 
 def config_from_native(data: dict[str, Any]) -> DFlashConfig:
-    """Inverse of `native_config` (also reads z-lab configs, where block_size may sit at the top)."""
-    if ARCHITECTURE not in (data.get("architectures") or []):
-        raise ValueError(f"config.json architectures {data.get('architectures')} lacks {ARCHITECTURE!r}")
+    """Inverse of `native_config` (also reads z-lab configs, where block_size may sit at the top, and
+    published DFlash 2 configs)."""
+    architectures = data.get("architectures") or []
+    dflash2 = DFLASH2_ARCHITECTURE in architectures
+    if ARCHITECTURE not in architectures and not dflash2:
+        raise ValueError(f"config.json architectures {architectures} lacks {ARCHITECTURE!r} "
+                         f"or {DFLASH2_ARCHITECTURE!r}")
     dflash = data.get("dflash_config") or {}
+    if dflash2:
+        scale = float(dflash.get("input_embedding_scale", 1.0))
+        if scale != 1.0:
+            raise ValueError(f"input_embedding_scale {scale} is not supported (the drafter embeds with the "
+                             "target's own embedding module)")
+    elif any(name in dflash for name in DFLASH2_FIELDS):
+        raise ValueError(f"config.json says {ARCHITECTURE!r} but its dflash_config holds DFlash 2 fields "
+                         f"{sorted(set(dflash) & set(DFLASH2_FIELDS))}: is it a {DFLASH2_ARCHITECTURE!r}?")
     if "target_layer_ids" not in dflash or "mask_token_id" not in dflash:
         raise ValueError("config.json dflash_config needs target_layer_ids and mask_token_id")
     block_size = data.get("block_size") or dflash.get("block_size")
@@ -149,5 +188,5 @@ def config_from_native(data: dict[str, Any]) -> DFlashConfig:
         )
     return config_from_layer_fields(
         data, target_layer_ids=dflash["target_layer_ids"], mask_token_id=dflash["mask_token_id"],
-        block_size=block_size, extras=dflash, num_target_layers=data.get("num_target_layers"),
+        block_size=block_size, extras=dflash, num_target_layers=data.get("num_target_layers"), dflash2=dflash2,
     )

@@ -8,16 +8,25 @@
 
 Its aux id k is the INPUT of decoder layer k (transformers `hidden_states[k]`), so aux = native + 1.
 Written without importing speculators; the parity test loads it with speculators itself.
+
+DFlash 2 (speculators 0.9's experimental `DFlash2SpeculatorConfig`): `speculators_model_type` and
+`algorithm` "dflash2", `architectures: ["DFlash2DraftModel"]`, and conv_kernel_size,
+conv_group_size, selector_rank, selector_top_k at the top level. Its contract has no
+output_multiplier or final_logit_softcapping (checks.py refuses drafters that use them).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dflash_core.export.native import config_from_layer_fields, layer_config
+from dflash_core.export.native import DFLASH2_ARCHITECTURE, LOSS_FIELDS, config_from_layer_fields, layer_config
 from dflash_core.model.config import DFlashConfig
+from dflash_core.model.dflash2 import variant_of
 
 SPECULATORS_VERSION = "0.9.0"
+MODEL_TYPES = ("dflash", "dflash2")
+# The DFlash 2 fields speculators 0.9 names (top level); the rest ride in dflash_pipeline.
+SPECULATORS_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def speculators_config(
@@ -29,13 +38,17 @@ def speculators_config(
     layer["dtype"] = dtype
     # Fields speculators has no name for; Qwen3Config keeps unknown keys, so they survive its loader.
     layer["dflash_pipeline"] = {
-        "loss_gamma": config.loss_gamma,
         "target_model_type": config.target_model_type,
         "num_target_layers": config.target_num_layers,
+        **{name: getattr(config, name) for name in LOSS_FIELDS},
     }
+    model_type = variant_of(config)
+    dflash2 = model_type == "dflash2"
+    if dflash2:
+        layer["dflash_pipeline"]["selector_loss_weight"] = config.selector_loss_weight
     return {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
+        "architectures": [DFLASH2_ARCHITECTURE if dflash2 else "DFlashSpeculator"],
+        "speculators_model_type": model_type,
         "speculators_version": SPECULATORS_VERSION,
         "aux_hidden_state_layer_ids": [k + 1 for k in config.target_layer_ids],
         "block_size": config.block_size,
@@ -46,8 +59,9 @@ def speculators_config(
         "sliding_window_non_causal": True,
         "sample_from_anchor": False,
         "transformer_layer_config": layer,
+        **({name: getattr(config, name) for name in SPECULATORS_DFLASH2_FIELDS} if dflash2 else {}),
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": model_type,
             "default_proposal_method": "greedy",
             "proposal_methods": [{
                 "proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
@@ -60,8 +74,9 @@ def speculators_config(
 
 def config_from_speculators(data: dict[str, Any]) -> DFlashConfig:
     """Inverse of `speculators_config` (aux ids - 1 back to native ids)."""
-    if data.get("speculators_model_type") != "dflash":
-        raise ValueError(f"speculators_model_type is {data.get('speculators_model_type')!r}, expected 'dflash'")
+    model_type = data.get("speculators_model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"speculators_model_type is {model_type!r}, expected one of {MODEL_TYPES}")
     layer = data["transformer_layer_config"]
     if data.get("draft_vocab_size", layer["vocab_size"]) != layer["vocab_size"]:
         raise ValueError("reduced draft vocabularies (draft_vocab_size != vocab_size) are not supported")
@@ -71,8 +86,9 @@ def config_from_speculators(data: dict[str, Any]) -> DFlashConfig:
     if not aux or data.get("mask_token_id") is None:
         raise ValueError("config.json needs aux_hidden_state_layer_ids and mask_token_id")
     extras = dict(layer.get("dflash_pipeline") or {})
+    extras.update({name: data[name] for name in SPECULATORS_DFLASH2_FIELDS if name in data})
     return config_from_layer_fields(
         layer, target_layer_ids=[k - 1 for k in aux], mask_token_id=data["mask_token_id"],
         block_size=data["block_size"], extras={**extras, "qk_norm": True},
-        num_target_layers=extras.get("num_target_layers"),
+        num_target_layers=extras.get("num_target_layers"), dflash2=model_type == "dflash2",
     )

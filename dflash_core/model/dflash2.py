@@ -130,6 +130,11 @@ def drafter_config(variant: str, base: DFlashConfig, **dflash2_fields: Any) -> D
     return DFlash2Config.from_dflash(base, **dflash2_fields)
 
 
+def variant_of(config: DFlashConfig) -> str:
+    """'dflash2' for a DFlash2Config, else 'dflash' (the trainer's `variant` setting)."""
+    return "dflash2" if isinstance(config, DFlash2Config) else "dflash"
+
+
 def config_from_dict(data: dict[str, Any]) -> DFlashConfig:
     """Inverse of `config.to_dict()` for either variant (a checkpoint's `drafter_config`)."""
     is_dflash2 = any(name in data for name in DFLASH2_FIELDS)
@@ -277,16 +282,12 @@ class DFlash2DraftModel(DFlashDraftModel):
     """DFlashDraftModel with DFlash 2 layers and a candidate selector (same training and drafting
     API; `draft_tokens` gives the selector's greedy path)."""
 
+    layer_class = DFlash2DecoderLayer
+
     def __init__(self, config: DFlash2Config, *, device=None) -> None:
         if not isinstance(config, DFlash2Config):
             raise ValueError(f"DFlash2DraftModel needs a DFlash2Config, got {type(config).__name__}")
         super().__init__(config, device=device)
-        # The base builds DFlash layers; replace them (a layer-factory hook in the base would spare
-        # building them twice).
-        self.layers = nn.ModuleList(
-            DFlash2DecoderLayer(config, layer_type=layer_type, device=device)
-            for layer_type in config.layer_types
-        )
         self.candidate_selector = CandidateSelector(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -314,37 +315,6 @@ class DFlash2DraftModel(DFlashDraftModel):
         return transform_logits(logits, multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping)
 
     # -- training ---------------------------------------------------------------------------
-    def _block_hidden(
-        self, *, input_ids, target_hidden, plan: BlockPlan, attention_backend: str
-    ) -> torch.Tensor:
-        """Drafter states of every slot of every block: [B, A, block_size, H] (after the final norm)."""
-        cfg = self.config
-        batch, seq_len = input_ids.shape
-        block = cfg.block_size
-        if plan.block_size != block:
-            raise ValueError(f"plan block_size {plan.block_size} != drafter block_size {block}")
-        if target_hidden.shape[:2] != (batch, seq_len):
-            raise ValueError(
-                f"target_hidden {tuple(target_hidden.shape)} does not match "
-                f"input_ids {tuple(input_ids.shape)}"
-            )
-        num_anchors = plan.num_anchors
-        context = self.fuse_target_features(target_hidden)
-        block_ids = torch.full((batch, num_anchors, block), cfg.mask_token_id, device=input_ids.device)
-        block_ids[..., 0] = input_ids.gather(1, plan.anchors)
-        block_hidden = self._embed_block(block_ids).view(batch, num_anchors * block, -1)
-        anchor_pos = plan.position_ids.gather(1, plan.anchors)
-        block_pos = (anchor_pos[..., None] + torch.arange(block, device=input_ids.device)).view(batch, -1)
-        context_rope = self.rotary_emb(plan.position_ids)
-        context_kv = [layer.self_attn.key_value(context, context_rope) for layer in self.layers]
-        hidden = self._run_layers(
-            block_hidden,
-            block_rope=self.rotary_emb(block_pos),
-            context_kv_per_layer=context_kv,
-            attend_by_type=self._training_attend_fns(plan, attention_backend),
-        )
-        return hidden.view(batch, num_anchors, block, -1)
-
     @staticmethod
     def _predecessor_ids(
         *, input_ids: torch.Tensor, plan: BlockPlan, labels_BAK: torch.Tensor
@@ -373,7 +343,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         cross-entropy (teacher-forced predecessors, the label injected when the top-K lacks it).
         Same inputs as `DFlashDraftModel.forward`; metrics add the selector's."""
         cfg = self.config
-        hidden = self._block_hidden(
+        hidden = self._block_states(
             input_ids=input_ids, target_hidden=target_hidden, plan=plan, attention_backend=attention_backend
         )
         drafted = hidden[:, :, 1:]

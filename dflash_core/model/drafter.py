@@ -62,6 +62,8 @@ class ContextCache:
 
 
 class DFlashDraftModel(nn.Module):
+    layer_class = DFlashDecoderLayer  # a variant (DFlash 2) swaps in its own layer
+
     def __init__(self, config: DFlashConfig, *, device=None) -> None:
         super().__init__()
         self.config = config
@@ -69,7 +71,7 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(config.num_tapped_layers * hidden, hidden, bias=False, device=device)
         self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps, device=device)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config, layer_type=layer_type, device=device) for layer_type in config.layer_types
+            self.layer_class(config, layer_type=layer_type, device=device) for layer_type in config.layer_types
         )
         self.norm = RMSNorm(hidden, eps=config.rms_norm_eps, device=device)
         self.rotary_emb = RotaryEmbedding(rotary_dim=config.rotary_dim, theta=config.rope_theta, device=device)
@@ -193,23 +195,10 @@ class DFlashDraftModel(nn.Module):
                 labels = by_position[source_flat].view_as(label_pos)
         return torch.where(plan.label_valid, labels, torch.zeros_like(labels))
 
-    def forward(
-        self,
-        *,
-        input_ids: torch.Tensor,
-        target_hidden: torch.Tensor,
-        plan: BlockPlan,
-        teacher_hidden: torch.Tensor | None = None,
-        attention_backend: str = "auto",
-        loss_chunk_size: int | None = None,
-    ) -> tuple[DraftOutput, torch.Tensor, dict[str, torch.Tensor]]:
-        """One training pass over the plan's blocks.
-
-        input_ids [B, T]; target_hidden [B, T, L*H] (tapped layers, concatenated in
-        target_layer_ids order); teacher_hidden [B, T, H]: the target's last layer output before
-        its final norm, to learn the target's argmax (loss_type "ce") or distribution ("kl");
-        None learns the data tokens.
-        """
+    def _block_states(
+        self, *, input_ids: torch.Tensor, target_hidden: torch.Tensor, plan: BlockPlan, attention_backend: str
+    ) -> torch.Tensor:
+        """Drafter states of every slot of every planned block: [B, A, block_size, H] (after the final norm)."""
         cfg = self.config
         batch, seq_len = input_ids.shape
         block = cfg.block_size
@@ -233,7 +222,30 @@ class DFlashDraftModel(nn.Module):
             context_kv_per_layer=context_kv,
             attend_by_type=self._training_attend_fns(plan, attention_backend),
         )
-        drafted = hidden.view(batch, num_anchors, block, -1)[:, :, 1:]
+        return hidden.view(batch, num_anchors, block, -1)
+
+    def forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        target_hidden: torch.Tensor,
+        plan: BlockPlan,
+        teacher_hidden: torch.Tensor | None = None,
+        attention_backend: str = "auto",
+        loss_chunk_size: int | None = None,
+    ) -> tuple[DraftOutput, torch.Tensor, dict[str, torch.Tensor]]:
+        """One training pass over the plan's blocks.
+
+        input_ids [B, T]; target_hidden [B, T, L*H] (tapped layers, concatenated in
+        target_layer_ids order); teacher_hidden [B, T, H]: the target's last layer output before
+        its final norm, to learn the target's argmax (loss_type "ce") or distribution ("kl");
+        None learns the data tokens.
+        """
+        cfg = self.config
+        block = cfg.block_size
+        drafted = self._block_states(
+            input_ids=input_ids, target_hidden=target_hidden, plan=plan, attention_backend=attention_backend
+        )[:, :, 1:]
 
         valid = plan.label_valid
         kl = self._loss_is_kl(teacher_hidden)

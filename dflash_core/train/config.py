@@ -3,6 +3,7 @@ and the Prefect training flow both take it; each run writes it back resolved as 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -10,7 +11,9 @@ import yaml
 from pydantic import BaseModel, Field, model_validator
 
 from dflash_core.model.config import tapped_layer_ids
+from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
 
+_DFLASH2 = {field.name: field.default for field in dataclasses.fields(DFlash2Config) if field.name in DFLASH2_FIELDS}
 
 class DrafterSettings(BaseModel):
     num_layers: int = Field(5, ge=1, description="Drafter decoder layers.")
@@ -36,9 +39,53 @@ class DrafterSettings(BaseModel):
     loss_weighting: Literal["exp_decay", "dpace"] = Field(
         "exp_decay", description="Slot weights: exp(-(k-1)/loss_gamma), or D-PACE (speculators' DFlash default).")
     dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing.")
+    variant: Literal["dflash", "dflash2"] = Field(
+        "dflash", description="dflash: the DFlash drafter. dflash2: DFlash 2 (a dynamic causal conv around every "
+        "sublayer and a candidate selector that reranks the top-K); loads in z-lab's DFlash2DraftModel, "
+        "vLLM/SGLang, and speculators 0.9's dflash2 when output_multiplier/softcapping are off. Block decoding "
+        "only (no DDTree); loss_type ce and loss_weighting exp_decay only.")
+    # DFlash 2 only; defaults are DFlash2Config's (the published Qwen3.8-27B-DFlash2 drafter's).
+    conv_kernel_size: int = Field(
+        _DFLASH2["conv_kernel_size"], ge=1,
+        description="DFlash 2: taps of each dynamic causal conv (slot t sees slots t-k+1..t of its block); at "
+        "most block_size.")
+    conv_group_size: int = Field(
+        _DFLASH2["conv_group_size"], ge=1,
+        description="DFlash 2: hidden channels sharing one content-dependent kernel; must divide the target's "
+        "hidden size.")
+    selector_rank: int = Field(
+        _DFLASH2["selector_rank"], ge=1, description="DFlash 2: rank of the candidate selector's transition score.")
+    selector_top_k: int = Field(
+        _DFLASH2["selector_top_k"], ge=1,
+        description="DFlash 2: unary (LM-head) candidates the selector reranks per drafted slot.")
+    selector_loss_weight: float = Field(
+        _DFLASH2["selector_loss_weight"], ge=0,
+        description="DFlash 2: alpha in loss = unary loss + alpha x selector loss (K-way cross-entropy).")
+    output_multiplier: float = Field(
+        _DFLASH2["output_multiplier"], gt=0,
+        description="DFlash 2: scale of the unary logits (z-lab's contract; the speculators format has none).")
+    final_logit_softcapping: float | None = Field(
+        _DFLASH2["final_logit_softcapping"], gt=0,
+        description="DFlash 2: softcap * tanh(logits / softcap) on the unary logits; None: off (the speculators "
+        "format has none).")
 
     @model_validator(mode="after")
     def _consistent(self) -> DrafterSettings:
+        if self.variant == "dflash":
+            changed = sorted(name for name, value in self.dflash2_fields().items()
+                             if value != type(self).model_fields[name].default)
+            if changed:
+                raise ValueError(f"{changed} are DFlash 2 settings but variant is 'dflash': set variant=dflash2, "
+                                 "or leave them at their defaults")
+        else:
+            for name, supported in (("loss_type", "ce"), ("loss_weighting", "exp_decay")):
+                if getattr(self, name) != supported:
+                    raise ValueError(f"variant dflash2 trains with {name}={supported!r} only, got "
+                                     f"{getattr(self, name)!r} (the DFlash 2 objective implements neither KL nor "
+                                     "D-PACE yet)")
+            if self.conv_kernel_size > self.block_size:
+                raise ValueError(f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}: "
+                                 "the conv never reaches across a block")
         if self.target_layer_ids is not None:
             if self.num_tapped_layers is not None and self.num_tapped_layers != len(self.target_layer_ids):
                 raise ValueError(f"num_tapped_layers {self.num_tapped_layers} disagrees with target_layer_ids "
@@ -49,6 +96,10 @@ class DrafterSettings(BaseModel):
         if self.loss_type == "kl" and self.loss_target != "teacher":
             raise ValueError("loss_type=kl learns the target's distribution: it needs loss_target=teacher")
         return self
+
+    def dflash2_fields(self) -> dict[str, Any]:
+        """The DFlash 2 settings, as `dflash_core.model.dflash2.drafter_config` takes them."""
+        return {name: getattr(self, name) for name in DFLASH2_FIELDS}
 
     def tapped_layer_ids(self, *, num_target_layers: int) -> list[int]:
         """Native ids of the tapped target layers, checked against a target of `num_target_layers`."""

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dflash_core.model import DFlashConfig, DFlashDraftModel
+from dflash_core.model import DFlashConfig
+from dflash_core.model.dflash2 import config_from_dict, drafter_config, variant_of
 from dflash_core.provenance import current_producer
 from dflash_core.target import (
     HiddenStateCapture, compile_decoder_layers, has_recurrent_layers, target_heads, validate_capture,
@@ -109,9 +110,9 @@ def load_target_tokenizer(spec: str, *, models_dir: Path):
 
 def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedCorpus | None = None,
                        tokenizer=None) -> DFlashConfig:
-    """The drafter a run trains: shapes from the target, tapped layers, mask token and loss from
-    `config.drafter`. The mask token is checked (never an end token) or chosen with the tokenizer and
-    the corpus's token counts (a row the data never contains)."""
+    """The drafter a run trains: shapes from the target, tapped layers, mask token, loss and variant
+    (a DFlash2Config for variant dflash2) from `config.drafter`. The mask token is checked (never an
+    end token) or chosen with the tokenizer and the corpus's token counts (a row the data never contains)."""
     import dataclasses
 
     import numpy as np
@@ -131,8 +132,9 @@ def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedC
         target_config, num_layers=d.num_layers, block_size=d.block_size, num_tapped_layers=len(layer_ids),
         mask_token_id=mask_token_id, layer_types=d.layer_types, sliding_window=d.sliding_window,
         loss_gamma=d.loss_gamma)
-    return dataclasses.replace(base, target_layer_ids=layer_ids, loss_type=d.loss_type,
+    base = dataclasses.replace(base, target_layer_ids=layer_ids, loss_type=d.loss_type,
                                loss_weighting=d.loss_weighting, dpace_alpha=d.dpace_alpha)
+    return drafter_config(d.variant, base, **(d.dflash2_fields() if d.variant == "dflash2" else {}))
 
 
 class MetricsWindow:
@@ -199,7 +201,7 @@ class Trainer:
         self.drafter_config = drafter_config_for(config, target_config=self.target.config, corpus=self.corpus,
                                                  tokenizer=load_target_tokenizer(config.target, models_dir=models_dir))
         torch.manual_seed(config.seed)
-        drafter = DFlashDraftModel(self.drafter_config, device=self.drafter_device)
+        drafter = self.drafter_config.build(device=self.drafter_device)
         drafter.init_weights()
         heads = target_heads(self.target)
         if self.drafter_device != self.target_device:  # pair layout: the drafter gets its own frozen copies
@@ -263,7 +265,11 @@ class Trainer:
                 path = download_checkpoint(self.store, key_prefix=self.checkpoint_prefix, step=steps[-1], root=root)
         if path is None:
             return False
-        model_state, state, _ = ckpt.load_checkpoint(path, device="cpu")
+        model_state, state, meta = ckpt.load_checkpoint(path, device="cpu")
+        saved, ours = (variant_of(c) for c in (config_from_dict(meta["drafter_config"]), self.drafter_config))
+        if saved != ours:
+            raise ValueError(f"{path} holds a {saved} drafter but this run's drafter.variant is {ours!r}: resume "
+                             "with the variant it was trained as, or start a new run_name")
         self.drafter.load_state_dict(model_state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -19,8 +19,9 @@ from dflash_core.lineage import read_manifest
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _checkpoint_in_s3(store, prefix, tmp_path):
+def _checkpoint_in_s3(store, prefix, tmp_path, *, variant="dflash"):
     from dflash_core.model import DFlashConfig
+    from dflash_core.model.dflash2 import drafter_config
     from dflash_core.train.checkpoint import save_checkpoint
     from dflash_core.train.inputs import load_target_model
     from dflash_core.train.remote import upload_checkpoint
@@ -30,6 +31,7 @@ def _checkpoint_in_s3(store, prefix, tmp_path):
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(target.config, num_layers=1, block_size=4, num_tapped_layers=2,
                                           loss_gamma=2.0)
+    config = drafter_config(variant, config, **({"selector_rank": 8} if variant == "dflash2" else {}))
     drafter = config.build()
     path = save_checkpoint(tmp_path / "ckpt", step=7, model_state=drafter.state_dict(), train_state={},
                            meta={"drafter_config": config.to_dict()}, keep_last=1)
@@ -37,10 +39,13 @@ def _checkpoint_in_s3(store, prefix, tmp_path):
     return f"{prefix}/checkpoints/step-000007", target.config.vocab_size
 
 
-def test_evaluate_flow_reports_with_lineage(prefect_server, store, env_settings, prefix, tmp_path) -> None:
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_evaluate_flow_reports_with_lineage(prefect_server, store, env_settings, prefix, tmp_path, variant) -> None:
+    """A DFlash 2 checkpoint evaluates in block mode on its selector path; the default modes' DDTree,
+    DFlash-only, is skipped with a warning."""
     from flows.evaluate import EvaluateParams, evaluate
 
-    checkpoint_key, vocab = _checkpoint_in_s3(store, prefix, tmp_path)
+    checkpoint_key, vocab = _checkpoint_in_s3(store, prefix, tmp_path, variant=variant)
     generator = torch.Generator().manual_seed(0)
     lines = [json.dumps({"input_ids": torch.randint(1, vocab, (n,), generator=generator).tolist()}) for n in (5, 9, 6)]
     store.put_bytes(f"{prefix}/prompts.jsonl", ("\n".join(lines) + "\n").encode())
@@ -50,7 +55,7 @@ def test_evaluate_flow_reports_with_lineage(prefect_server, store, env_settings,
     state = evaluate(params, return_state=True)
     assert state.is_completed(), state
     summary = state.result()
-    assert [s["mode"] for s in summary["summaries"]] == ["block", "tree"]
+    assert [s["mode"] for s in summary["summaries"]] == (["block", "tree"] if variant == "dflash" else ["block"])
     for s in summary["summaries"]:
         assert s["num_responses"] == 2 and s["all_match_target"] and s["tau"] >= 1.0 and s["new_tokens"] == 24
 

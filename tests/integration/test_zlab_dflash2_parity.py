@@ -8,7 +8,7 @@ speculative decoder drafting through the selector path.
 Run: .venv/bin/python -m pytest tests/integration/test_zlab_dflash2_parity.py -q
 """
 
-import json
+import dataclasses
 import time
 import warnings
 
@@ -20,8 +20,8 @@ zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 is not 
 from dflash_core.evaluate.speculative import SpeculativeDecoder, greedy_decode  # noqa: E402
 from dflash_core.model import plan_blocks  # noqa: E402
 from dflash_core.model.anchors import BlockPlan  # noqa: E402
-from dflash_core.model.dflash2 import DFlash2Config, draft_tokens  # noqa: E402
-from dflash_core.model.dflash2_export import export_native_dflash2  # noqa: E402
+from dflash_core.model.dflash2 import DFlash2Config  # noqa: E402
+from dflash_core.export import export_drafter  # noqa: E402
 from dflash_core.target import (  # noqa: E402
     HiddenStateCapture,
     build_target,
@@ -65,7 +65,7 @@ def _pair(tmp_path, *, output_multiplier, softcap, prompt=None):
     drafter.attach_target(target_heads(target))
     if prompt is not None:
         _learn_continuation(drafter, target, prompt)
-    path = export_native_dflash2(drafter, target_config=target_config, out_dir=tmp_path / "native")
+    path = export_drafter(drafter, target_config=target_config, out_dir=tmp_path, formats=("native",))["native"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference, info = zlab.DFlash2DraftModel.from_pretrained(path, output_loading_info=True)
@@ -186,19 +186,6 @@ def test_training_blocks_equal_zlab_drafting(pair):
         torch.testing.assert_close(out.hidden_BAKH[:, slot], ref_hidden, atol=1e-5, rtol=1e-4)
 
 
-class _SelectorDecoder(SpeculativeDecoder):
-    """Our evaluator with block rounds drafted by the selector path (the proposed evaluator change)."""
-
-    def _draft_logits(self, cache, last_token):
-        tokens = draft_tokens(
-            self.drafter,
-            cache,
-            last_token_ids=torch.tensor([last_token]),
-            position_ids=torch.tensor([cache.length]),
-        )[0]
-        return torch.nn.functional.one_hot(tokens, self.drafter.config.vocab_size).float()
-
-
 @pytest.mark.parametrize(("multiplier", "softcap"), _TRANSFORMS, ids=["plain", "multiplier+softcap"])
 def test_dflash_generate_gives_our_tokens_and_acceptance_lengths(tmp_path, monkeypatch, multiplier, softcap):
     torch.manual_seed(5)
@@ -212,7 +199,7 @@ def test_dflash_generate_gives_our_tokens_and_acceptance_lengths(tmp_path, monke
         result = zlab.dflash_generate(
             reference, target, prompt, max_new_tokens=30, stop_token_ids=None, return_stats=True
         )
-    ours = _SelectorDecoder(target=target, drafter=drafter).generate(prompt[0].tolist(), max_new_tokens=30)
+    ours = SpeculativeDecoder(target=target, drafter=drafter).generate(prompt[0].tolist(), max_new_tokens=30)
     assert result.output_ids[0, prompt.shape[1] :].tolist() == ours.tokens
     assert result.acceptance_lengths == [accepted + 1 for accepted in ours.accepted]
     assert sum(ours.accepted) >= len(ours.tokens) // 2  # drafts are accepted: the selector path is served
@@ -224,28 +211,11 @@ def test_speculators_dflash2_loads_our_weights_and_scores_the_same(tmp_path):
     speculators = pytest.importorskip(
         "speculators.models.dflash2", reason="speculators==0.9.0 is not installed"
     )
-    from safetensors.torch import save_file
-
-    from dflash_core.model.dflash2_export import speculators_dflash2_config
-
     target, drafter, _, _ = _pair(tmp_path, output_multiplier=1.0, softcap=None)
     verifier_dir = tmp_path / "verifier"
     target.save_pretrained(verifier_dir)
-    data = speculators_dflash2_config(
-        drafter.config,
-        max_position_embeddings=4096,
-        verifier_name_or_path=str(verifier_dir),
-        verifier_architectures=["Qwen3ForCausalLM"],
-        dtype="float32",
-    )
-    export_dir = tmp_path / "speculators"
-    export_dir.mkdir()
-    (export_dir / "config.json").write_text(json.dumps(data))
-    save_file(
-        {k: v.contiguous() for k, v in drafter.state_dict().items()},
-        export_dir / "model.safetensors",
-        metadata={"format": "pt"},
-    )
+    export_dir = export_drafter(drafter, target_config=target.config, out_dir=tmp_path,
+                                verifier_name_or_path=str(verifier_dir), formats=("speculators",))["speculators"]
     config = speculators.DFlash2SpeculatorConfig.from_pretrained(export_dir)
     config.transformer_layer_config._attn_implementation = "sdpa"
     with warnings.catch_warnings():
@@ -298,11 +268,9 @@ def test_speculators_dflash2_loads_our_weights_and_scores_the_same(tmp_path):
             selector.context(hidden, predecessors), candidates
         )
     torch.testing.assert_close(their_scores, our_scores)
+    softcapped = dataclasses.replace(drafter.config, final_logit_softcapping=4.0).build()
+    softcapped.load_state_dict(drafter.state_dict())
     with pytest.raises(ValueError, match="softcapping"):
-        speculators_dflash2_config(
-            DFlash2Config.from_dflash(drafter.config, final_logit_softcapping=4.0),
-            max_position_embeddings=4096,
-            verifier_name_or_path=str(verifier_dir),
-            verifier_architectures=[],
-            dtype="float32",
-        )
+        export_drafter(softcapped, target_config=target.config, out_dir=tmp_path / "refused",
+                       verifier_name_or_path=str(verifier_dir), formats=("speculators",))
+    assert not (tmp_path / "refused").exists()

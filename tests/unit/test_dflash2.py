@@ -21,7 +21,7 @@ from dflash_core.model.dflash2 import (
     drafter_config,
     grouped_dynamic_causal_conv,
 )
-from dflash_core.model.dflash2_export import export_native_dflash2, load_native_dflash2
+from dflash_core.export import export_drafter, load_drafter
 from dflash_core.model.dflash2_loss import dflash2_objective, transform_logits
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config
 
@@ -337,11 +337,11 @@ def test_config_validation_variants_and_round_trips():
 def test_native_export_round_trips_and_refuses_target_weights(tmp_path):
     target, drafter, *_ = _setup(output_multiplier=0.5)
     _perturb(drafter)
-    path = export_native_dflash2(drafter, target_config=target.config, out_dir=tmp_path / "native")
-    again = load_native_dflash2(path)
+    path = export_drafter(drafter, target_config=target.config, out_dir=tmp_path, formats=("native",))["native"]
+    again = load_drafter(path)
     assert again.config == drafter.config
     state, loaded = drafter.state_dict(), again.state_dict()
     assert state.keys() == loaded.keys() and all(torch.equal(state[k], loaded[k]) for k in state)
     drafter.extra = torch.nn.Linear(2, 2)  # a stray module whose weights are not a drafter's
     with pytest.raises(ValueError, match="non-drafter"):
-        export_native_dflash2(drafter, target_config=target.config, out_dir=tmp_path / "bad")
+        export_drafter(drafter, target_config=target.config, out_dir=tmp_path / "bad", formats=("native",))

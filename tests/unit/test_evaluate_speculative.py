@@ -171,3 +171,23 @@ def test_a_drafter_that_learned_the_target_reaches_high_tau_and_a_random_one_doe
         assert summary["acceptance_per_position"][0] > 0.9
         assert summary["target_forwards"] < summary["new_tokens"] / 2  # far fewer target passes than tokens
     assert "| block |" in after["table"] and "| tree |" in after["table"]
+
+
+def test_a_dflash2_drafter_decodes_on_its_selector_path_in_block_mode_only():
+    from dflash_core.model.dflash2 import DFlash2Config
+
+    target, base, prompts = _setup("qwen3", num_drafter_layers=2)
+    torch.manual_seed(0)
+    drafter = DFlash2Config.from_dflash(base.config, conv_group_size=16, selector_rank=8, selector_top_k=4).build()
+    drafter.attach_target(base.target_heads)
+    _overfit(target, drafter, prompts, steps=120)
+    proposals = []
+    select = drafter.draft_tokens
+    drafter.draft_tokens = lambda cache, **kwargs: proposals.append(select(cache, **kwargs)) or proposals[-1]
+    report = evaluate_prompts(target=target, drafter=drafter, prompts=prompts, modes=("block",),
+                              max_new_tokens=_NEW, warmup=False)
+    summary = report["summaries"][0]
+    assert summary["all_match_target"] and summary["tau"] > 3.0  # of at most 4 (= block size)
+    assert len(proposals) == summary["num_rounds"]  # every round drafted through the selector
+    with pytest.raises(ValueError, match="DFlash-only"):
+        SpeculativeDecoder(target=target, drafter=drafter, mode="tree")

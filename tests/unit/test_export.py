@@ -3,6 +3,7 @@
 Run: .venv/bin/python -m pytest tests/unit/test_export.py -q
 """
 
+import dataclasses
 import json
 import warnings
 
@@ -11,18 +12,30 @@ import torch
 
 from dflash_core.export import build_export_configs, export_drafter, load_drafter, read_export_config
 from dflash_core.model import DFlashConfig
+from dflash_core.model.dflash2 import DFlash2Config, DFlash2DraftModel
 from dflash_core.target import tiny_target_config
 
 
-def _drafter(family="qwen3", **overrides):
+_DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+
+
+def _drafter(family="qwen3", *, dflash2: dict | None = None, loss: dict | None = None, **overrides):
+    """A tiny drafter (DFlash 2 with the `dflash2` fields; `loss`: training loss options)."""
     target_config = tiny_target_config(family, num_layers=8 if family == "qwen3_5" else 6)
     kwargs = dict(num_layers=2, block_size=4, num_tapped_layers=2, loss_gamma=2.0)
     kwargs.update(overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(target_config, **kwargs)
+    config = dataclasses.replace(config, **(loss or {}))
+    if dflash2 is not None:
+        config = DFlash2Config.from_dflash(config, **dflash2)
     torch.manual_seed(0)
-    return config.build(), target_config
+    drafter = config.build()
+    with torch.no_grad():  # off the identity init, so equal weights mean something
+        for parameter in drafter.parameters():
+            parameter.add_(0.01 * torch.randn(parameter.shape))
+    return drafter, target_config
 
 
 def _assert_equal_drafters(a, b):
@@ -41,6 +54,14 @@ def _assert_equal_drafters(a, b):
                                              "sliding_window": 8}),
         ("llama", ("native", "speculators"), {}),
         ("qwen3_5", ("native", "speculators"), {}),  # the target's partial rotary is not the drafter's
+        ("qwen3", ("native", "speculators"), {"loss": {"loss_type": "kl"}}),  # training settings ride along
+        ("qwen3", ("native", "speculators"), {"loss": {"loss_weighting": "dpace", "dpace_alpha": 0.3}}),
+        ("qwen3", ("native", "speculators"), {"dflash2": _DFLASH2}),
+        ("llama", ("native", "speculators"), {"dflash2": {**_DFLASH2, "selector_loss_weight": 0.5},
+                                              "layer_types": ["sliding_attention", "full_attention"],
+                                              "sliding_window": 8}),
+        ("qwen3", ("native",), {"dflash2": {**_DFLASH2, "output_multiplier": 0.5,
+                                            "final_logit_softcapping": 30.0}}),
     ],
 )
 def test_round_trip_gives_an_equal_drafter(tmp_path, family, formats, overrides):
@@ -50,7 +71,9 @@ def test_round_trip_gives_an_equal_drafter(tmp_path, family, formats, overrides)
     assert set(paths) == set(formats)
     for name, path in paths.items():
         assert read_export_config(path)[0] == name
-        _assert_equal_drafters(drafter, load_drafter(path))
+        again = load_drafter(path)
+        assert type(again) is type(drafter)
+        _assert_equal_drafters(drafter, again)
 
 
 def test_config_fields_and_the_layer_id_offset(tmp_path):
@@ -125,11 +148,12 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused(change, match):
     [({"qk_norm": False}, "q/k RMSNorm"), ({"partial_rotary_factor": 0.25}, "rotary_dim = head_dim"),
      ({"attention_bias": True}, "attention_bias")],
 )
-def test_drafters_no_runtime_would_serve_as_trained_are_refused(tmp_path, change, match):
+@pytest.mark.parametrize("dflash2", [None, _DFLASH2], ids=["dflash", "dflash2"])
+def test_drafters_no_runtime_would_serve_as_trained_are_refused(tmp_path, change, match, dflash2):
     """Old checkpoints (Llama drafters without q/k norm, hybrid drafters with the target's partial
     rotary) load, but are never written: every runtime would run them with different attention."""
-    drafter, target_config = _drafter()
-    legacy = DFlashConfig(**{**drafter.config.to_dict(), **change}).build()
+    drafter, target_config = _drafter(dflash2=dflash2)
+    legacy = dataclasses.replace(drafter.config, **change).build()
     for formats in (("native",), ("native", "speculators")):
         with pytest.raises(ValueError, match=match):
             export_drafter(legacy, target_config=target_config, out_dir=tmp_path, verifier_name_or_path="/t",
@@ -152,3 +176,37 @@ def test_bf16_export_and_missing_config_dir(tmp_path):
     torch.testing.assert_close(loaded.fc.weight, drafter.fc.weight.bfloat16().float())
     with pytest.raises(ValueError, match="does not exist"):
         load_drafter(tmp_path / "nowhere")
+
+
+def test_dflash2_exports_what_zlab_and_speculators_read(tmp_path):
+    """Native: architecture DFlash2DraftModel, the DFlash 2 fields in dflash_config, non-causal flags,
+    bare codebook names (z-lab maps them onto its embeddings). Speculators: model type dflash2 with its
+    four fields at the top level, and refused (nothing written) for a drafter whose unary logits are
+    scaled or softcapped, which that format cannot say."""
+    from safetensors.torch import load_file
+
+    drafter, target_config = _drafter(dflash2=_DFLASH2)
+    paths = export_drafter(drafter, target_config=target_config, out_dir=tmp_path, verifier_name_or_path="/t")
+    native = json.loads((paths["native"] / "config.json").read_text())
+    spec = json.loads((paths["speculators"] / "config.json").read_text())
+    assert native["architectures"] == ["DFlash2DraftModel"]
+    assert native["is_causal"] is False and native["dflash_config"]["causal"] is False
+    assert {k: native["dflash_config"][k] for k in _DFLASH2} == _DFLASH2
+    assert native["dflash_config"]["input_embedding_scale"] == 1.0
+    assert spec["speculators_model_type"] == spec["speculators_config"]["algorithm"] == "dflash2"
+    assert spec["architectures"] == ["DFlash2DraftModel"] and {k: spec[k] for k in _DFLASH2} == _DFLASH2
+    assert spec["sliding_window_non_causal"] is True
+    names = load_file(paths["native"] / "model.safetensors").keys()
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight", "layers.0.attention_conv.base_kernel"} <= names
+    capped, _ = _drafter(dflash2={**_DFLASH2, "final_logit_softcapping": 30.0})
+    with pytest.raises(ValueError, match="native format only"):
+        export_drafter(capped, target_config=target_config, out_dir=tmp_path / "capped", verifier_name_or_path="/t")
+    assert not (tmp_path / "capped").exists()
+    assert isinstance(load_drafter(export_drafter(capped, target_config=target_config, out_dir=tmp_path / "capped",
+                                                  formats=("native",))["native"]), DFlash2DraftModel)
+    # A DFlash config carrying DFlash 2 fields is neither: refused, not half-loaded.
+    native["architectures"] = ["DFlashDraftModel"]
+    (paths["native"] / "config.json").write_text(json.dumps(native))
+    with pytest.raises(ValueError, match="DFlash 2 fields"):
+        load_drafter(paths["native"])

@@ -222,3 +222,25 @@ def test_drafter_settings_errors_name_the_problem() -> None:
     assert DrafterSettings(num_layers=2).tapped_layer_ids(num_target_layers=30) == [1, 27]
     assert DrafterSettings(num_layers=2, num_tapped_layers=5).tapped_layer_ids(num_target_layers=30) == \
         [1, 8, 14, 20, 27]
+
+
+def test_dflash2_settings_errors_name_the_problem(tmp_path) -> None:
+    from dflash_core.train.config import DrafterSettings
+
+    settings = DrafterSettings(variant="dflash2")
+    assert [settings.conv_kernel_size, settings.conv_group_size, settings.selector_rank, settings.selector_top_k] == \
+        [2, 16, 256, 16]  # the published Qwen3.8-27B-DFlash2 drafter's
+    with pytest.raises(ValueError, match=r"\['selector_rank'\] are DFlash 2 settings but variant is 'dflash'"):
+        DrafterSettings(selector_rank=64)
+    for name, value in (("loss_type", "kl"), ("loss_weighting", "dpace")):
+        with pytest.raises(ValueError, match=f"dflash2 trains with {name}="):
+            DrafterSettings(variant="dflash2", **{name: value})
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        DrafterSettings(variant="dflash2", block_size=4, conv_kernel_size=5)
+    for settings in (DrafterSettings(), DrafterSettings(variant="dflash2", final_logit_softcapping=30.0)):
+        assert DrafterSettings.model_validate(settings.model_dump(mode="json")) == settings  # run.yaml round trip
+    config = tiny_config(tmp_path, max_steps=1)
+    config.drafter = DrafterSettings.model_validate({**config.drafter.model_dump(), "variant": "dflash2",
+                                                     "conv_group_size": 24})
+    with pytest.raises(ValueError, match="conv_group_size 24 must divide hidden_size 64"):
+        Trainer(config)
