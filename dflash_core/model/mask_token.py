@@ -109,20 +109,23 @@ def choose_mask_token_id(target_config: Any, *, tokenizer: Any = None,
     text = _text(target_config)
     rows = int(text.vocab_size)
     ends = end_token_ids(target_config, tokenizer=tokenizer)
-    excluded = set(ends) | set(_ids(getattr(text, "bos_token_id", None))) | set(_ids(getattr(text, "pad_token_id", None)))
+    excluded = set(ends) | set(_ids(getattr(text, "bos_token_id", None)))
+    excluded |= set(_ids(getattr(text, "pad_token_id", None)))
 
     def unused(token_id: int) -> bool:
         return token_counts is None or token_id >= len(token_counts) or token_counts[token_id] == 0
 
     if tokenizer is not None:
-        excluded |= set(_ids(getattr(tokenizer, "bos_token_id", None))) | set(_ids(getattr(tokenizer, "pad_token_id", None)))
+        excluded |= set(_ids(getattr(tokenizer, "bos_token_id", None)))
+        excluded |= set(_ids(getattr(tokenizer, "pad_token_id", None)))
         own = getattr(tokenizer, "mask_token_id", None)
         if isinstance(own, int) and 0 <= own < rows and own not in excluded and unused(own):
             return own
         if len(tokenizer) < rows:
             return len(tokenizer)
         excluded |= _template_ids(tokenizer)
-        specials = [(i, name) for i, name in _special_candidates(tokenizer, excluded=excluded, rows=rows) if unused(i)]
+        specials = [(i, name) for i, name in _special_candidates(tokenizer, excluded=excluded, rows=rows)
+                    if unused(i)]
         reserved = [i for i, name in specials if "reserved" in name.lower()]
         if reserved:
             return reserved[0]

@@ -53,7 +53,8 @@ def _run(drafter, input_ids, captured, plan):
 def test_kl_loss_is_kl_to_the_targets_distribution_at_the_previous_position(weighting):
     target, config, input_ids, captured, plan = _setup()
     base = _drafter(config, target)
-    drafter = _drafter(dataclasses.replace(config, loss_type="kl", loss_weighting=weighting), target, base.state_dict())
+    kl_config = dataclasses.replace(config, loss_type="kl", loss_weighting=weighting)
+    drafter = _drafter(kl_config, target, base.state_dict())
     output, loss, metrics = _run(drafter, input_ids, captured, plan)
 
     valid = plan.label_valid

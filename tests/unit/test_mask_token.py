@@ -30,8 +30,8 @@ def test_smollm2_gets_a_special_token_its_chat_template_never_uses(smol_tokenize
     config = _smol_config()
     mask = choose_mask_token_id(config, tokenizer=smol_tokenizer)
     assert smol_tokenizer.convert_ids_to_tokens(mask) == "<empty_output>"
-    chat = smol_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-                                              tokenize=True, add_generation_prompt=True)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    chat = smol_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     chat = chat["input_ids"] if hasattr(chat, "keys") else chat
     assert mask not in chat and mask not in end_token_ids(config, tokenizer=smol_tokenizer)
     # A corpus that does contain it moves the choice to the next unused special.
