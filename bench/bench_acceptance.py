@@ -789,7 +789,9 @@ def main() -> None:
 
     model_dir = embedded_model_dir(models_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos_id = tokenizer.eos_token_id
+    # A tokenizer converted from the GGUF may carry no pad token; padding is masked out anyway.
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     log(f"target at {model_dir}")
     pool = load_pool(args.assets, limit=8000)
     train_prompts, eval_prompts = split_prompts(pool, tokenizer, shape)

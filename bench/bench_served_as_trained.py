@@ -126,8 +126,7 @@ def _train(target, drafter, sequences, *, steps: int, rows: int, lr: float, seed
 
 def main() -> int:
     args = _args()
-    if args.repo is not None:
-        sys.path.insert(0, str(args.repo.resolve()))
+    sys.path.insert(0, str((args.repo or Path(__file__).resolve().parents[1]).resolve()))
     import torch
 
     torch.manual_seed(args.seed)
