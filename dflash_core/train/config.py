@@ -36,8 +36,9 @@ class DrafterSettings(BaseModel):
     loss_type: Literal["ce", "kl"] = Field(
         "ce", description="ce: cross-entropy to the target's argmax (or the data tokens); kl: KL to the target's "
         "whole distribution at each slot (needs loss_target=teacher).")
-    loss_weighting: Literal["exp_decay", "dpace"] = Field(
-        "exp_decay", description="Slot weights: exp(-(k-1)/loss_gamma), or D-PACE (speculators' DFlash default).")
+    loss_weighting: Literal["exp_decay", "dpace"] | None = Field(
+        None, description="Slot weights: exp(-(k-1)/loss_gamma), or D-PACE (speculators' DFlash default). None: "
+        "dpace for DFlash (measured best: bench/bench_acceptance.py), exp_decay for DFlash 2.")
     dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing.")
     variant: Literal["dflash", "dflash2"] = Field(
         "dflash", description="dflash: the DFlash drafter. dflash2: DFlash 2 (a dynamic causal conv around every "
@@ -79,7 +80,7 @@ class DrafterSettings(BaseModel):
                                  "or leave them at their defaults")
         else:
             for name, supported in (("loss_type", "ce"), ("loss_weighting", "exp_decay")):
-                if getattr(self, name) != supported:
+                if getattr(self, name) not in (supported, None):
                     raise ValueError(f"variant dflash2 trains with {name}={supported!r} only, got "
                                      f"{getattr(self, name)!r} (the DFlash 2 objective implements neither KL nor "
                                      "D-PACE yet)")
@@ -96,6 +97,11 @@ class DrafterSettings(BaseModel):
         if self.loss_type == "kl" and self.loss_target != "teacher":
             raise ValueError("loss_type=kl learns the target's distribution: it needs loss_target=teacher")
         return self
+
+    @property
+    def resolved_loss_weighting(self) -> str:
+        """`loss_weighting`, or the variant's default when it is None (the drafter config records it)."""
+        return self.loss_weighting or ("dpace" if self.variant == "dflash" else "exp_decay")
 
     def dflash2_fields(self) -> dict[str, Any]:
         """The DFlash 2 settings, as `dflash_core.model.dflash2.drafter_config` takes them."""

@@ -136,7 +136,7 @@ def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedC
         mask_token_id=mask_token_id, layer_types=d.layer_types, sliding_window=d.sliding_window,
         loss_gamma=d.loss_gamma)
     base = dataclasses.replace(base, target_layer_ids=layer_ids, loss_type=d.loss_type,
-                               loss_weighting=d.loss_weighting, dpace_alpha=d.dpace_alpha)
+                               loss_weighting=d.resolved_loss_weighting, dpace_alpha=d.dpace_alpha)
     return drafter_config(d.variant, base, **(d.dflash2_fields() if d.variant == "dflash2" else {}))
 
 
