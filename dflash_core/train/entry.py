@@ -226,15 +226,21 @@ def weights_checksum(module: torch.nn.Module) -> str:
 
 def _print_rank_summary(trainer: Trainer) -> None:
     devices = {str(d): d for d in (trainer.target_device, trainer.drafter_device) if d.type == "cuda"}
-    summary = {"rank": trainer.dist.rank, "step": trainer.step, "drafter_checksum": weights_checksum(trainer.drafter),
+    checksum = weights_checksum(trainer.drafter)
+    summary = {"rank": trainer.dist.rank, "step": trainer.step, "drafter_checksum": checksum,
                "peak_gib": {name: round(torch.cuda.max_memory_allocated(d) / 2**30, 2) for name, d in devices.items()}}
     print("rank-summary " + json.dumps(summary), flush=True)
-    if dist.is_initialized():
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, summary["drafter_checksum"])
-        if trainer.dist.is_main:
-            verdict = "identical" if len(set(gathered)) == 1 else f"DIFFERENT ({gathered})"
-            print(f"drafter weights on {len(gathered)} ranks: {verdict}", flush=True)
+    if not dist.is_initialized():
+        return
+    # Tensors only (no pickled objects in flight at exit): equal checksums iff max == min over ranks.
+    value = int(checksum[:15], 16)
+    device = trainer.drafter_device if trainer.drafter_device.type == "cuda" else torch.device("cpu")
+    extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if trainer.dist.is_main:
+        same = int(extremes[0]) == -int(extremes[1])
+        print(f"drafter weights on {dist.get_world_size()} ranks: {'identical' if same else 'DIFFERENT'}", flush=True)
+    dist.barrier()
 
 
 def _announce_sigterm(dist_info: Distributed, checkpoints: Path, *, pg_timeout_s: float) -> None:
@@ -245,7 +251,8 @@ def _announce_sigterm(dist_info: Distributed, checkpoints: Path, *, pg_timeout_s
     writer.setblocking(False)
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
 
-    def watch() -> None:
+    def watch(reader: socket.socket, writer: socket.socket) -> None:
+        """Runs for the process's life: its frame keeps both ends open (the handler writes to `writer`)."""
         while signal.SIGTERM not in reader.recv(64):
             pass
         latest = latest_checkpoint(checkpoints)
@@ -256,8 +263,10 @@ def _announce_sigterm(dist_info: Distributed, checkpoints: Path, *, pg_timeout_s
         time.sleep(20)
         print(f"[rank {dist_info.rank}] still running 20 s after SIGTERM: writing a checkpoint, or blocked in a "
               "collective with a rank that died", file=sys.stderr, flush=True)
+        while reader.recv(64):
+            pass
 
-    threading.Thread(target=watch, name="sigterm-announcer", daemon=True).start()
+    threading.Thread(target=watch, args=(reader, writer), name="sigterm-announcer", daemon=True).start()
 
 
 def _console_logger(config: TrainConfig):

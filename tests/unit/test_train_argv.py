@@ -111,3 +111,31 @@ def test_weights_checksum_sees_one_bit() -> None:
     with torch.no_grad():
         b.weight[2, 3] = torch.nextafter(b.weight[2, 3], torch.tensor(1.0))
     assert weights_checksum(a) != weights_checksum(b)
+
+
+def test_only_the_node_of_global_rank_0_reports_a_checkpoint(tmp_path, monkeypatch) -> None:
+    import logging
+
+    import tasks.train as train_tasks
+
+    config = TrainConfig(target="tiny:llama", data=["shard.arrow"], output_dir=tmp_path)
+    (config.run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+    for name in ("model.safetensors", "train_state.pt", "meta.json"):
+        (config.run_dir / "checkpoints" / "step-000001" / name).write_text("x")
+    monkeypatch.setattr(train_tasks, "get_run_logger", lambda: logging.getLogger("test"))
+    monkeypatch.setattr(train_tasks, "create_progress_artifact", lambda **kwargs: None)
+    launched = []
+
+    def fake_argv(path, **kwargs):  # a node's torchrun output: rank 0 prints the final JSON line
+        launched.append(kwargs["rendezvous"])
+        final = '{"final_step": 1}' if kwargs["rendezvous"].node_rank == 0 else ""
+        return [sys.executable, "-c", f"print('step 1/1'); print({final!r})"]
+
+    monkeypatch.setattr(train_tasks, "training_argv", fake_argv)
+    monkeypatch.setattr(train_tasks, "update_progress_artifact", lambda *args, **kwargs: None)
+    nodes = [Rendezvous(nnodes=2, backend="static", endpoint="head:29500", node_rank=rank) for rank in (0, 1)]
+    results = [train_tasks.run_training.fn(config, nproc_per_node=8, flow_run_id=None, rendezvous=node)
+               for node in nodes]
+    assert results == [str(config.run_dir / "checkpoints" / "step-000001"), None]
+    assert launched == nodes
+    assert train_tasks.run_training.fn(config, nproc_per_node=1, flow_run_id=None) is not None  # one node
