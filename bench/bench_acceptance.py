@@ -144,6 +144,8 @@ def variants() -> dict[str, Variant]:
         Variant("lr=1.2e-3", "twice the learning rate", optim={"lr": 1.2e-3}),
         Variant("warmup=20", "warmup 20 steps (10% of the budget) instead of 100", optim={"warmup_steps": 20}),
         Variant("betas=0.999", "AdamW betas (0.9, 0.999)", optim={"betas": [0.9, 0.999]}),
+        Variant("dflash2", "DFlash 2 (dynamic conv + candidate selector; published defaults, exp-decay CE)",
+                drafter={"variant": "dflash2"}),
         Variant("speculators", "speculators 0.9 DFlashDraftModel, its defaults (D-PACE+CE, taps, pad mask)",
                 kind="speculators"),
         Variant("speculators+mask", "speculators with our mask token", kind="speculators",
