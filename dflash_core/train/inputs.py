@@ -17,9 +17,6 @@ if TYPE_CHECKING:  # storage needs boto3, which a bare GPU image may lack: impor
 def fetch_shards(items: list[str], *, store: ObjectStore | None, cache_dir: Path) -> list[tuple[Path, InputRef | None]]:
     """Local Arrow paths for every data item (an existing local file, an S3 key, or an S3 prefix
     ending in '/'), each with its S3 input reference when it came from S3."""
-    from dflash_core.lineage import InputRef
-    from dflash_core.storage import sha256_file
-
     shards: list[tuple[Path, InputRef | None]] = []
     for item in items:
         local = Path(item)
@@ -28,6 +25,9 @@ def fetch_shards(items: list[str], *, store: ObjectStore | None, cache_dir: Path
             continue
         if store is None:
             raise ValueError(f"data item {item!r} is not a local file and no object store is configured")
+        from dflash_core.lineage import InputRef  # boto3 only where S3 is used (bare GPU images lack it)
+        from dflash_core.storage import sha256_file
+
         key = item.removeprefix(f"s3://{store.bucket}/")
         keys = [key] if not key.endswith("/") else sorted(
             i.key for i in store.list(key) if i.key.endswith(".arrow"))
