@@ -651,11 +651,7 @@ def check_conversion(model, drafter, native_ids, device) -> None:
                                 torch.zeros(1, length, dtype=torch.long, device=device), max_anchors=len(anchors))
     theirs = theirs.view(len(anchors), block, -1)[:, 1:]
     drafter.attach_target(target_heads(target))
-    plan = BlockPlan(anchors=torch.tensor([anchors], device=device),
-                     anchor_valid=torch.ones(1, len(anchors), dtype=torch.bool, device=device),
-                     label_valid=torch.ones(1, len(anchors), block - 1, dtype=torch.bool, device=device),
-                     document_ids=torch.zeros(1, length, dtype=torch.long, device=device),
-                     position_ids=torch.arange(length, device=device)[None], block_size=block)
+    plan = BlockPlan.at_anchors(anchors, seq_len=length, block_size=block, device=device)
     output, _, _ = drafter(input_ids=sample, target_hidden=captured.tapped_hidden, plan=plan, attention_backend="sdpa")
     ours = drafter.target_heads.lm_head(output.hidden_BAKH[0])
     error = (theirs.float() - ours.float()).abs().max().item()

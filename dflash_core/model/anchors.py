@@ -85,6 +85,20 @@ class BlockPlan:
     block_size: int
     teacher_index: torch.Tensor | None = None
 
+    @classmethod
+    def at_anchors(cls, anchors: list[int], *, seq_len: int, block_size: int, device=None) -> BlockPlan:
+        """One row, one document, blocks at the given anchors with every slot labelled: the plan a
+        consumer's parity check or a drafting comparison feeds (no sampling)."""
+        count = len(anchors)
+        return cls(
+            anchors=torch.tensor([anchors], device=device),
+            anchor_valid=torch.ones(1, count, dtype=torch.bool, device=device),
+            label_valid=torch.ones(1, count, block_size - 1, dtype=torch.bool, device=device),
+            document_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device),
+            position_ids=torch.arange(seq_len, device=device)[None],
+            block_size=block_size,
+        )
+
     @property
     def num_anchors(self) -> int:
         return self.anchors.shape[1]

@@ -72,12 +72,7 @@ def _speculators_logits(model, target, input_ids, final_hidden):
 
 def _our_logits(drafter, target, config, input_ids):
     captured = HiddenStateCapture(target, layer_ids=config.target_layer_ids, capture_final=True)(input_ids)
-    plan = BlockPlan(
-        anchors=torch.tensor([_ANCHORS]), anchor_valid=torch.ones(1, 3, dtype=torch.bool),
-        label_valid=torch.ones(1, 3, _BLOCK - 1, dtype=torch.bool),
-        document_ids=torch.zeros(1, _SEQ, dtype=torch.long), position_ids=torch.arange(_SEQ)[None],
-        block_size=_BLOCK,
-    )
+    plan = BlockPlan.at_anchors(_ANCHORS, seq_len=_SEQ, block_size=_BLOCK)
     with torch.no_grad():
         output, _, _ = drafter(input_ids=input_ids, target_hidden=captured.tapped_hidden, plan=plan,
                                attention_backend="sdpa")

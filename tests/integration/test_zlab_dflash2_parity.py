@@ -169,14 +169,7 @@ def test_training_blocks_equal_zlab_drafting(pair):
         input_ids
     ).tapped_hidden
     anchors = [3, 7, 11, 26]
-    plan = BlockPlan(
-        anchors=torch.tensor([anchors]),
-        anchor_valid=torch.ones(1, 4, dtype=torch.bool),
-        label_valid=torch.ones(1, 4, _BLOCK - 1, dtype=torch.bool),
-        document_ids=torch.zeros(1, _SEQ, dtype=torch.long),
-        position_ids=torch.arange(_SEQ)[None],
-        block_size=_BLOCK,
-    )
+    plan = BlockPlan.at_anchors(anchors, seq_len=_SEQ, block_size=_BLOCK)
     with torch.no_grad():
         out, _, _ = drafter(input_ids=input_ids, target_hidden=tapped, plan=plan)
     for slot, anchor in enumerate(anchors):
@@ -244,14 +237,7 @@ def test_speculators_dflash2_loads_our_weights_and_scores_the_same(tmp_path):
             torch.zeros(1, seq, dtype=torch.long),
             max_anchors=len(anchors),
         )
-        plan = BlockPlan(
-            anchors=torch.tensor([anchors]),
-            anchor_valid=torch.ones(1, 3, dtype=torch.bool),
-            label_valid=torch.ones(1, 3, _BLOCK - 1, dtype=torch.bool),
-            document_ids=torch.zeros(1, seq, dtype=torch.long),
-            position_ids=torch.arange(seq)[None],
-            block_size=_BLOCK,
-        )
+        plan = BlockPlan.at_anchors(anchors, seq_len=seq, block_size=_BLOCK)
         ours, _, _ = drafter(
             input_ids=input_ids, target_hidden=captured.tapped_hidden, plan=plan, attention_backend="sdpa"
         )

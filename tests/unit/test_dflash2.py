@@ -131,14 +131,7 @@ def test_training_blocks_do_not_see_each_other_and_equal_drafted_blocks():
     _, drafter, input_ids, captured, _ = _setup()
     _perturb(drafter)
     anchors = [5, 9, 20, 30]  # laid out back to back; blocks 0 and 1 are also adjacent in the text
-    plan = BlockPlan(
-        anchors=torch.tensor([anchors]),
-        anchor_valid=torch.ones(1, 4, dtype=torch.bool),
-        label_valid=torch.ones(1, 4, _BLOCK - 1, dtype=torch.bool),
-        document_ids=torch.zeros(1, _SEQ, dtype=torch.long),
-        position_ids=torch.arange(_SEQ)[None],
-        block_size=_BLOCK,
-    )
+    plan = BlockPlan.at_anchors(anchors, seq_len=_SEQ, block_size=_BLOCK)
     with torch.no_grad():
         out, _, _ = drafter(input_ids=input_ids[:1], target_hidden=captured.tapped_hidden[:1], plan=plan)
         changed_ids = input_ids[:1].clone()
