@@ -123,7 +123,7 @@ def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedC
     d = config.drafter
     text = _text_config(target_config)
     counts = None
-    if corpus is not None and corpus.tokens.size:
+    if d.mask_token_id is None and corpus is not None and corpus.tokens.size:  # only a chosen mask needs them
         counts = np.zeros(int(text.vocab_size), dtype=np.int64)
         for start in range(0, corpus.tokens.size, 1 << 24):  # bincount upcasts: chunks keep that copy small
             chunk = np.bincount(corpus.tokens[start:start + (1 << 24)], minlength=counts.size)
