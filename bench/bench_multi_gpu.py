@@ -522,7 +522,7 @@ def main() -> int:
                     sink.write(f"===== {log.name}\n{log.read_text(errors='replace')[-20000:]}\n")
 
     layouts = {"colocated": (1, {}, []), "ddp": (2, {}, []), "pair": (1, {"placement": "pair"}, []),
-               "pair-overlap": (1, {"placement": "pair"}, ["--pair-overlap"])}
+               "pair-overlap": (1, {"placement": "pair", "pair_overlap": True}, [])}
 
     def run_phase(phase: str, left: float) -> None:
         if phase == "kill":

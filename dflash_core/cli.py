@@ -212,13 +212,14 @@ def train(
     from dflash_core.train.config import TrainConfig
     from dflash_core.train.entry import Rendezvous, training_argv
 
+    overrides = [*(set_ or []), *(["pair_overlap=true"] if pair_overlap else [])]
     try:
-        TrainConfig.from_yaml(config, overrides=set_ or [])  # fail here, with the field named, not in N processes
+        TrainConfig.from_yaml(config, overrides=overrides)  # fail here, with the field named, not in N processes
         rendezvous = Rendezvous(nnodes=nnodes, endpoint=rdzv_endpoint, job_id=rdzv_id, backend=rdzv_backend,
                                 node_rank=node_rank)
     except ValueError as error:
         raise _fail(str(error)) from None
-    extra = [f"--set={item}" for item in set_ or []] + (["--pair-overlap"] if pair_overlap else [])
+    extra = [f"--set={item}" for item in overrides]
     argv = training_argv(config, nproc_per_node=nproc_per_node, resume=resume, extra=extra, rendezvous=rendezvous)
     raise typer.Exit(code=subprocess.run(argv).returncode)
 

@@ -18,7 +18,6 @@ import socket
 import sys
 import threading
 import time
-import warnings
 from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
@@ -131,9 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     parser.add_argument("--flow-run-id", default=None, help="Prefect flow run that launched this run (lineage)")
-    parser.add_argument("--pair-overlap", action="store_true",
-                        help="placement=pair: queue the next batch's target forward and transfer before the "
-                             "drafter trains on this one (same losses)")
     parser.add_argument("--pg-timeout-s", type=float, default=DEFAULT_PG_TIMEOUT_S,
                         help="a collective waiting this long (a rank died) ends the process")
     args = parser.parse_args(argv)
@@ -157,12 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     _announce_sigterm(dist_info, config.run_dir / "checkpoints", pg_timeout_s=args.pg_timeout_s)
     settings = load_settings()
     store = _store_if_needed(config, settings)
-    trainer_class = Trainer
-    if args.pair_overlap:
-        if config.placement == "pair":
-            trainer_class = PairOverlapTrainer
-        else:
-            warnings.warn("--pair-overlap applies to placement=pair only; ignored", stacklevel=1)
+    trainer_class = PairOverlapTrainer if config.pair_overlap else Trainer
     trainer = trainer_class(devices, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
                             flow_run_id=args.flow_run_id,
                             checkpoint_prefix=artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT,

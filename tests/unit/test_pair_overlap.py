@@ -60,3 +60,11 @@ def test_checkpoint_with_a_batch_in_flight_resumes_exactly(tmp_path) -> None:
     resumed.run()
     after = _without_timing(_records(resumed))[len(expected):]
     assert after == expected[3:]
+
+
+def test_pair_overlap_is_a_run_setting_that_needs_the_pair_layout() -> None:
+    from dflash_core.train.config import TrainConfig
+
+    assert TrainConfig(target="tiny:qwen3", data=["x.arrow"], placement="pair", pair_overlap=True).pair_overlap
+    with pytest.raises(ValueError, match="needs placement=pair"):
+        TrainConfig(target="tiny:qwen3", data=["x.arrow"], pair_overlap=True)

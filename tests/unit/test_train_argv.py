@@ -23,8 +23,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 def test_one_process_runs_the_entry_directly() -> None:
     assert training_argv(Path("run.yaml"), nproc_per_node=1, resume=False) == [sys.executable, *ENTRY]
-    assert training_argv(Path("run.yaml"), nproc_per_node=1, resume=True, extra=["--pair-overlap"]) == \
-        [sys.executable, *ENTRY, "--pair-overlap", "--resume"]
+    assert training_argv(Path("run.yaml"), nproc_per_node=1, resume=True, extra=["--set=seed=1"]) == \
+        [sys.executable, *ENTRY, "--set=seed=1", "--resume"]
 
 
 def test_one_node_several_processes_is_standalone() -> None:
@@ -72,7 +72,7 @@ def test_cli_passes_the_rendezvous_to_torchrun(tmp_path, monkeypatch) -> None:
     assert result.exit_code == 0, result.output
     assert launched == [[*TORCHRUN, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400",
                          "--rdzv-id", "job1", "--nproc-per-node", "4", "-m", "dflash_core.train.entry", "--config",
-                         str(config), "--set=optim.lr=1e-4", "--pair-overlap", "--resume"]]
+                         str(config), "--set=optim.lr=1e-4", "--set=pair_overlap=true", "--resume"]]
     refused = CliRunner().invoke(cli.app, ["train", "--config", str(config), "--nnodes", "2"])
     assert refused.exit_code == 2 and "endpoint" in refused.output and len(launched) == 1
 
