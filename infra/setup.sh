@@ -13,3 +13,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check --no-deps -r infra/requirements-nodeps.txt
   echo "$want" > "$stamp"
 fi
+# The SSH backend's tests run a real OpenSSH server on loopback. Where this runs as root on Debian (as CI
+# does), install Debian's openssh-server (~6 s; not started as a service); elsewhere those tests skip and say why.
+if [ "$(id -u)" = 0 ] && [ ! -x /usr/sbin/sshd ] && command -v apt-get >/dev/null && [ -f /etc/debian_version ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq --no-install-recommends openssh-server >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends openssh-server >/dev/null 2>&1; } \
+    || echo "setup.sh: could not install openssh-server; the SSH backend tests will skip" >&2
+fi
