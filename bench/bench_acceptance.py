@@ -144,12 +144,22 @@ def variants() -> dict[str, Variant]:
         Variant("lr=1.2e-3", "twice the learning rate", optim={"lr": 1.2e-3}),
         Variant("warmup=20", "warmup 20 steps (10% of the budget) instead of 100", optim={"warmup_steps": 20}),
         Variant("betas=0.999", "AdamW betas (0.9, 0.999)", optim={"betas": [0.9, 0.999]}),
+        Variant("anchors=512", "512 anchors per 2,048-token row (the library's density; speculators': 512 per "
+                "8,192)", drafter={"num_anchors": 512}),
+        Variant("anchors=1024", "1,024 anchors per row (about every eligible position)", drafter={"num_anchors": 1024}),
+        Variant("init=target", "drafter layers start as the target's last layers, fc passes the last tap",
+                drafter={"init": "target"}),
+        Variant("init=target+anchors=512", "both", drafter={"init": "target", "num_anchors": 512}),
         Variant("dflash2", "DFlash 2 (dynamic conv + candidate selector; published defaults, exp-decay CE)",
                 drafter={"variant": "dflash2"}),
+        Variant("dflash2+anchors=512", "DFlash 2 at the library's anchor density",
+                drafter={"variant": "dflash2", "num_anchors": 512}),
         Variant("speculators", "speculators 0.9 DFlashDraftModel, its defaults (D-PACE+CE, taps, pad mask)",
                 kind="speculators"),
         Variant("speculators+mask", "speculators with our mask token", kind="speculators",
                 drafter={"mask_token_id": "ours"}),
+        Variant("speculators+anchors=512", "speculators at our anchor density", kind="speculators",
+                drafter={"num_anchors": 512}),
     ]
     return {v.name: v for v in items}
 

@@ -40,6 +40,9 @@ class DrafterSettings(BaseModel):
         None, description="Slot weights: exp(-(k-1)/loss_gamma), or D-PACE (speculators' DFlash default). None: "
         "dpace for DFlash (measured best: bench/bench_acceptance.py), exp_decay for DFlash 2.")
     dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing.")
+    init: Literal["random", "target"] = Field(
+        "random", description="random: small normal weights. target: copy the target's last decoder layers (where "
+        "name and shape agree) and pass the last tapped layer through fc.")
     variant: Literal["dflash", "dflash2"] = Field(
         "dflash", description="dflash: the DFlash drafter. dflash2: DFlash 2 (a dynamic causal conv around every "
         "sublayer and a candidate selector that reranks the top-K); loads in z-lab's DFlash2DraftModel, "

@@ -22,9 +22,11 @@ import torch.distributed as dist
 
 from dflash_core.model import DFlashConfig
 from dflash_core.model.dflash2 import config_from_dict, drafter_config, variant_of
+from dflash_core.model.init_from_target import init_from_target_layers
 from dflash_core.provenance import current_producer
 from dflash_core.target import (
-    HiddenStateCapture, compile_decoder_layers, has_recurrent_layers, target_heads, validate_capture,
+    HiddenStateCapture, compile_decoder_layers, has_recurrent_layers, language_model, target_heads,
+    validate_capture,
 )
 from dflash_core.train import checkpoint as ckpt
 from dflash_core.train.config import TrainConfig
@@ -206,6 +208,8 @@ class Trainer:
         torch.manual_seed(config.seed)
         drafter = self.drafter_config.build(device=self.drafter_device)
         drafter.init_weights()
+        if config.drafter.init == "target":
+            init_from_target_layers(drafter, language_model(self.target).layers)
         heads = target_heads(self.target)
         if self.drafter_device != self.target_device:  # pair layout: the drafter gets its own frozen copies
             import copy
