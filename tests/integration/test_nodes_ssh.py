@@ -1,0 +1,120 @@
+"""The SSH backend against a real OpenSSH server on loopback (tests/sshd_fixture.py): commands with
+timeouts, files both ways, detached processes that outlive the session, host keys never accepted blindly.
+
+Run: `.venv/bin/python -m pytest tests/integration/test_nodes_ssh.py -q`
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dflash_core.nodes import (
+    CommandFailed, CommandTimeout, HostKeyError, NodeUnreachable, ProvisionConfig, provision,
+)
+from tests.sshd_fixture import Sshd, _keygen, start_sshd
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory):
+    yield from start_sshd(tmp_path_factory.mktemp("sshd"))
+
+
+def _pids_with(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker.encode() in (proc / "cmdline").read_bytes() and b" Z " not in (proc / "stat").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_commands_files_and_timeouts(sshd: Sshd, tmp_path: Path) -> None:
+    with sshd.node().connect() as node:
+        result = node.run("echo out; echo err >&2; exit 0")
+        assert (result.stdout, result.stderr, result.returncode) == ("out\n", "err\n", 0)
+        assert node.run(["printf", "%s", "a b"]).stdout == "a b"  # argv is quoted for the remote shell
+        with pytest.raises(CommandFailed, match="exited 3: nope"):
+            node.run("echo nope >&2; exit 3")
+        marker = f"dflash-timeout-{uuid.uuid4().hex[:8]}"
+        start = time.monotonic()
+        with pytest.raises(CommandTimeout, match="still ran after 1 s"):
+            node.run(f"sleep 30 # {marker}", timeout_s=1)
+        assert time.monotonic() - start < 15
+        deadline = time.monotonic() + 10
+        while _pids_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _pids_with(marker) == [], "the timed-out command must be killed on the node, not just abandoned"
+
+        source = tmp_path / "up"
+        (source / "sub").mkdir(parents=True)
+        (source / "a.txt").write_text("alpha")
+        (source / "sub" / "b.bin").write_bytes(bytes(range(256)) * 100)
+        remote = f"{sshd.home}/remote-{uuid.uuid4().hex[:6]}"
+        node.put(source, remote)
+        node.put(source / "a.txt", f"{remote}/single/a-copy.txt")
+        assert node.read_text(f"{remote}/sub/b.bin", timeout_s=30) is not None
+        back = tmp_path / "down"
+        node.get(remote, back)
+        assert (back / "a.txt").read_text() == "alpha"
+        assert (back / "sub" / "b.bin").read_bytes() == bytes(range(256)) * 100
+        assert (back / "single" / "a-copy.txt").read_text() == "alpha"
+        with pytest.raises(FileNotFoundError, match="does not exist on loopback"):
+            node.get(f"{remote}/nothing-here", tmp_path / "x")
+
+
+def test_detached_process_outlives_the_session_and_only_ours_is_stopped(sshd: Sshd) -> None:
+    node_def = sshd.node()
+    records = f"{sshd.home}/pids-{uuid.uuid4().hex[:6]}"
+    marker = f"dflash-detached-{uuid.uuid4().hex[:8]}"
+    with node_def.connect() as node:
+        record = node.start_detached("server", f"echo started; exec sleep 300 # {marker}",
+                                     log_path=f"{sshd.home}/logs/server.log", record_dir=records)
+    # The SSH session is closed: a process started plainly would have had SIGHUP.
+    time.sleep(0.5)
+    with node_def.connect() as node:
+        assert node.is_running(record)
+        assert [r.pid for r in node.recorded_processes(records)] == [record.pid]
+        assert "started" in node.read_text(record.log_path)
+        stale = record.model_copy(update={"start_ticks": record.start_ticks + 1})  # same PID, another process
+        assert node.stop_detached(stale) == "not running"
+        assert node.is_running(record)
+        assert node.stop_detached(record, timeout_s=10) == "stopped"
+        assert not node.is_running(record)
+    assert _pids_with(marker) == []
+
+
+def test_host_keys_are_verified_and_passwords_never_used(sshd: Sshd, tmp_path: Path) -> None:
+    empty = tmp_path / "known_hosts_empty"
+    empty.write_text("")
+    with pytest.raises(HostKeyError, match=r"127.0.0.1:\d+ is not in .*refusing an unknown host key"):
+        sshd.node(known_hosts=empty).connect()
+    with pytest.raises(HostKeyError, match="does not exist"):
+        sshd.node(known_hosts=tmp_path / "nope").connect()
+    other = tmp_path / "other_host_key"
+    _keygen(other)
+    key_type, key = other.with_suffix(".pub").read_text().split()[:2]
+    wrong = tmp_path / "known_hosts_wrong"
+    wrong.write_text(f"[127.0.0.1]:{sshd.port} {key_type} {key}\n")
+    with pytest.raises(HostKeyError, match="does not match"):
+        sshd.node(known_hosts=wrong).connect()
+    stranger = tmp_path / "stranger_key"
+    _keygen(stranger)
+    with pytest.raises(NodeUnreachable, match="refused our key"):
+        sshd.node(key_path=stranger).connect()
+
+
+def test_provision_over_ssh_is_idempotent(sshd: Sshd) -> None:
+    node_def = sshd.node(work_dir=f"{sshd.home}/node-{uuid.uuid4().hex[:6]}")
+    with node_def.connect() as node:
+        first = provision(node, node_def, ProvisionConfig())
+        second = provision(node, node_def, ProvisionConfig())
+    assert any(a.startswith("created venv") for a in first.actions)
+    assert second.actions == []
+    assert second.venv.path == f"{node_def.work_dir}/venv" and not second.venv.fs_type.startswith("nfs")
