@@ -1,23 +1,36 @@
 """Prompt sets: streaming import from JSON arrays, JSONL or Parquet in ShareGPT or OpenAI-messages
-form, normalized to system + user turns, deduplicated, mixed from several sources by weight.
+form, normalized by a turn policy, deduplicated, mixed from several sources by weight.
 
-Files are streamed (ijson for JSON arrays, row batches for Parquet): a prompt file of hundreds of
-MB is never loaded whole. A bad record never stops an import: it is counted by reason and kept as a
-quarantine line that says why.
+Files are streamed (a memory-mapped scanner for JSON arrays, row batches for Parquet): a prompt
+file of hundreds of MB is never loaded whole. A bad record never stops an import: it is counted by
+reason and kept as a quarantine line that says why, and reading goes on with the next record (in a
+JSON array too: elements are split by the scanner and parsed one by one). A file whose shape is
+not understood (a `.json` object instead of an array, an unknown suffix) is an error naming it.
+
+Multi-turn conversations keep their meaning under one of two policies (`TURN_POLICIES`):
+- `first_user_turn` (default): the system turn and the first user turn only, a single-turn prompt.
+- `regenerate_turns`: the first user turn as the prompt, the later user turns as `followups`, asked
+  in order after the target answered each earlier one (`regenerate_conversation`), so every
+  assistant turn is the target's own. The source's assistant turns are never kept.
+Either way a conversation whose first kept user turn answers something missing (an assistant turn
+before it, or a bare "continue") is rejected as `needs_context`.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
+import mmap
 import random
+import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from dflash_core.data.completion import Message
 
@@ -26,7 +39,15 @@ USER_ROLES = {"user", "human"}
 SYSTEM_ROLES = {"system"}
 # Turns that were answers in the source conversation: dropped, the target answers for itself.
 DROPPED_ROLES = {"assistant", "gpt", "chatgpt", "bard", "bing", "model", "tool", "function", "observation", "ipython"}
-BAD_PROMPT_REASONS = ("malformed", "truncated", "empty", "unknown_role", "not_a_conversation", "duplicate")
+BAD_PROMPT_REASONS = ("malformed", "truncated", "empty", "unknown_role", "not_a_conversation", "duplicate",
+                      "invalid_field", "invalid_text", "too_long", "needs_context")
+TurnPolicy = Literal["first_user_turn", "regenerate_turns"]
+TURN_POLICIES: tuple[str, ...] = ("first_user_turn", "regenerate_turns")
+DEFAULT_MAX_PROMPT_CHARS = 200_000  # ~50K tokens: longer prompts leave no room to answer in any target's context
+QUARANTINE_RECORD_CHARS = 20_000  # a quarantined record is kept up to this many characters
+# A first user turn that only asks to go on answers a turn the source cut off.
+_CONTINUATIONS = re.compile(r"^\W*(please\s+)?(continue|go on|keep going|more|next|continue please|ok,? continue)\W*$",
+                            re.IGNORECASE)
 
 
 class PromptRecord(BaseModel):
@@ -35,23 +56,29 @@ class PromptRecord(BaseModel):
     schema_version: int = PROMPT_SCHEMA_VERSION
     id: str = Field(min_length=1)
     source: str = Field(min_length=1)
-    messages: list[Message] = Field(min_length=1, description="System and user turns only.")
+    messages: list[Message] = Field(min_length=1, description="An optional system turn and one user turn.")
     tools: list[dict[str, Any]] | None = None
+    followups: list[str] | None = Field(
+        None, description="regenerate_turns: later user turns, asked in order after the target answered each.")
 
     def to_json_line(self) -> bytes:
         return self.model_dump_json(exclude_none=True).encode() + b"\n"
 
     def content_hash(self) -> str:
-        """Identity for deduplication: the messages and tools, not the id or source."""
-        payload = json.dumps([[m.role, m.content] for m in self.messages] + [self.tools or []], ensure_ascii=False)
-        return hashlib.sha256(payload.encode()).hexdigest()
+        """Identity for deduplication: the messages, follow-ups and tools, not the id or source."""
+        payload = json.dumps([[m.role, m.content] for m in self.messages] + [self.followups or [], self.tools or []],
+                             ensure_ascii=False)
+        return hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class BadPrompt(ValueError):
-    def __init__(self, reason: str, detail: str):
+    """A record that cannot be a prompt; `raw` keeps its bytes when it could not even be parsed."""
+
+    def __init__(self, reason: str, detail: str, raw: bytes | None = None):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.raw = raw
 
 
 @dataclass
@@ -59,6 +86,14 @@ class PromptSource:
     path: Path
     name: str
     weight: float = 1.0
+    turns: TurnPolicy = "first_user_turn"
+    max_chars: int = DEFAULT_MAX_PROMPT_CHARS  # longer prompts (all kept turns together) are rejected as too_long
+
+    def __post_init__(self) -> None:
+        if self.turns not in TURN_POLICIES:
+            raise ValueError(f"prompt source {self.name!r}: turns={self.turns!r}; use one of {', '.join(TURN_POLICIES)}")
+        if self.max_chars < 1:
+            raise ValueError(f"prompt source {self.name!r}: max_chars must be >= 1, got {self.max_chars}")
 
 
 @dataclass
@@ -73,52 +108,131 @@ class ImportReport:
     def reject(self, source: str, index: int, error: BadPrompt, raw: Any) -> None:
         self.rejected[error.reason] += 1
         self.quarantine.append({"source": source, "index": index, "reason": error.reason, "detail": error.detail,
-                                "record": raw if isinstance(raw, (dict, list, str, int, float)) else repr(raw)})
+                                "record": _quarantinable(raw)})
+
+    def quarantine_bytes(self) -> bytes:
+        """The quarantine as JSONL (ASCII-escaped, so lone surrogates of a bad record survive)."""
+        return b"".join(json.dumps(line).encode() + b"\n" for line in self.quarantine)
 
     def to_dict(self) -> dict[str, Any]:
         return {"read": self.read, "accepted": self.accepted, "rejected": dict(self.rejected),
                 "per_source": dict(self.per_source), "renamed_ids": self.renamed_ids}
 
 
-def iter_raw(path: Path) -> Iterator[tuple[int, Any]]:
+def iter_raw(path: Path, *, max_bytes: int | None = None) -> Iterator[tuple[int, Any]]:
     """(index, record) for every record in a .json (array), .jsonl/.ndjson or .parquet file, streamed.
-    A record that cannot be parsed comes back as a `BadPrompt`; a file cut short ends with a
-    `BadPrompt("truncated")`."""
+    A record that cannot be parsed comes back as a `BadPrompt` and reading goes on; a file cut short
+    ends with a `BadPrompt("truncated")`. A record over `max_bytes` is not parsed (`too_long`)."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
-        yield from _iter_jsonl(path)
+        yield from _iter_jsonl(path, max_bytes=max_bytes)
     elif suffix == ".json":
-        yield from _iter_json_array(path)
+        yield from _iter_json_array(path, max_bytes=max_bytes)
     elif suffix == ".parquet":
         yield from _iter_parquet(path)
     else:
         raise ValueError(f"{path}: unknown prompt file type {suffix!r}; use .json, .jsonl, .ndjson or .parquet")
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+def _parse(text: bytes, *, where: str, max_bytes: int | None) -> Any:
+    """One JSON record, or a `BadPrompt` saying why it is unusable."""
+    if max_bytes is not None and len(text) > max_bytes:
+        return BadPrompt("too_long", f"{where} is {len(text):,} bytes, over the {max_bytes:,}-byte limit")
+    try:
+        return json.loads(text)
+    except UnicodeDecodeError as error:
+        return BadPrompt("malformed", f"{where}: byte {error.start} is not valid UTF-8")
+    except ValueError as error:
+        return BadPrompt("malformed", f"{where}: {error}")
+    except RecursionError:
+        return BadPrompt("malformed", f"{where}: nested deeper than the JSON parser allows")
+
+
+def _iter_jsonl(path: Path, *, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
     with open(path, "rb") as handle:
         for index, line in enumerate(handle):
+            if index == 0:
+                line = line.removeprefix(codecs.BOM_UTF8)
             if not line.strip():
                 continue
-            try:
-                yield index, json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                reason = "truncated" if not line.endswith(b"\n") else "malformed"
-                yield index, BadPrompt(reason, f"line {index + 1}: {error}")
+            record = _parse(line, where=f"line {index + 1}", max_bytes=max_bytes)
+            if isinstance(record, BadPrompt) and record.reason == "malformed" and not line.endswith(b"\n"):
+                record = BadPrompt("truncated", f"the last line ({index + 1}) is cut short: {record.detail}")
+            if isinstance(record, BadPrompt):
+                record.raw = line
+            yield index, record
 
 
-def _iter_json_array(path: Path) -> Iterator[tuple[int, Any]]:
-    import ijson
+# Outside strings the scanner stops at whole strings (one match, escapes included) and at brackets and
+# commas; a lone quote means a string that never closes.
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]|"', re.DOTALL)
+_SPACE = b" \t\r\n"
 
-    index = -1
+
+def _iter_json_array(path: Path, *, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
+    """Elements of a top-level JSON array, each parsed on its own: a bad element is reported and the
+    scanner goes on with the next one (found by bracket depth outside strings)."""
     with open(path, "rb") as handle:
-        try:
-            for index, item in enumerate(ijson.items(handle, "item", use_float=True)):
-                yield index, item
-        except ijson.IncompleteJSONError as error:
-            yield index + 1, BadPrompt("truncated", f"{path.name} ends inside record {index + 1}: {error}")
-        except ijson.JSONError as error:
-            yield index + 1, BadPrompt("malformed", f"{path.name} is not valid JSON after record {index}: {error}")
+        if not path.stat().st_size:
+            raise ValueError(f"{path}: the file is empty; expected a JSON array of records")
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            yield from _scan_array(data, path=path, max_bytes=max_bytes)
+
+
+def _scan_array(data, *, path: Path, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
+    size = len(data)
+    pos = 3 if data[:3] == codecs.BOM_UTF8 else 0
+    while pos < size and data[pos] in _SPACE:
+        pos += 1
+    first = data[pos:pos + 1]
+    if first != b"[":
+        raise ValueError(_shape_error(path, data, pos))
+    pos += 1
+    index, depth, start = 0, 0, pos
+
+    def element(end: int):
+        raw = bytes(data[start:end].strip(_SPACE))
+        if not raw:
+            return BadPrompt("malformed", f"record {index} is empty (two commas in a row or a trailing comma)", raw)
+        record = _parse(raw, where=f"record {index}", max_bytes=max_bytes)
+        if isinstance(record, BadPrompt):
+            record.raw = raw
+        return record
+
+    while True:
+        match = _JSON_TOKEN.search(data, pos)
+        if match is None or match.group() == b'"':
+            tail = data[start:].strip(_SPACE)
+            where = f"inside record {index}" if tail else f"after record {index - 1}, before the array closes"
+            yield index, BadPrompt("truncated", f"{path.name} ends {where}", bytes(tail))
+            return
+        token, pos = match.group(), match.end()
+        if token in (b"[", b"{"):
+            depth += 1
+        elif token in (b"]", b"}"):
+            if depth:
+                depth -= 1
+            elif token == b"]":  # the array itself closes
+                if index or data[start:match.start()].strip(_SPACE):
+                    yield index, element(match.start())
+                rest = data[pos:pos + 200].strip(_SPACE)
+                if rest:
+                    yield index + 1, BadPrompt("malformed", f"{path.name}: data after the array ends: {rest[:60]!r}",
+                                               bytes(rest))
+                return
+        elif token == b"," and not depth:
+            yield index, element(match.start())
+            index, start = index + 1, pos
+
+
+def _shape_error(path: Path, data, pos: int) -> str:
+    first = data[pos:pos + 1]
+    if first == b"{":
+        key = re.match(rb'\{\s*"([^"\\]{1,60})"\s*:\s*\[', data[pos:pos + 4096])
+        hint = f" (its first key, {key.group(1).decode(errors='replace')!r}, holds a list)" if key else ""
+        return (f"{path}: the top level is a JSON object{hint}, not an array of records; write the records as "
+                f"a JSON array or as JSONL, e.g. `jq -c '.data[]' {path.name} > {path.stem}.jsonl`")
+    return f"{path}: not a JSON array of records (the file starts with {first!r}); use a JSON array or JSONL"
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
@@ -131,47 +245,120 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
             index += 1
 
 
-def normalize(raw: Any, *, source: str, index: int) -> PromptRecord:
-    """A ShareGPT (`conversations`: from/value) or OpenAI (`messages`: role/content) record as a prompt."""
+def normalize(raw: Any, *, source: str, index: int, turns: TurnPolicy = "first_user_turn",
+              max_chars: int | None = None) -> PromptRecord:
+    """A ShareGPT (`conversations`: from/value) or OpenAI (`messages`: role/content) record as a prompt,
+    under the turn policy `turns`; raises `BadPrompt` with the reason it cannot be one."""
     if isinstance(raw, BadPrompt):
         raise raw
     if not isinstance(raw, dict):
         raise BadPrompt("malformed", f"record is {type(raw).__name__}, not an object")
     if isinstance(raw.get("conversations"), list):
-        turns, role_key, text_key = raw["conversations"], "from", "value"
+        turn_list, role_key, text_key = raw["conversations"], "from", "value"
     elif isinstance(raw.get("messages"), list):
-        turns, role_key, text_key = raw["messages"], "role", "content"
+        turn_list, role_key, text_key = raw["messages"], "role", "content"
     else:
         raise BadPrompt("not_a_conversation", "no `conversations` (ShareGPT) or `messages` (OpenAI) list")
-    messages: list[Message] = []
-    for position, turn in enumerate(turns):
+    system: str | None = None
+    users: list[str] = []
+    answered_before_first_user = False
+    for position, turn in enumerate(turn_list):
         if not isinstance(turn, dict):
             raise BadPrompt("malformed", f"turn {position} is {type(turn).__name__}, not an object")
         role = str(turn.get(role_key, "")).strip().lower()
         if role in DROPPED_ROLES:
+            answered_before_first_user |= not users
             continue
         if role not in USER_ROLES | SYSTEM_ROLES:
             raise BadPrompt("unknown_role", f"turn {position} has role {turn.get(role_key)!r}")
-        text = _text(turn.get(text_key))
+        text = _text(turn.get(text_key), where=f"turn {position}")
         if role in SYSTEM_ROLES:
-            if messages or not text.strip():
-                continue  # a system turn after the first, or an empty one, carries nothing to keep
-            messages.append(Message(role="system", content=text))
+            if system is None and not users and not answered_before_first_user and text.strip():
+                system = text  # a later or empty system turn carries nothing to keep
         elif text.strip():
-            messages.append(Message(role="user", content=text))
-    if not any(message.role == "user" for message in messages):
+            users.append(text)
+    if not users:
         raise BadPrompt("empty", "no user turn with text")
-    tools = raw.get("tools") if isinstance(raw.get("tools"), list) else None
-    record_id = str(raw.get("id") or raw.get("conversation_id") or f"{source}-{index}")
-    return PromptRecord(id=record_id, source=source, messages=messages, tools=tools)
+    if answered_before_first_user:
+        raise BadPrompt("needs_context", "the conversation starts with an assistant turn: the first user turn "
+                                         "answers context that is not in the prompt")
+    if _CONTINUATIONS.match(users[0]):
+        raise BadPrompt("needs_context", f"the first user turn is {users[0].strip()[:40]!r}: it continues a "
+                                         "conversation that is not in the prompt")
+    kept = users if turns == "regenerate_turns" else users[:1]
+    chars = sum(len(text) for text in kept) + len(system or "")
+    if max_chars is not None and chars > max_chars:
+        raise BadPrompt("too_long", f"{chars:,} characters in the kept turns, over the {max_chars:,} limit")
+    tools = _tools(raw.get("tools"))
+    record_id = _text(raw.get("id") or raw.get("conversation_id"), where="id") or f"{source}-{index}"
+    messages = ([Message(role="system", content=system)] if system is not None else []) + \
+        [Message(role="user", content=kept[0])]
+    try:
+        record = PromptRecord(id=record_id, source=source, messages=messages, tools=tools,
+                              followups=kept[1:] or None)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        raise BadPrompt("invalid_field", f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    _check_encodable(record)
+    return record
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
+def _text(content: Any, *, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, (str, int, float)) and not isinstance(content, bool):
+        return str(content)
     if isinstance(content, list):  # OpenAI content parts
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return ""
+    raise BadPrompt("invalid_field", f"{where} is a {type(content).__name__}, not text")
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        kind = type(tools).__name__ if not isinstance(tools, list) else "list with non-object items"
+        raise BadPrompt("invalid_field", f"`tools` is a {kind}; expected a list of tool schemas (objects)")
+    return tools
+
+
+def _check_encodable(record: PromptRecord) -> None:
+    """Text that cannot be UTF-8 (a lone surrogate from a `\\ud800` escape) would break every writer downstream."""
+    try:
+        record.to_json_line()
+    except (UnicodeEncodeError, ValueError) as error:
+        texts = [m.content or "" for m in record.messages] + (record.followups or []) + [record.id]
+        bad = next((t for t in texts if _has_surrogate(t)), None)
+        where = f" near {bad[max(0, _surrogate_at(bad) - 20):_surrogate_at(bad)]!r}" if bad else ""
+        raise BadPrompt("invalid_text", f"text is not valid Unicode (a lone surrogate){where}: {error}") from None
+
+
+def _has_surrogate(text: str) -> bool:
+    return _surrogate_at(text) >= 0
+
+
+def _surrogate_at(text: str) -> int:
+    return next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), -1)
+
+
+def _quarantinable(raw: Any) -> Any:
+    """The record as the quarantine keeps it: the object itself when any JSON writer can write it,
+    else its text (invalid bytes and lone surrogates escaped), cut at QUARANTINE_RECORD_CHARS."""
+    if isinstance(raw, BadPrompt):
+        raw = raw.raw or b""
+    if isinstance(raw, bytes):
+        text = raw.decode("utf-8", "backslashreplace")
+    else:
+        try:
+            text = json.dumps(raw, ensure_ascii=False, default=repr)
+            text.encode()
+            if len(text) <= QUARANTINE_RECORD_CHARS:
+                return raw
+        except UnicodeEncodeError:
+            text = json.dumps(raw, default=repr)
+        except (ValueError, RecursionError):
+            text = f"<{type(raw).__name__} nested too deep to write>"
+    return text if len(text) <= QUARANTINE_RECORD_CHARS else text[:QUARANTINE_RECORD_CHARS] + " ...[cut]"
 
 
 def import_prompts(sources: Iterable[PromptSource], *, total: int | None = None, seed: int = 0,
@@ -192,10 +379,12 @@ def import_prompts(sources: Iterable[PromptSource], *, total: int | None = None,
         quota = None if total is None else round(total * source.weight / weights)
         kept: list[PromptRecord] = []
         valid = 0
-        for index, raw in iter_raw(source.path):
+        # Raw JSON can be ~8x its text (\uXXXX escapes, keys, dropped turns): only far larger records skip parsing.
+        for index, raw in iter_raw(source.path, max_bytes=16 * source.max_chars + 65_536):
             report.read += 1
             try:
-                record = normalize(raw, source=source.name, index=index)
+                record = normalize(raw, source=source.name, index=index, turns=source.turns,
+                                   max_chars=source.max_chars)
                 digest = record.content_hash()
                 if digest in seen:
                     raise BadPrompt("duplicate", f"same messages as an earlier prompt ({digest[:12]})")
@@ -222,6 +411,22 @@ def import_prompts(sources: Iterable[PromptSource], *, total: int | None = None,
     rng.shuffle(mixed)
     report.accepted = len(mixed)
     return mixed, report
+
+
+async def regenerate_conversation(record: PromptRecord,
+                                  answer: Callable[[list[Message]], Awaitable[Message]]) -> list[Message]:
+    """The whole conversation of a `regenerate_turns` prompt, every assistant turn the target's own:
+    `answer(messages)` is called once per user turn, in order, with the target's earlier answers as
+    context. A single-turn prompt gives [*messages, answer]."""
+    conversation = list(record.messages)
+    for index, followup in enumerate([None, *(record.followups or [])]):
+        if followup is not None:
+            conversation.append(Message(role="user", content=followup))
+        reply = await answer(list(conversation))
+        if reply.role != "assistant":
+            raise ValueError(f"prompt {record.id!r}: turn {index} was answered with role {reply.role!r}, not assistant")
+        conversation.append(reply)
+    return conversation
 
 
 def shard_prompts(records: list[PromptRecord], *, shard_size: int) -> list[list[PromptRecord]]:

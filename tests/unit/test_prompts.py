@@ -20,11 +20,49 @@ OPENAI = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Wh
           "tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}
 
 
-def test_sharegpt_keeps_system_and_user_turns_only() -> None:
+def test_default_policy_keeps_the_first_user_turn_only() -> None:
+    """No stack of user turns with the answers cut out: a single-turn prompt by default."""
     record = normalize(SHAREGPT, source="sg", index=0)
-    assert [(m.role, m.content) for m in record.messages] == [
-        ("system", "Be brief."), ("user", "Hi"), ("user", "Reverse a string in Python")]
-    assert record.id == "sg-1"
+    assert [(m.role, m.content) for m in record.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert record.followups is None and record.id == "sg-1"
+
+
+def test_regenerate_turns_keeps_later_user_turns_as_followups_in_order() -> None:
+    import asyncio
+
+    from dflash_core.data.completion import Message
+    from dflash_core.data.prompts import regenerate_conversation
+
+    record = normalize(SHAREGPT, source="sg", index=0, turns="regenerate_turns")
+    assert [(m.role, m.content) for m in record.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert record.followups == ["Reverse a string in Python"]
+    seen = []
+
+    async def answer(messages):  # stands in for the target: answers with what it was shown
+        seen.append([(m.role, m.content) for m in messages])
+        return Message(role="assistant", content=f"own answer {len(seen)}")
+
+    conversation = asyncio.run(regenerate_conversation(record, answer))
+    # The source's answers ("Hello!", "s[::-1]") never reach the target; its own answers are its context.
+    assert seen == [[("system", "Be brief."), ("user", "Hi")],
+                    [("system", "Be brief."), ("user", "Hi"), ("assistant", "own answer 1"),
+                     ("user", "Reverse a string in Python")]]
+    assert [m.role for m in conversation] == ["system", "user", "assistant", "user", "assistant"]
+    assert conversation[-1].content == "own answer 2"
+
+
+@pytest.mark.parametrize("turns", ["first_user_turn", "regenerate_turns"])
+@pytest.mark.parametrize("conversation", [
+    [{"from": "gpt", "value": "...and that is the second half."}, {"from": "human", "value": "Why?"}],
+    [{"from": "human", "value": "continue"}, {"from": "gpt", "value": "more text"}],
+    [{"from": "system", "value": "s"}, {"from": "human", "value": "Please continue."}],
+])
+def test_a_first_turn_that_needs_missing_context_is_rejected(conversation, turns) -> None:
+    from dflash_core.data.prompts import BadPrompt
+
+    with pytest.raises(BadPrompt) as error:
+        normalize({"conversations": conversation}, source="s", index=0, turns=turns)
+    assert error.value.reason == "needs_context"
 
 
 def test_openai_content_parts_and_tools_carried() -> None:

@@ -1,0 +1,112 @@
+"""The malformed-input matrix: one bad record among valid ones, in every file shape the importer reads.
+Each case names the reason it must be counted under; every valid record around it is always kept.
+
+Run: `.venv/bin/python -m pytest -q tests/unit/test_malformed_inputs.py`
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+
+import pytest
+
+from dflash_core.data.prompts import BAD_PROMPT_REASONS, PromptSource, import_prompts
+
+
+def _good(i: int) -> dict:
+    return {"id": f"ok{i}", "messages": [{"role": "user", "content": f"valid question {i}"}]}
+
+
+DEEP = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+GOOD = [json.dumps(_good(i)).encode() for i in range(3)]
+
+# case -> (bad record as raw JSON bytes, reason, extra PromptSource settings)
+CASES = {
+    "tools_is_a_string": (b'{"messages": [{"role": "user", "content": "q"}], "tools": "calc"}', "invalid_field", {}),
+    "tools_items_not_objects": (b'{"messages": [{"role": "user", "content": "q"}], "tools": [1, 2]}',
+                                "invalid_field", {}),
+    "lone_surrogate": (b'{"messages": [{"role": "user", "content": "bad \\ud800 text"}]}', "invalid_text", {}),
+    "deeply_nested": (DEEP, "malformed", {}),
+    "trailing_comma_in_object": (b'{"messages": [{"role": "user", "content": "q"}],}', "malformed", {}),
+    "bare_word": (b"nonsense", "malformed", {}),
+    "not_an_object": (b"42", "malformed", {}),
+    "content_is_an_object": (b'{"messages": [{"role": "user", "content": {"x": 1}}]}', "invalid_field", {}),
+    "unknown_role": (b'{"messages": [{"role": "narrator", "content": "q"}]}', "unknown_role", {}),
+    "no_conversation": (b'{"text": "q"}', "not_a_conversation", {}),
+    "only_an_answer": (b'{"conversations": [{"from": "gpt", "value": "a"}]}', "empty", {}),
+    "starts_with_an_answer": (b'{"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}',
+                              "needs_context", {}),
+    "too_long": (json.dumps({"messages": [{"role": "user", "content": "x" * 5000}]}).encode(), "too_long",
+                 {"max_chars": 1000}),
+    "too_long_unparsed": (json.dumps({"messages": [{"role": "user", "content": "x" * 200_000}]}).encode(),
+                          "too_long", {"max_chars": 100}),
+    "duplicate": (GOOD[0], "duplicate", {}),
+}
+
+
+def _jsonl(bad: bytes) -> bytes:
+    return b"\n".join([GOOD[0], GOOD[1], bad, GOOD[2]]) + b"\n"
+
+
+def _json_array(bad: bytes) -> bytes:
+    return b"[" + b",\n".join([GOOD[0], GOOD[1], bad, GOOD[2]]) + b"]"
+
+
+@pytest.mark.parametrize("shape", ["jsonl", "json"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_bad_record_is_counted_and_every_valid_one_kept(tmp_path, case, shape) -> None:
+    bad, reason, settings = CASES[case]
+    path = tmp_path / f"prompts.{shape}"
+    path.write_bytes((_jsonl if shape == "jsonl" else _json_array)(bad))
+    prompts, report = import_prompts([PromptSource(path, "s", **settings)])
+    assert reason in BAD_PROMPT_REASONS
+    assert sorted(p.id for p in prompts) == ["ok0", "ok1", "ok2"]
+    assert dict(report.rejected) == {reason: 1}
+    assert report.read == 4 and report.accepted == 3
+    [line] = report.quarantine
+    assert line["reason"] == reason and line["index"] == 2 and line["detail"]
+    json.loads(report.quarantine_bytes())  # any bad record can be written to the quarantine file
+    json.dumps(line, ensure_ascii=False).encode()  # ... by any JSON writer
+
+
+@pytest.mark.parametrize("shape", ["jsonl", "json"])
+def test_invalid_utf8_and_a_bom_at_the_start(tmp_path, shape) -> None:
+    bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'
+    path = tmp_path / f"prompts.{shape}"
+    path.write_bytes(codecs.BOM_UTF8 + (_jsonl if shape == "jsonl" else _json_array)(bad))
+    prompts, report = import_prompts([PromptSource(path, "s")])
+    assert sorted(p.id for p in prompts) == ["ok0", "ok1", "ok2"], "the BOM must not cost the first record"
+    assert dict(report.rejected) == {"malformed": 1}
+    assert "not valid UTF-8" in report.quarantine[0]["detail"]
+
+
+def test_json_array_bad_elements_then_truncation(tmp_path) -> None:
+    """Several bad elements in a row, then a file cut inside its last record: all valid ones before are kept."""
+    path = tmp_path / "p.json"
+    path.write_bytes(b"[" + b",".join([GOOD[0], b"{oops}", b"", GOOD[1], b"[1, 2", b"3]", GOOD[2],
+                                       b'{"id": "cut", "messages": [{"role": "us']))
+    prompts, report = import_prompts([PromptSource(path, "s")])
+    assert sorted(p.id for p in prompts) == ["ok0", "ok1", "ok2"]
+    assert dict(report.rejected) == {"malformed": 3, "truncated": 1}  # {oops}, the empty one, [1, 2,3]
+    assert report.read == 7
+
+
+@pytest.mark.parametrize("text,match", [
+    (b'{"data": [{"messages": []}]}', r"top level is a JSON object \(its first key, 'data', holds a list\)"),
+    (b'"just a string"', "not a JSON array of records"),
+    (b"", "the file is empty"),
+])
+def test_a_json_file_of_another_shape_is_an_error_naming_it(tmp_path, text, match) -> None:
+    path = tmp_path / "wrapped.json"
+    path.write_bytes(text)
+    with pytest.raises(ValueError, match=match) as error:
+        import_prompts([PromptSource(path, "s")])
+    assert str(path) in str(error.value)
+
+
+def test_bad_source_settings_are_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="turns='all'"):
+        PromptSource(tmp_path / "x.jsonl", "s", turns="all")
+    with pytest.raises(ValueError, match="max_chars must be >= 1"):
+        PromptSource(tmp_path / "x.jsonl", "s", max_chars=0)
