@@ -23,7 +23,8 @@ from dflash_core.tokenize import (
     tokenize_shard,
 )
 from dflash_core.tokenize.io import read_arrow_bytes
-from dflash_core.tokenize.shard import TOKENIZED_SCHEMA_VERSION
+from dflash_core.tokenize.render import PrefixUnstable
+from dflash_core.tokenize.shard import TOKENIZED_SCHEMA_VERSION, TemplateFailed
 from tasks.provenance import run_producer
 
 
@@ -56,15 +57,26 @@ def shard_cache_key(context: TaskRunContext, parameters: dict) -> str:
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15], cache_key_fn=shard_cache_key, persist_result=True,
-      task_run_name="tokenize {input_key}")
+def _worth_retrying(task, task_run, state) -> bool:
+    """Retry transient faults (S3, a killed worker), not a template or a shard that fails the same way again."""
+    try:
+        state.result()
+    except (TemplateFailed, PrefixUnstable):
+        return False
+    except Exception:  # noqa: BLE001 - anything else may be transient
+        return True
+    return True
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=_worth_retrying, cache_key_fn=shard_cache_key,
+      persist_result=True, task_run_name="tokenize {input_key}")
 def tokenize_completion_shard(settings: Settings, *, input_key: str, output_key: str, target: TargetTokenizer,
                               config: TokenizeConfig, pool: TokenizePool | None = None) -> ShardSummary:
     """Read a completion shard, tokenize it, write the Arrow shard and its quarantine with manifests."""
     store = ObjectStore.from_settings(settings)
     source = input_ref(store, input_key)
     data = store.get_bytes(input_key)
-    result = tokenize_shard(data, target=target, config=config, pool=pool)
+    result = tokenize_shard(data, target=target, config=config, pool=pool, name=source.uri)
     run_config = {"tokenizer": target.name, "tokenizer_sha256": target.content_hash,
                   "tokenize": config.model_dump(mode="json"), "schema_version": TOKENIZED_SCHEMA_VERSION}
     payload = arrow_bytes(result.table, metadata={"dflash.tokenizer_sha256": target.content_hash,

@@ -18,16 +18,22 @@ from dflash_core.tokenize.shard import ChunkResult, ShardTokenizer
 from dflash_core.tokenize.target import TargetTokenizer
 
 _worker: ShardTokenizer | None = None
+_init_error: Exception | None = None
 
 
 def _init_worker(target: TargetTokenizer, config: TokenizeConfig) -> None:
-    global _worker
+    global _worker, _init_error
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker = ShardTokenizer(target=target, config=config)
+    try:
+        _worker = ShardTokenizer(target=target, config=config)
+    except Exception as error:  # raised here it would break the pool (BrokenProcessPool, no reason given)
+        _init_error = error
 
 
 def _run_chunk(chunk: tuple[int, list[bytes]]) -> ChunkResult:
     first_line, lines = chunk
+    if _init_error is not None:
+        raise _init_error  # the template's own error, to the shard that asked
     assert _worker is not None, "pool worker was not initialised"
     return _worker.tokenize_lines(lines, first_line=first_line)
 

@@ -9,8 +9,10 @@ quarantine (with its reason), or the `blank_line` count.
 from __future__ import annotations
 
 import base64
+import codecs
 import time
 from collections import Counter
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +40,10 @@ SCHEMA = pa.schema(
 )
 # Valid records that are not written to the table (they go to quarantine with the bad ones).
 SKIP_REASONS = ("prefix_unstable", "too_long", "prompt_too_long", "render_error")
+
+
+class TemplateFailed(ValueError):
+    """The chat template fails on a plain one-turn conversation: it would fail every record of a shard."""
 
 
 @dataclass(slots=True)
@@ -180,7 +186,16 @@ class ShardTokenizer:
             probes = [_probe_record(reasoning=thought, content="Hello! How can I help?",
                                     enable_thinking=enable_thinking),
                       _probe_record(reasoning="", content="", enable_thinking=enable_thinking)]
-            rendered = [render_sample(probe, target=self.target, config=self.config) for probe in probes]
+            try:
+                rendered = [render_sample(probe, target=self.target, config=self.config) for probe in probes]
+            except PrefixUnstable:
+                raise
+            except Exception as error:  # a template's raise_exception() or a jinja error
+                raise TemplateFailed(
+                    f"the chat template of {self.target.name} fails on a plain one-turn conversation "
+                    f"(enable_thinking={enable_thinking}), so it would fail every record: "
+                    f"{type(error).__name__}: {error}. Fix the template (chat_template) or its template_kwargs"
+                ) from None
             answer, empty = encode_samples(rendered, target=self.target, tails=self.tails)
             for encoded in (answer, empty):
                 if isinstance(encoded, PrefixUnstable):
@@ -228,11 +243,27 @@ def merge_chunks(results: list[ChunkResult], *, num_lines: int) -> ShardResult:
 
 
 def tokenize_shard(data: bytes, *, target: TargetTokenizer, config: TokenizeConfig, pool=None,
-                   chunk_lines: int | None = None) -> ShardResult:
+                   chunk_lines: int | None = None, name: str | None = None) -> ShardResult:
     """Tokenize a whole JSONL shard; with `pool` (a TokenizePool) the chunks run on its workers.
 
     By default chunks are up to 256 lines, and small enough to give each pool worker ~4 of them.
+    Errors that fail the whole shard (the template, a dead worker) name it (`name`, e.g. its URI).
+    A UTF-8 byte-order mark at the start is not part of the first record.
     """
+    try:
+        return _tokenize_shard(data.removeprefix(codecs.BOM_UTF8), target=target, config=config, pool=pool,
+                               chunk_lines=chunk_lines)
+    except (TemplateFailed, PrefixUnstable) as error:
+        if name is None:
+            raise
+        raise type(error)(f"shard {name}: {error}") from None
+    except BrokenProcessPool as error:
+        raise RuntimeError(f"shard {name or '<unnamed>'}: a tokenizer process died ({error}); "
+                           "was it killed for memory? Retry with fewer workers") from error
+
+
+def _tokenize_shard(data: bytes, *, target: TargetTokenizer, config: TokenizeConfig, pool,
+                    chunk_lines: int | None) -> ShardResult:
     if chunk_lines is None:
         workers = pool.workers if pool is not None else 1
         chunk_lines = max(16, min(256, -(-data.count(b"\n") // (4 * workers))))
