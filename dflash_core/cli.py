@@ -88,7 +88,7 @@ def _resolve_shape(preset, model_config, hidden_size, num_layers, target_params)
     else:
         raise ValueError("say what the target is: --preset, --model-config, or at least --hidden-size")
     overrides = {"hidden_size": hidden_size, "num_layers": num_layers,
-                 "num_params": round(target_params * 1e9) if target_params is not None else None}
+                 "num_params": planner.params_from_billions(target_params) if target_params is not None else None}
     return shape.model_copy(update={k: v for k, v in overrides.items() if v is not None})
 
 

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 GiB = 1024**3
 TB = 10**12
@@ -36,6 +36,9 @@ _RESERVED_BYTES = 4 * GiB
 
 class ModelShape(BaseModel):
     """What the planner needs of a target: from flags, a preset or a HF config.json."""
+
+    # A preset changed by `model_copy(update=...)` skips validation; PlanInputs validates it again.
+    model_config = ConfigDict(revalidate_instances="always", allow_inf_nan=False)
 
     num_layers: int | None = Field(None, gt=0)
     hidden_size: int = Field(gt=0)
@@ -79,6 +82,13 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+def params_from_billions(billions: float) -> int:
+    """`--target-params` in billions as a parameter count; refuses what is not a positive finite number."""
+    if not math.isfinite(billions) or billions <= 0:
+        raise ValueError(f"--target-params must be a positive number of billions, got {billions}")
+    return round(billions * 1e9)
+
+
 def shape_from_config(path: Path) -> ModelShape:
     """Read a HF `config.json` (a composite config's `text_config` is used when present)."""
     try:
@@ -88,16 +98,21 @@ def shape_from_config(path: Path) -> ModelShape:
     config = raw.get("text_config", raw)
     if "hidden_size" not in config:
         raise ValueError(f"--model-config {path}: no `hidden_size` in it; is this a transformers config.json?")
-    return ModelShape(
-        num_layers=config.get("num_hidden_layers"), hidden_size=config["hidden_size"],
-        intermediate_size=config.get("intermediate_size"), num_attention_heads=config.get("num_attention_heads"),
-        num_key_value_heads=config.get("num_key_value_heads"), head_dim=config.get("head_dim"),
-        vocab_size=config.get("vocab_size"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
-    )
+    try:
+        return ModelShape(
+            num_layers=config.get("num_hidden_layers"), hidden_size=config["hidden_size"],
+            intermediate_size=config.get("intermediate_size"), num_attention_heads=config.get("num_attention_heads"),
+            num_key_value_heads=config.get("num_key_value_heads"), head_dim=config.get("head_dim"),
+            vocab_size=config.get("vocab_size"),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+        )
+    except ValidationError as error:
+        raise ValueError(f"--model-config {path}: {error}") from None
 
 
 class PlanInputs(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+
     target: ModelShape
     tapped_layers: int = Field(5, gt=0, description="Target layers whose hidden states the drafter reads.")
     dtype_bytes: int = Field(2, gt=0, description="Bytes per hidden-state value (bf16 = 2).")

@@ -73,6 +73,18 @@ class VllmProfile(_EngineProfile):
         return env
 
 
+# SGLang reads its API key from the command line only, where any user sees it in /proc/<pid>/cmdline.
+# This shim adds it to sys.argv inside the process, from the environment (readable by its owner only).
+SGLANG_API_KEY_ENV = "DFLASH_SGLANG_API_KEY"
+_SGLANG_SHIM = (
+    "import os, runpy, sys\n"
+    f"key = os.environ.pop({SGLANG_API_KEY_ENV!r}, None)\n"
+    "if key:\n"
+    "    sys.argv += ['--api-key', key]\n"
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
+)
+
+
 class SglangProfile(_EngineProfile):
     engine: Literal["sglang"] = "sglang"
     tensor_parallel_size: int = Field(1, ge=1)
@@ -82,7 +94,8 @@ class SglangProfile(_EngineProfile):
     speculative_algorithm: str | None = Field(None, description="e.g. NEXTN for MTP heads.")
 
     def argv(self, *, port: int) -> list[str]:
-        argv = [self.python, "-m", "sglang.launch_server", "--model-path", self.model, "--host", self.host,
+        launch = ["-c", _SGLANG_SHIM] if self.api_key else ["-m", "sglang.launch_server"]
+        argv = [self.python, *launch, "--model-path", self.model, "--host", self.host,
                 "--port", str(port), "--tp", str(self.tensor_parallel_size)]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
@@ -94,9 +107,13 @@ class SglangProfile(_EngineProfile):
             argv += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.speculative_algorithm:
             argv += ["--speculative-algorithm", self.speculative_algorithm]
+        return argv + self.extra_args  # the API key goes by environment (the shim), never argv
+
+    def instance_env(self, device: str | None) -> dict[str, str]:
+        env = super().instance_env(device)
         if self.api_key:
-            argv += ["--api-key", self.api_key.get_secret_value()]
-        return argv + self.extra_args
+            env[SGLANG_API_KEY_ENV] = self.api_key.get_secret_value()
+        return env
 
 
 class TransformersProfile(_EngineProfile):

@@ -106,3 +106,26 @@ def test_cli_errors_name_the_flag(tmp_path) -> None:
     bad = tmp_path / "c.json"
     bad.write_text("{}")
     assert "hidden_size" in runner.invoke(app, ["plan", "--model-config", str(bad)]).output
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--preset", "qwen3-8b", "--hidden-size", "-5"], "hidden_size"),
+    (["--preset", "qwen3-8b", "--num-layers", "0"], "num_layers"),
+    (["--hidden-size", "4096", "--mean-tokens", "inf"], "mean_tokens"),
+    (["--hidden-size", "4096", "--mean-tokens", "nan"], "mean_tokens"),
+    (["--hidden-size", "4096", "--gpu-memory-gib", "inf"], "gpu_memory_gib"),
+    (["--hidden-size", "4096", "--target-params", "inf"], "--target-params"),
+    (["--hidden-size", "4096", "--target-params", "-8"], "--target-params"),
+    (["--hidden-size", "4096", "--interconnect-gb-s", "-1"], "interconnect_gb_s"),
+])
+def test_every_input_is_validated_overrides_on_a_preset_too(flags, match) -> None:
+    """A preset overridden with a negative size used to give negative bytes and 'fits'; inf crashed."""
+    result = runner.invoke(app, ["plan", *flags, "--samples", "10"])
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output and match in result.output
+    assert "Traceback" not in result.output and "fits" not in result.output
+
+
+def test_an_overridden_preset_is_validated_again_in_code() -> None:
+    with pytest.raises(ValueError, match="hidden_size"):
+        PlanInputs(target=PRESETS["qwen3-8b"].model_copy(update={"hidden_size": -5}), samples=1, mean_tokens=1)
