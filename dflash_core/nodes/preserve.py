@@ -136,7 +136,7 @@ def preserve(access: NodeAccess, node: Node, store: ObjectStore, prefixes: dict[
         manifests.append(manifest)
         saved.append(SavedItem(name=name, uri=manifest.uri, bytes=manifest.bytes, sha256=manifest.sha256,
                                num_files=1, sources=[f"captured from {inventory.hostname}"]))
-    prefix_uri = store.uri(key("")).rstrip("/") + "/"
+    prefix_uri = store.uri(artifact_key(prefixes, ArtifactKind.NODE_BACKUP, node.name, timestamp)) + "/"
     note = preserve_note(node, timestamp, prefix_uri, inventory, stopped, saved, missing)
     note_manifest = write_artifact(store, key("NOTE.md"), note.encode(), kind=ArtifactKind.NODE_BACKUP,
                                    inputs=[InputRef(uri=m.uri, sha256=m.sha256) for m in manifests],

@@ -88,11 +88,11 @@ def provision(access: NodeAccess, node: Node, config: ProvisionConfig) -> NodeRe
     if not access.exists(work_dir):
         access.run(["mkdir", "-p", work_dir])
         actions.append(f"created work dir {work_dir}")
-    venv = _ensure_venv(access, config, probe.resolve(access, config.venv_dir or f"{work_dir}/venv"), actions)
     gpus = probe.gpus(access)
     if node.gpus is not None and len(gpus.gpus) < node.gpus:
         raise ProvisionError(f"node {node.name} should have {node.gpus} GPU(s) but shows {len(gpus.gpus)}"
                              f"{': ' + gpus.note if gpus.note else ''}")
+    venv = _ensure_venv(access, config, probe.resolve(access, config.venv_dir or f"{work_dir}/venv"), actions)
     model = _place_model(access, config, actions) if config.model_dir else None
     disk_paths = [work_dir, venv.path] + ([config.ram_disk] if access.exists(config.ram_disk) else [])
     disk_paths += [model.source] if model else []
