@@ -166,6 +166,17 @@ class LineageGraph:
         """Everything made from `uri`, transitively (what did X feed)."""
         return _walk(uri, self._children)
 
+    def ancestors_of_all(self, uris: Iterable[str]) -> set[str]:
+        """Everything that went into any of `uris`, transitively (one walk, however many start points)."""
+        seen: set[str] = set()
+        queue = deque(parent for uri in uris for parent in self._parents.get(uri, ()))
+        while queue:
+            node = queue.popleft()
+            if node not in seen:
+                seen.add(node)
+                queue.extend(self._parents.get(node, ()))
+        return seen
+
     def stale_inputs(self) -> list[tuple[str, str]]:
         """(artifact, input) pairs whose recorded input hash no longer matches that input's manifest."""
         stale = []

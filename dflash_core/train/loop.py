@@ -1,7 +1,8 @@
 """The online training loop: one process per device (torchrun), DDP over the drafter, exact resume.
 
-Rank 0 logs (console progress bar, JSONL metrics) and writes checkpoints; every rank restores the
-same step, sampler position and RNG state, so a resumed run continues bit-for-bit (on CPU).
+Rank 0 logs (console progress bar, JSONL metrics) and writes checkpoints, which a background thread
+uploads to S3 (dflash_core.train.uploader: an S3 outage does not stop training); every rank restores
+the same step, sampler position and RNG state, so a resumed run continues bit-for-bit (on CPU).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dflash_core.train.step import batch_tensors, capture_batch, drafter_step
 if TYPE_CHECKING:  # the object store needs boto3: imported only where a store is used
     from dflash_core.lineage import InputRef
     from dflash_core.storage import ObjectStore
+    from dflash_core.train.uploader import CheckpointUploader
 
 EXIT_PREEMPTED = 143  # SIGTERM: checkpoint written, rerun with resume to continue
 
@@ -168,14 +170,18 @@ class MetricsWindow:
 class Trainer:
     def __init__(self, config: TrainConfig, *, store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
                  checkpoint_prefix: str | None = None, dist_info: Distributed | None = None,
-                 flow_run_id: str | None = None, corpus: TokenizedCorpus | None = None):
-        """`corpus` given (benchmarks, tests) replaces reading `config.data`."""
+                 flow_run_id: str | None = None, corpus: TokenizedCorpus | None = None,
+                 s3_outage_limit_s: float | None = None):
+        """`corpus` given (benchmarks, tests) replaces reading `config.data`; `s3_outage_limit_s`: how long
+        checkpoint uploads may keep failing before the run fails (None: the uploader's default)."""
         self.config = config
         self.store = store
         self.dist = dist_info or Distributed.from_env()
         self.checkpoint_prefix = checkpoint_prefix or f"checkpoints/{config.run_name}"
         self.flow_run_id = flow_run_id
         self.run_dir = config.run_dir
+        self.s3_outage_limit_s = s3_outage_limit_s
+        self.uploader: CheckpointUploader | None = None
         self.target_device, self.drafter_device = _devices(config, self.dist)
         torch.manual_seed(config.seed)
 
@@ -253,12 +259,21 @@ class Trainer:
         path = ckpt.save_checkpoint(self.run_dir / "checkpoints", step=self.step,
                                     model_state=self.drafter.state_dict(), train_state=self._train_state(),
                                     meta=meta, keep_last=self.config.keep_last)
-        if self.store is not None and self.config.upload_checkpoints:
-            from dflash_core.train.remote import upload_checkpoint
-
-            upload_checkpoint(self.store, path, key_prefix=self.checkpoint_prefix, inputs=self.inputs,
-                              config=meta["config"], producer=current_producer(flow_run_id=self.flow_run_id))
+        if self.uploader is not None:
+            self.uploader.submit(path)
         return path
+
+    def _start_uploader(self) -> None:
+        """Rank 0 with a store: the background uploader, which first reconciles S3 with local checkpoints."""
+        if self.store is None or not self.config.upload_checkpoints or not self.dist.is_main or self.uploader:
+            return
+        from dflash_core.train.uploader import DEFAULT_OUTAGE_LIMIT_S, CheckpointUploader
+
+        self.uploader = CheckpointUploader(
+            self.store, root=self.run_dir / "checkpoints", key_prefix=self.checkpoint_prefix,
+            keep_last=self.config.keep_last, inputs=self.inputs, config=self.config.model_dump(mode="json"),
+            producer=current_producer(flow_run_id=self.flow_run_id),
+            outage_limit_s=self.s3_outage_limit_s or DEFAULT_OUTAGE_LIMIT_S)
 
     def resume(self) -> bool:
         """Load the latest complete checkpoint (local, else S3); False when there is none."""
@@ -310,8 +325,11 @@ class Trainer:
         started = time.perf_counter()
         tokens_since_log = 0
         window = MetricsWindow()
+        self._start_uploader()
         try:
             while self.step < config.max_steps and not self._stop_agreed():
+                if self.uploader is not None:
+                    self.uploader.raise_if_failed()
                 metrics, tokens = self._optimizer_step(batches)
                 self.step += 1
                 tokens_since_log += tokens
@@ -335,6 +353,10 @@ class Trainer:
                 self._barrier()
         finally:
             signal.signal(signal.SIGTERM, previous)
+        if self.dist.is_main:  # a rerun of a finished run saves nothing: its result is the latest checkpoint
+            last_checkpoint = last_checkpoint or ckpt.latest_checkpoint(self.run_dir / "checkpoints")
+        if self.uploader is not None:
+            self.uploader.finish(final=last_checkpoint)
         return TrainResult(self.step, last_checkpoint, preempted, metrics_path)
 
     def _optimizer_step(self, batches) -> tuple[dict[str, torch.Tensor], int]:
@@ -397,3 +419,5 @@ class Trainer:
 
     def close(self) -> None:
         self.capture.close()
+        if self.uploader is not None:
+            self.uploader.close()

@@ -1,0 +1,170 @@
+"""What is dead in the bucket, and the one safety rule no cleanup breaks.
+
+Rules that nominate objects (each candidate says why):
+- checkpoints beyond the newest `keep_checkpoints` steps of their run;
+- superseded tokenizations: a tokenized file whose inputs were re-tokenized later into a file of the
+  same name elsewhere, or whose input has changed since (its recorded hash is stale);
+- abandoned prefixes: a prefix group where no object has a manifest and nothing changed for
+  `abandoned_after_days` (the 645 GB of dead hidden states looked like this);
+- manifests whose object is gone.
+
+The safety rule: nothing that a kept manifest references, directly or through its lineage (its
+inputs' inputs, ...), is ever a candidate, whatever rule nominated it; nor anything under
+`keep_prefixes`. A candidate's manifest goes with it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from datetime import UTC, datetime
+
+import polars as pl
+from pydantic import BaseModel, Field
+
+from dflash_core.layout import MANIFEST_SUFFIX, ArtifactKind
+from dflash_core.s3audit.inventory import Inventory
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+class Retention(BaseModel):
+    keep_checkpoints: int = Field(3, ge=1, description="Newest checkpoint steps kept per training run.")
+    abandoned_after_days: float = Field(30.0, ge=0, description="A prefix with no manifests, untouched this long, "
+                                                                "is abandoned.")
+    keep_prefixes: list[str] = Field(default_factory=list, description="Key prefixes never nominated.")
+
+
+class Candidate(BaseModel):
+    key: str
+    bytes: int
+    etag: str
+    kind: str
+    group: str
+    rule: str = Field(description="old-checkpoint | superseded-tokenization | abandoned-prefix | orphan-manifest")
+    reason: str
+
+
+class Protected(BaseModel):
+    key: str
+    bytes: int = 0
+    nominated_because: str
+    kept_because: str
+
+
+class DeadReport(BaseModel):
+    candidates: list[Candidate]
+    protected: list[Protected]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.candidates)
+
+
+def find_dead(inventory: Inventory, retention: Retention, *, now: datetime | None = None) -> DeadReport:
+    now = now or datetime.now(UTC)
+    objects = inventory.objects
+    rows = {row["key"]: row for row in objects.iter_rows(named=True)}
+    nominated: dict[str, tuple[str, str]] = {}  # artifact key (or orphan manifest key) -> (rule, reason)
+
+    checkpoint_prefix = inventory.prefixes[ArtifactKind.CHECKPOINT].strip("/") + "/"
+    rules = [
+        ("old-checkpoint", _old_checkpoints(inventory.artifacts, checkpoint_prefix, retention.keep_checkpoints)),
+        ("superseded-tokenization", _superseded_tokenizations(inventory)),
+        ("abandoned-prefix", _abandoned(inventory.artifacts, retention.abandoned_after_days, now)),
+        ("orphan-manifest", {key: "manifest of an object that is gone"
+                             for key in objects.filter(pl.col("is_manifest") & ~pl.col("object_exists"))["key"]}),
+    ]
+    for rule, found in rules:
+        for key, reason in found.items():
+            nominated.setdefault(key, (rule, reason))
+
+    protected: list[Protected] = []
+    for key in [k for k in nominated if any(k.startswith(p) for p in retention.keep_prefixes)]:
+        protected.append(Protected(key=key, bytes=rows[key]["bytes"], nominated_because=nominated.pop(key)[1],
+                                   kept_because="under keep_prefixes"))
+    protected += _protect_lineage(inventory, nominated, rows)
+
+    candidates = []
+    for key, (rule, reason) in sorted(nominated.items()):
+        row = rows[key]
+        candidates.append(Candidate(key=key, bytes=row["bytes"], etag=row["etag"], kind=row["kind"],
+                                    group=row["group"], rule=rule, reason=reason))
+        manifest = key + MANIFEST_SUFFIX
+        if manifest in rows:
+            m = rows[manifest]
+            candidates.append(Candidate(key=manifest, bytes=m["bytes"], etag=m["etag"], kind=m["kind"], group=m["group"],
+                                        rule=rule, reason=f"manifest of {key}, which goes"))
+    return DeadReport(candidates=candidates, protected=protected)
+
+
+def _protect_lineage(inventory: Inventory, nominated: dict[str, tuple[str, str]],
+                     rows: dict[str, dict]) -> list[Protected]:
+    """Drop from `nominated` every artifact a kept manifest reaches through its inputs; repeat until stable
+    (an artifact kept for this reason keeps its own inputs too)."""
+    graph = inventory.graph()
+    uri = inventory.uri
+    protected: list[Protected] = []
+    while True:
+        kept = {uri(k) for k in inventory.manifests if k not in nominated}
+        reached = graph.ancestors_of_all(kept)
+        newly = [k for k in nominated if uri(k.removesuffix(MANIFEST_SUFFIX)) in reached]
+        if not newly:
+            return protected
+        for key in newly:
+            artifact_uri = uri(key.removesuffix(MANIFEST_SUFFIX))
+            users = sorted(graph.descendants(artifact_uri) & kept)
+            protected.append(Protected(key=key, bytes=rows[key]["bytes"], nominated_because=nominated.pop(key)[1],
+                                       kept_because=f"referenced by kept {users[0] if users else '?'}"
+                                                    f"{f' and {len(users) - 1} more' if len(users) > 1 else ''}"))
+
+
+def _old_checkpoints(artifacts: pl.DataFrame, prefix: str, keep: int) -> dict[str, str]:
+    """<prefix><run>/step-NNNNNN/<file>: steps older than the newest `keep` of each run."""
+    steps: dict[str, set[int]] = defaultdict(set)
+    located: list[tuple[str, str, int]] = []
+    for key in artifacts.filter(pl.col("kind") == str(ArtifactKind.CHECKPOINT))["key"]:
+        parts = key.removeprefix(prefix).split("/")
+        if len(parts) >= 3 and (match := _STEP.match(parts[1])):
+            run, step = prefix + parts[0], int(match.group(1))
+            steps[run].add(step)
+            located.append((key, run, step))
+    newest = {run: sorted(found, reverse=True)[:keep] for run, found in steps.items()}
+    return {key: f"checkpoint step {step} of {run}/: older than the newest {keep} "
+                 f"(kept: {', '.join(map(str, newest[run]))})"
+            for key, run, step in located if step not in newest[run]}
+
+
+def _superseded_tokenizations(inventory: Inventory) -> dict[str, str]:
+    tokenized = {k: m for k, m in inventory.manifests.items() if m.kind == ArtifactKind.TOKENIZED}
+    by_inputs: dict[tuple[frozenset[str], str], list[tuple[datetime, str]]] = defaultdict(list)
+    for key, manifest in tokenized.items():
+        if manifest.inputs:
+            by_inputs[(frozenset(r.uri for r in manifest.inputs), key.rsplit("/", 1)[-1])].append((manifest.created_at, key))
+    found: dict[str, str] = {}
+    for versions in by_inputs.values():
+        versions.sort()
+        newest_time, newest_key = versions[-1]
+        for _, key in versions[:-1]:
+            found[key] = f"superseded by {inventory.manifests[newest_key].uri} (same inputs, made later)"
+    by_uri = {m.uri: m for m in inventory.manifests.values()}
+    for key, manifest in tokenized.items():
+        for ref in manifest.inputs:
+            current = by_uri.get(ref.uri)
+            if key not in found and current is not None and ref.sha256 and current.sha256 != ref.sha256:
+                found[key] = f"made from an older version of {ref.uri} (its hash changed since)"
+    return found
+
+
+def _abandoned(artifacts: pl.DataFrame, days: float, now: datetime) -> dict[str, str]:
+    groups = artifacts.group_by("group").agg(
+        manifested=pl.col("has_manifest").sum(), newest=pl.col("last_modified").max(), keys=pl.col("key"),
+        bytes=pl.col("bytes").sum(),
+    ).filter((pl.col("manifested") == 0) & (pl.col("newest") < pl.lit(now) - pl.duration(seconds=days * 86400)))
+    found = {}
+    for row in groups.iter_rows(named=True):
+        idle = (now - row["newest"]).total_seconds() / 86400
+        reason = (f"abandoned prefix {row['group']}/: {len(row['keys'])} objects, {row['bytes']:,} bytes, no manifests, "
+                  f"untouched for {idle:.1f} days")
+        found.update({key: reason for key in row["keys"]})
+    return found

@@ -1,0 +1,198 @@
+"""S3 audit and cleanup on the real S3 server: a planted bucket with live lineage, old checkpoints, a
+superseded tokenization, an abandoned prefix of dead hidden states, an unmanifested object, a manifest
+whose object is gone and an object that no longer matches its manifest.
+
+Every test plants under its own root (all kind prefixes moved below `audit-<id>/`), audits the whole
+shared bucket (lineage needs all of it) and nominates only under that root.
+
+Run: `.venv/bin/python -m pytest tests/integration/test_s3_audit.py -q`
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from dflash_core.layout import DEFAULT_PREFIXES, ArtifactKind
+from dflash_core.lineage import InputRef, Manifest, input_ref, read_manifest, write_artifact
+from dflash_core.s3audit import (
+    CleanupNotConfirmed, Retention, audit, execute_cleanup, take_inventory, write_deletion_record,
+)
+from dflash_core.s3audit.cleanup import delete_batch_s3
+from dflash_core.storage import ObjectStore
+
+LATER = datetime.now(UTC) + timedelta(days=45)  # "now" for the rules: the planted hidden states look abandoned
+
+
+@dataclass
+class Planted:
+    root: str
+    prefixes: dict[ArtifactKind, str]
+    prompts: Manifest
+    completions: Manifest
+    tokenized_old: Manifest
+    tokenized_new: Manifest
+    steps: dict[int, list[Manifest]]
+    export: Manifest
+    hidden_states: list[str]
+    referenced_hidden_state: str
+    stray: str
+    orphan_manifest: str
+    mismatched: str
+
+    def key(self, kind: ArtifactKind, *parts: str) -> str:
+        return "/".join([self.prefixes[kind], *parts])
+
+
+def plant(store: ObjectStore, *, root: str | None = None) -> Planted:
+    root = root or f"audit-{uuid.uuid4().hex[:10]}"
+    prefixes = {kind: f"{root}/{prefix}" for kind, prefix in DEFAULT_PREFIXES.items()}
+
+    def key(kind: ArtifactKind, *parts: str) -> str:
+        return "/".join([prefixes[kind], *parts])
+
+    prompts = write_artifact(store, key(ArtifactKind.PROMPTS, "demo", "v1", "prompts-00000.jsonl"), b'{"p": 1}\n',
+                             kind=ArtifactKind.PROMPTS)
+    completions = write_artifact(store, key(ArtifactKind.COMPLETIONS, "demo", "run", "shard-00000.jsonl"), b"c" * 50,
+                                 kind=ArtifactKind.COMPLETIONS, inputs=[input_ref(store, prompts.key)])
+    tokenized_old = write_artifact(store, key(ArtifactKind.TOKENIZED, "demo", "run-v1", "shard-00000.arrow"), b"o" * 70,
+                                   kind=ArtifactKind.TOKENIZED, inputs=[input_ref(store, completions.key)])
+    time.sleep(0.01)  # created_at orders the two tokenizations
+    tokenized_new = write_artifact(store, key(ArtifactKind.TOKENIZED, "demo", "run-v2", "shard-00000.arrow"), b"n" * 80,
+                                   kind=ArtifactKind.TOKENIZED, inputs=[input_ref(store, completions.key)])
+    steps = {step: [write_artifact(store, key(ArtifactKind.CHECKPOINT, "drafter", f"step-{step:06d}", name),
+                                   f"{name}{step}".encode() * 10, kind=ArtifactKind.CHECKPOINT,
+                                   inputs=[input_ref(store, tokenized_new.key)])
+                    for name in ("model.safetensors", "meta.json")] for step in (100, 200, 300, 400)}
+    # The export was made from step 100's weights: that file must survive keep-N, its meta.json need not.
+    export = write_artifact(store, key(ArtifactKind.EXPORT, "drafter", "native", "model.safetensors"), b"e" * 40,
+                            kind=ArtifactKind.EXPORT, inputs=[input_ref(store, steps[100][0].key)])
+    hidden = [f"{root}/hidden-states/qwen-27b/part-{i:04d}.bin" for i in range(3)]
+    for i, hidden_key in enumerate(hidden):
+        store.put_bytes(hidden_key, bytes([i]) * 1000)
+    # A live report that (unusually) names one dead-looking hidden-state file as its input.
+    referenced = f"{root}/hidden-states/qwen-27b/part-0001.bin"
+    write_artifact(store, key(ArtifactKind.REPORT, "probe", "r1", "report.json"), b"{}", kind=ArtifactKind.REPORT,
+                   inputs=[InputRef(uri=store.uri(referenced))])
+    stray = key(ArtifactKind.COMPLETIONS, "demo", "run", "stray.tmp")
+    store.put_bytes(stray, b"s" * 5)
+    gone = write_artifact(store, key(ArtifactKind.REPORT, "probe", "r2", "gone.json"), b"{}", kind=ArtifactKind.REPORT)
+    store.delete_many([gone.key])
+    changed = write_artifact(store, key(ArtifactKind.REPORT, "probe", "r3", "changed.json"), b"{}",
+                             kind=ArtifactKind.REPORT)
+    store.put_bytes(changed.key, b'{"edited": 1}')
+    return Planted(root=root, prefixes=prefixes, prompts=prompts, completions=completions,
+                   tokenized_old=tokenized_old, tokenized_new=tokenized_new, steps=steps, export=export,
+                   hidden_states=hidden, referenced_hidden_state=referenced, stray=stray,
+                   orphan_manifest=gone.key + ".manifest.json", mismatched=changed.key)
+
+
+def _expected_dead(p: Planted) -> set[str]:
+    artifacts = [p.tokenized_old.key, p.steps[100][1].key, *(m.key for m in p.steps[200])]
+    hidden = [k for k in p.hidden_states if k != p.referenced_hidden_state]
+    return {*artifacts, *(k + ".manifest.json" for k in artifacts), *hidden, p.orphan_manifest}
+
+
+def test_audit_finds_dead_prefix_unmanifested_objects_and_broken_manifests(store: ObjectStore) -> None:
+    p = plant(store)
+    inventory, report, plan = audit(store, p.prefixes, prefix=p.root + "/", now=LATER,
+                                    retention=Retention(keep_checkpoints=2))
+    assert report.unmanifested_keys == sorted([*p.hidden_states, p.stray])
+    assert report.orphan_manifests == [p.orphan_manifest]
+    assert set(report.hash_problems) == {p.mismatched}
+    assert "its manifest says" in report.hash_problems[p.mismatched]
+    by_kind = {row["kind"]: row for row in report.by_kind}
+    assert by_kind["checkpoint"]["objects"] == 8 and by_kind["unknown"]["bytes"] == 3000
+    assert by_kind["completions"]["unmanifested"] == 1
+    groups = {row["group"] for row in report.by_group}
+    assert {f"{p.root}/hidden-states", f"{p.root}/checkpoints/drafter", f"{p.root}/tokenized/demo/run-v1"} <= groups
+
+    assert {c.key for c in plan.candidates} == _expected_dead(p)
+    rules = {c.key: c.rule for c in plan.candidates}
+    assert rules[p.tokenized_old.key] == "superseded-tokenization"
+    assert rules[p.steps[200][0].key] == "old-checkpoint"
+    assert rules[p.hidden_states[0]] == "abandoned-prefix" and rules[p.orphan_manifest] == "orphan-manifest"
+    kept = {k.key: k.kept_because for k in plan.protected}
+    assert kept[p.steps[100][0].key] == f"referenced by kept {p.export.uri}"
+    assert kept[p.referenced_hidden_state].startswith("referenced by kept ")
+    assert report.dead_bytes == sum(c.bytes for c in plan.candidates)
+    # Without the clock moved on, fresh unmanifested data is not yet abandoned.
+    _, _, today = audit(store, p.prefixes, prefix=p.root + "/", retention=Retention(keep_checkpoints=2),
+                        verify_hashes=False)
+    assert not any(c.rule == "abandoned-prefix" for c in today.candidates)
+    # A dry run deleted nothing.
+    assert all(store.exists(k) for k in _expected_dead(p))
+
+
+def test_cleanup_needs_confirmation_and_never_deletes_what_live_data_references(store: ObjectStore, settings) -> None:
+    p = plant(store)
+    _, _, plan = audit(store, p.prefixes, prefix=p.root + "/", now=LATER, retention=Retention(keep_checkpoints=2))
+    with pytest.raises(CleanupNotConfirmed, match=r"dry run: 11 objects .* pass confirm=True"):
+        execute_cleanup(store, p.prefixes, plan, confirm=False, who="test")
+    # Between the dry run and the delete, new work starts from the superseded tokenization.
+    late = write_artifact(store, p.key(ArtifactKind.CHECKPOINT, "late-run", "step-000001", "model.safetensors"),
+                          b"late", kind=ArtifactKind.CHECKPOINT, inputs=[input_ref(store, p.tokenized_old.key)])
+    result = execute_cleanup(store, p.prefixes, plan, confirm=True, who="tester@ci")
+    skipped = {o.key: o.detail for o in result.skipped}
+    assert skipped[p.tokenized_old.key] == f"now kept: referenced by kept {late.uri}"
+    assert skipped[p.tokenized_old.key + ".manifest.json"].startswith("now kept")
+    expected = _expected_dead(p) - {p.tokenized_old.key, p.tokenized_old.key + ".manifest.json"}
+    assert {o.key for o in result.deleted} == expected and result.failed == [] and result.complete
+    assert result.bytes_reclaimed == sum(c.bytes for c in plan.candidates if c.key in expected)
+    assert not any(store.exists(k) for k in expected)
+    for survivor in (p.tokenized_old.key, p.steps[100][0].key, p.referenced_hidden_state, p.export.key, p.stray,
+                     *(m.key for m in p.steps[300] + p.steps[400])):
+        assert store.exists(survivor), survivor
+    # Every live manifest's inputs are still there.
+    inventory = take_inventory(store, p.prefixes, verify_hashes=False)
+    for key, manifest in inventory.manifests.items():
+        if key.startswith(p.root + "/"):
+            for ref in manifest.inputs:
+                assert store.exists(ref.uri.removeprefix(store.uri(""))), f"{ref.uri} (input of {manifest.uri})"
+    assert set(result.deleted_manifests) == {m.key for m in [p.steps[100][1], *p.steps[200]]}
+
+    record = write_deletion_record(store, p.prefixes, result)
+    body = json.loads(store.get_bytes(record.key))
+    assert record.kind == ArtifactKind.REPORT and read_manifest(store, record.key) == record
+    assert body["who"] == "tester@ci" and body["complete"] and body["bytes_reclaimed"] == result.bytes_reclaimed
+    assert {d["key"] for d in body["deleted"]} == expected
+    assert all(d["reason"] for d in body["deleted"])
+    assert body["deleted_manifests"][p.steps[200][0].key]["sha256"] == p.steps[200][0].sha256
+
+    # Nothing left to do: a second cleanup finds only what the late reference keeps alive, and skips it.
+    _, _, again = audit(store, p.prefixes, prefix=p.root + "/", now=LATER, retention=Retention(keep_checkpoints=2))
+    assert again.candidates == []
+
+
+def test_partial_failure_reports_exactly_what_was_and_was_not_deleted(store: ObjectStore) -> None:
+    p = plant(store)
+    _, _, plan = audit(store, p.prefixes, prefix=p.root + "/", now=LATER, retention=Retention(keep_checkpoints=2),
+                       verify_hashes=False)
+    refused = p.steps[200][0].key
+    flaky = p.hidden_states[0]
+    real = delete_batch_s3(store)
+    calls: list[list[str]] = []
+
+    # The server refuses one key for good and fails another once: everything else goes to the real S3 server.
+    def faulty(keys: list[str]):
+        calls.append(list(keys))
+        deleted, errors = real([k for k in keys if k != refused and not (k == flaky and len(calls) == 1)])
+        if refused in keys:
+            errors[refused] = ("AccessDenied", "Access Denied")
+        if flaky in keys and len(calls) == 1:
+            errors[flaky] = ("SlowDown", "Please reduce your request rate")
+        return deleted, errors
+
+    result = execute_cleanup(store, p.prefixes, plan, confirm=True, who="test", delete_batch=faulty, backoff_s=0.01)
+    assert [(o.key, o.detail) for o in result.failed] == [(refused, "AccessDenied: Access Denied")]
+    assert not result.complete
+    assert flaky in {o.key for o in result.deleted} and calls[1] == [flaky]  # only the transient one was retried
+    assert {o.key: o.detail for o in result.skipped} == {refused + ".manifest.json": "kept: its artifact was not deleted"}
+    assert store.exists(refused) and store.exists(refused + ".manifest.json")
+    assert not any(store.exists(o.key) for o in result.deleted)
+    assert {o.key for o in result.deleted} | {refused, refused + ".manifest.json"} == _expected_dead(p)
