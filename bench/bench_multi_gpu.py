@@ -119,7 +119,7 @@ def write_shard(path: Path, *, num_samples: int, length: int, vocab: int, seed: 
         "loss_mask": pa.array([mask] * num_samples, type=pa.list_(pa.uint8())),
         "num_tokens": pa.array([length] * num_samples, type=pa.int32()),
         "num_loss_tokens": pa.array([int(mask.sum())] * num_samples, type=pa.int32()),
-    })
+    }).replace_schema_metadata({"dflash.quality_gate": '{"verdict": "passed", "note": "synthetic bench data"}'})
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         from dflash_core.tokenize.io import arrow_bytes

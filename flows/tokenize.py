@@ -17,6 +17,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact, c
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
+from dflash_core.data.verdict import DATASET_MANIFEST_NAME, DatasetManifest, verdict_from_problems
 from dflash_core.embedded import embedded_tokenizer_dir
 from dflash_core.layout import QUARANTINE_SUFFIX, ArtifactKind, artifact_key, is_manifest_key
 from dflash_core.lineage import InputRef, write_artifact
@@ -40,7 +41,9 @@ class TokenizeParams(BaseModel):
     chat_template: str | None = Field(None, description="Replace the tokenizer's chat template (rarely needed).")
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     gate: GateThresholds = Field(default_factory=GateThresholds)
-    override_quality_gate: bool = Field(False, description="Proceed even when the quality gate fails (logged).")
+    override_quality_gate: bool = Field(
+        False, description="Finish the flow even when the quality gate fails (logged); the data stays marked failed "
+        "and training refuses it unless the training run sets allow_failed_quality_gate.")
     workers: int | None = Field(None, ge=1, description="Tokenizer processes shared by all shards; None: every core.")
 
 
@@ -83,12 +86,23 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> dict:
                                     summarize(samples, skipped, by="source", short_loss_tokens=params.gate.short_loss_tokens),
                                     summarize(samples, skipped, short_loss_tokens=params.gate.short_loss_tokens))
     problems = check_gate(pl.concat([by_source.rename({"source": "dataset"}), overall]), params.gate)
+    verdict = verdict_from_problems(problems, overridden=params.override_quality_gate)
     report = {"inputs": input_keys, "outputs": list(outputs.values()), "by_shard": stats_rows(by_shard),
               "by_source": stats_rows(by_source), "overall": stats_rows(overall), "skip_reasons": skip_reasons(skipped),
-              "gate": [p.message for p in problems], "override_quality_gate": params.override_quality_gate}
+              "gate": [p.message for p in problems], "quality_gate": verdict.verdict,
+              "override_quality_gate": params.override_quality_gate}
     report_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "tokenize", params.dataset, out_run)
     refs = [InputRef(uri=store.uri(s.output_key), sha256=s.output_sha256) for s in summaries]
     producer = run_producer()
+    # The verdict, beside the shards it judged (by hash): the trainer trains only on passed shards.
+    dataset_key = artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, params.dataset, out_run,
+                               DATASET_MANIFEST_NAME)
+    dataset_manifest = DatasetManifest(
+        dataset=params.dataset, run=out_run, gate=verdict, thresholds=params.gate.model_dump(),
+        shards={s.output_key.rsplit("/", 1)[-1]: s.output_sha256 for s in summaries},
+        samples=sum(s.samples for s in summaries), report=store.uri(f"{report_prefix}/stats.json"))
+    write_artifact(store, dataset_key, dataset_manifest.to_bytes(), kind=ArtifactKind.TOKENIZED, inputs=refs,
+                   config={"quality_gate": verdict.verdict}, producer=producer)
     write_artifact(store, f"{report_prefix}/stats.json", json.dumps(report, indent=2, default=str).encode(),
                    kind=ArtifactKind.REPORT, inputs=refs, config=params, producer=producer)
     png_key = f"{report_prefix}/loss-histogram.png"
@@ -99,8 +113,9 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> dict:
     create_markdown_artifact(
         f"## Tokenized {params.dataset}/{out_run}\n\n### Per dataset\n{stats_markdown(by_source)}\n\n### Overall\n"
         f"{stats_markdown(overall)}\n\n### Per shard\n{stats_markdown(by_shard)}\n\n### Skipped lines\n"
-        f"{json.dumps(skip_reasons(skipped))}\n\n### Quality gate\n"
-        + ("\n".join(f"- {p.message}" for p in problems) or "passed"),
+        f"{json.dumps(skip_reasons(skipped))}\n\n### Quality gate: {verdict.verdict}"
+        f"{' (overridden: the run finished, training still refuses it)' if problems and params.override_quality_gate else ''}\n"
+        + ("\n".join(f"- {p.message}" for p in problems) or "every check passed"),
         key="tokenize-report")
     create_image_artifact(image_url=store.presigned_url(png_key, expires_s=7 * 24 * 3600), key="tokenize-loss-histogram",
                           description="loss tokens per sample, per source dataset")
@@ -108,7 +123,8 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> dict:
         logger.warning(warning)
     print(f"tokenized {len(outputs)} shards into {store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, params.dataset, out_run))}/")
     return {"outputs": list(outputs.values()), "overall": stats_rows(overall)[0] if overall.height else {},
-            "gate": [p.message for p in problems], "report": store.uri(f"{report_prefix}/stats.json")}
+            "gate": [p.message for p in problems], "quality_gate": verdict.verdict,
+            "dataset_manifest": store.uri(dataset_key), "report": store.uri(f"{report_prefix}/stats.json")}
 
 
 

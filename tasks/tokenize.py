@@ -14,6 +14,7 @@ from prefect import task
 from prefect.context import TaskRunContext
 from pydantic import BaseModel, ConfigDict
 
+from dflash_core.data.verdict import PENDING
 from dflash_core.layout import QUARANTINE_SUFFIX, ArtifactKind, manifest_key
 from dflash_core.lineage import input_ref, write_artifact
 from dflash_core.settings import Settings
@@ -79,9 +80,10 @@ def tokenize_completion_shard(settings: Settings, *, input_key: str, output_key:
     result = tokenize_shard(data, target=target, config=config, pool=pool, name=source.uri)
     run_config = {"tokenizer": target.name, "tokenizer_sha256": target.content_hash,
                   "tokenize": config.model_dump(mode="json"), "schema_version": TOKENIZED_SCHEMA_VERSION}
+    # Judged with the whole dataset by the flow's gate, which writes the verdict into dataset.json beside it.
     payload = arrow_bytes(result.table, metadata={"dflash.tokenizer_sha256": target.content_hash,
                                                   "dflash.tokenize_config": config.model_dump_json(),
-                                                  "dflash.input_uri": source.uri})
+                                                  "dflash.input_uri": source.uri, **PENDING.arrow_metadata()})
     producer = run_producer()
     manifest = write_artifact(store, output_key, payload, kind=ArtifactKind.TOKENIZED, inputs=[source],
                               config={**run_config, "skipped": dict(result.skipped)}, producer=producer)

@@ -7,7 +7,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from dflash_core.data.verdict import GateVerdict
 from dflash_core.tokenize.io import arrow_bytes
+
+# Built here to be learnable, never from completions: its quality-gate verdict is part of the shard.
+SYNTHETIC_VERDICT = GateVerdict(verdict="passed", note="synthetic test data").arrow_metadata()
 
 
 def synthetic_shard(path: Path, *, num_samples: int, vocab: int = 256, num_symbols: int = 16, seed: int = 0,
@@ -36,5 +40,5 @@ def synthetic_shard(path: Path, *, num_samples: int, vocab: int = 256, num_symbo
         "num_loss_tokens": pa.array([sum(m) for m in masks], type=pa.int32()),
     })
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(arrow_bytes(table))
+    path.write_bytes(arrow_bytes(table, metadata=SYNTHETIC_VERDICT))
     return path

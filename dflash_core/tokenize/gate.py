@@ -26,6 +26,7 @@ class GateThresholds(BaseModel):
     max_degenerate_fraction: float = Field(0.05, ge=0, le=1, description="Most samples with n-gram or tool-call loops.")
     max_truncated_fraction: float = Field(0.2, ge=0, le=1, description="Most samples over max_length.")
     max_skipped_fraction: float = Field(0.05, ge=0, le=1, description="Most lines quarantined (bad or untokenizable).")
+    max_duplicate_ids: int = Field(0, ge=0, description="Most samples whose id repeats an earlier sample's.")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,12 @@ def _check_row(name: str, row: dict, t: GateThresholds) -> list[GateProblem]:
               "outputs for the reasons (malformed JSON, wrong roles, too long, ...) and fix the generator")
     if not samples:
         return out
+    duplicates = row.get("duplicate_ids", 0)
+    if duplicates > t.max_duplicate_ids:
+        out.append(GateProblem(name, "max_duplicate_ids", duplicates, t.max_duplicate_ids,
+                               f"{where}: {duplicates} samples repeat the id of another sample; ids must be unique "
+                               "(completions are matched to prompts by id): the same completions were tokenized "
+                               "twice, or two sources share ids"))
     short = row["short_loss"] / samples
     check("max_short_fraction", short, t.max_short_fraction,
           f"{_pct(short)} of samples have <= {t.short_loss_tokens} loss tokens: completions look empty; "

@@ -137,6 +137,9 @@ class TrainConfig(BaseModel):
     run_name: str = Field("drafter", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     target: str = Field(description="Target model dir, or `embedded` (SmolLM2-135M), or `tiny:<family>`.")
     data: list[str] = Field(min_length=1, description="Tokenized Arrow shards: local paths or S3 keys/prefixes.")
+    allow_failed_quality_gate: bool = Field(
+        False, description="Train on shards whose quality gate failed or is unknown (refused by default); "
+        "recorded here, so in run.yaml and every checkpoint manifest.")
     output_dir: Path = Field(Path(".dflash/runs"), description="Local checkpoints and logs: <output_dir>/<run_name>.")
     token_budget: int = Field(8192, ge=16, description="Tokens per packed micro-batch per rank.")
     max_samples_per_batch: int | None = Field(

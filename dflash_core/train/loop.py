@@ -187,7 +187,8 @@ class Trainer:
 
         self.inputs: list[InputRef] = []
         if corpus is None:
-            shards = fetch_shards(config.data, store=store, cache_dir=self.run_dir.parent / ".cache")
+            shards = fetch_shards(config.data, store=store, cache_dir=self.run_dir.parent / ".cache",
+                                  allow_failed_quality_gate=config.allow_failed_quality_gate)
             self.inputs = [ref for _, ref in shards if ref is not None]
             corpus = load_corpus([(str(path), read_shard_table(path)) for path, _ in shards])
         self.corpus = corpus

@@ -13,9 +13,12 @@ import uuid
 
 import pytest
 
+from dflash_core.data.verdict import PENDING, DatasetManifest, UnusableData
 from dflash_core.layout import QUARANTINE_SUFFIX, ArtifactKind, artifact_key, shard_name
 from dflash_core.lineage import read_manifest
 from dflash_core.storage import ObjectStore
+from dflash_core.tokenize import arrow_bytes, read_arrow_bytes
+from dflash_core.train.inputs import fetch_shards
 from tests.unit.conftest_tokenize import MODEL_CACHE, jsonl, make_record
 
 
@@ -58,7 +61,12 @@ def test_flow_tokenizes_registers_lineage_and_reruns_only_what_changed(prefect_s
     dataset = f"tok-{uuid.uuid4().hex[:8]}"
     inputs = put_shards(store, env_settings, dataset, [shard(0), shard(1) + b"{broken\n", shard(2)])
     first = tokenize(params_for(dataset))
-    assert len(first["outputs"]) == 3 and first["gate"] == []
+    assert len(first["outputs"]) == 3 and first["gate"] == [] and first["quality_gate"] == "passed"
+    # The verdict is part of the data: dataset.json beside the shards, and the trainer accepts them.
+    gated = DatasetManifest.model_validate_json(store.get_bytes(first["outputs"][0].rsplit("/", 1)[0] + "/dataset.json"))
+    assert gated.gate.verdict == "passed" and set(gated.shards) == {k.rsplit("/", 1)[-1] for k in first["outputs"]}
+    assert len(fetch_shards([first["outputs"][0].rsplit("/", 1)[0] + "/"], store=store,
+                            cache_dir=env_settings.work_path("test-cache"))) == 3
     assert first["overall"]["samples"] == 18 and first["overall"]["skipped"] == 1
     manifests = {key: read_manifest(store, key) for key in first["outputs"]}
     for input_key, (key, manifest) in zip(inputs, manifests.items()):
@@ -89,6 +97,14 @@ def test_flow_tokenizes_registers_lineage_and_reruns_only_what_changed(prefect_s
     assert after[first["outputs"][2]].inputs[0].sha256 == store.head(inputs[2]).sha256
     assert third["overall"]["samples"] == 16
 
+    # A shard rewritten outside the flow (or after its gate ran) has no verdict until the gate runs again.
+    prefix = first["outputs"][0].rsplit("/", 1)[0] + "/"
+    table = read_arrow_bytes(store.get_bytes(first["outputs"][1]))
+    store.put_bytes(first["outputs"][1], arrow_bytes(table.slice(1), metadata=PENDING.arrow_metadata()))
+    with pytest.raises(UnusableData, match=r"shard-00001.arrow: no quality-gate verdict \(written by the tokenize "
+                                           r"flow, but no dataset.json beside it judged it \(it is not among"):
+        fetch_shards([prefix], store=store, cache_dir=env_settings.work_path("test-cache"))
+
     # A deleted output is rebuilt, not replayed from the cache.
     store.delete_many([first["outputs"][0]])
     tokenize(params_for(dataset))
@@ -106,5 +122,26 @@ def test_quality_gate_fails_an_empty_dataset_unless_overridden(prefect_server, s
     assert state.is_failed()
     with pytest.raises(QualityGateError, match=r"100% of samples have <= 8 loss tokens: completions look empty"):
         state.result()
+    # A failed run's shards stay where training reads them, marked failed: the trainer refuses them by name.
+    shard_key = artifact_key(env_settings.s3_prefixes, ArtifactKind.TOKENIZED, dataset, "run-a", "shard-00000.arrow")
+    gated = DatasetManifest.model_validate_json(store.get_bytes(shard_key.rsplit("/", 1)[0] + "/dataset.json"))
+    assert gated.gate.verdict == "failed" and "max_short_fraction" in {c.check for c in gated.gate.failed_checks}
+    with pytest.raises(UnusableData, match=rf"{store.uri(shard_key)}: quality gate failed \(dataset.json of "
+                                           rf"{dataset}/run-a\): .*max_short_fraction: .*100% of samples"):
+        fetch_shards([shard_key], store=store, cache_dir=env_settings.work_path("test-cache"))
     result = tokenize(params_for(dataset, override_quality_gate=True))
     assert any("boilerplate" in message for message in result["gate"])
+    assert result["quality_gate"] == "failed", "a tokenize-time override finishes the flow; the data stays failed"
+    gated = DatasetManifest.model_validate_json(store.get_bytes(shard_key.rsplit("/", 1)[0] + "/dataset.json"))
+    assert gated.gate.overridden and gated.gate.verdict == "failed"
+
+
+def test_duplicate_ids_fail_the_gate(prefect_server, store, env_settings, params_for):
+    from flows.tokenize import tokenize
+
+    dataset = f"dup-{uuid.uuid4().hex[:8]}"
+    put_shards(store, env_settings, dataset, [shard(0), shard(0)])  # the same completions twice
+    state = tokenize(params_for(dataset), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match=r"all datasets: 6 samples repeat the id of another sample"):
+        state.result()

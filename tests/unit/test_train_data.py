@@ -125,3 +125,63 @@ def test_rng_state_round_trip() -> None:
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     restore_rng_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+# ---- quality-gate verdicts: the trainer trains only on shards whose gate passed -----------------------
+
+def _gated_shard(path, *, verdict: str | None, lengths=(3, 4)):
+    from dflash_core.data.verdict import GateVerdict
+    from dflash_core.tokenize.io import arrow_bytes
+
+    metadata = GateVerdict(verdict=verdict).arrow_metadata() if verdict else None
+    path.write_bytes(arrow_bytes(_table(list(lengths)), metadata=metadata))
+    return path
+
+
+def _dataset_manifest(directory, *, shards, verdict: str):
+    import hashlib
+
+    from dflash_core.data.verdict import DatasetManifest, FailedCheck, GateVerdict
+
+    checks = [FailedCheck(dataset="all", check="max_short_fraction", value=0.87, threshold=0.2,
+                          message="all datasets: 87% of samples have <= 8 loss tokens")] if verdict == "failed" else []
+    manifest = DatasetManifest(dataset="d", run="r", gate=GateVerdict(verdict=verdict, failed_checks=checks),
+                               shards={p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in shards})
+    (directory / "dataset.json").write_bytes(manifest.to_bytes())
+
+
+def test_shards_without_a_passed_verdict_are_refused_by_name(tmp_path) -> None:
+    from dflash_core.data.verdict import UnusableData
+    from dflash_core.train.inputs import fetch_shards
+
+    passed = _gated_shard(tmp_path / "ok.arrow", verdict="passed")
+    unknown = _gated_shard(tmp_path / "plain.arrow", verdict=None)
+    failed = _gated_shard(tmp_path / "bad.arrow", verdict="failed")
+    assert fetch_shards([str(passed)], store=None, cache_dir=tmp_path) == [(passed, None)]
+    with pytest.raises(UnusableData) as error:
+        fetch_shards([str(passed), str(unknown), str(failed)], store=None, cache_dir=tmp_path)
+    message = str(error.value)
+    assert "2 of 3 shard(s) did not pass" in message and "ok.arrow" not in message
+    assert f"{unknown}: no quality-gate verdict" in message and f"{failed}: quality gate failed" in message
+    assert "allow_failed_quality_gate: true" in message
+
+
+def test_the_dataset_manifest_decides_for_the_shards_it_lists(tmp_path) -> None:
+    from dflash_core.data.verdict import UnusableData
+    from dflash_core.train.inputs import fetch_shards
+
+    shards = [_gated_shard(tmp_path / f"shard-0000{i}.arrow", verdict="pending", lengths=(3, 4 + i)) for i in range(2)]
+    with pytest.raises(UnusableData, match="shard-00000.arrow: no quality-gate verdict \\(written by the tokenize flow"):
+        fetch_shards([str(shards[0])], store=None, cache_dir=tmp_path)
+    _dataset_manifest(tmp_path, shards=shards, verdict="failed")
+    with pytest.raises(UnusableData, match=r"shard-00001.arrow: quality gate failed \(dataset.json of d/r\): "
+                                           r"max_short_fraction: all datasets: 87% of samples"):
+        fetch_shards([str(shards[1])], store=None, cache_dir=tmp_path)
+    with pytest.warns(UserWarning, match="allow_failed_quality_gate is set: training on .*shard-00000.arrow"):
+        assert len(fetch_shards([str(s) for s in shards], store=None, cache_dir=tmp_path,
+                                allow_failed_quality_gate=True)) == 2
+    _dataset_manifest(tmp_path, shards=shards, verdict="passed")
+    assert len(fetch_shards([str(s) for s in shards], store=None, cache_dir=tmp_path)) == 2
+    _gated_shard(shards[1], verdict="pending", lengths=(5,))  # re-tokenized after the gate ran
+    with pytest.raises(UnusableData, match="shard-00001.arrow: no quality-gate verdict"):
+        fetch_shards([str(s) for s in shards], store=None, cache_dir=tmp_path)

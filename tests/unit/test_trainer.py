@@ -13,7 +13,7 @@ import torch
 from dflash_core.train.checkpoint import complete_checkpoints, load_checkpoint
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.loop import Trainer, lr_factor
-from tests.train_fixtures import synthetic_shard
+from tests.train_fixtures import SYNTHETIC_VERDICT, synthetic_shard
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,7 +135,7 @@ def test_loss_falls_on_real_text(tmp_path) -> None:
                       "loss_mask": pa.array([[0] * 8 + [1] * (len(r) - 8) for r in ids], type=pa.list_(pa.uint8())),
                       "num_tokens": pa.array([len(r) for r in ids], type=pa.int32())})
     shard = tmp_path / "real.arrow"
-    shard.write_bytes(arrow_bytes(table))
+    shard.write_bytes(arrow_bytes(table, metadata=SYNTHETIC_VERDICT))
     target = build_tiny_chat_model(tmp_path / "target", num_layers=6)
     config = tiny_config(tmp_path, target=str(target), data=[str(shard)], token_budget=144, max_steps=120,
                          log_every=20, checkpoint_every=1000)
