@@ -17,12 +17,17 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_core import planner
+from dflash_core.nodes.cli import node_app
+from dflash_core.s3audit.cli import lineage_app, s3_app
 from dflash_core.settings import load_settings
 
 app = typer.Typer(help="Train DFlash speculative-decoding drafters end to end.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False, add_completion=False)
 services_app = typer.Typer(help="Start, stop and inspect the local S3 and Prefect servers.", no_args_is_help=True)
 app.add_typer(services_app, name="services")
+app.add_typer(node_app, name="node")
+app.add_typer(s3_app, name="s3")
+app.add_typer(lineage_app, name="lineage")
 console = Console()
 
 
@@ -161,34 +166,6 @@ def services_status() -> None:
         s = local.status(service)
         table.add_row(s.name, str(s.running), str(s.healthy), str(s.pid or "-"), s.url, s.log_path)
     console.print(table)
-
-
-@app.command()
-def lineage(
-    prefix: Annotated[str, typer.Argument(help="Key prefix to rebuild lineage for ('' = whole bucket).")] = "",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the graph as JSON.")] = False,
-) -> None:
-    """Rebuild the lineage graph from manifests and list objects that have no manifest."""
-    from dflash_core.lineage import build_lineage, find_unmanifested
-    from dflash_core.storage import ObjectStore, StoreError
-
-    store = ObjectStore.from_settings(load_settings())
-    try:
-        graph = build_lineage(store, prefix)
-        orphans = find_unmanifested(store, prefix)
-    except StoreError as error:
-        raise _fail(str(error)) from None
-    if as_json:
-        print(json.dumps({**graph.to_dict(), "unmanifested": [o.key for o in orphans]}, indent=2))
-        return
-    table = Table("artifact", "kind", "bytes", "inputs", title=f"lineage of {store.uri(prefix)}")
-    for uri, manifest in sorted(graph.manifests.items()):
-        table.add_row(uri, str(manifest.kind), f"{manifest.bytes:,}", "\n".join(sorted(graph.inputs_of(uri))) or "-")
-    console.print(table)
-    if orphans:
-        console.print(f"[yellow]{len(orphans)} object(s) without a manifest:[/]")
-        for info in orphans[:50]:
-            console.print(f"  {store.uri(info.key)} ({info.size:,} bytes)")
 
 
 @app.command()

@@ -212,3 +212,94 @@ def _walk(start: str, edges: dict[str, set[str]]) -> set[str]:
             seen.add(node)
             queue.extend(edges.get(node, ()))
     return seen
+
+
+# ---- lineage queries: what made X, what X fed ------------------------------------------------
+
+
+class LineageNode(BaseModel):
+    """One artifact in a walk up (inputs) or down (what it fed) the graph."""
+
+    uri: str
+    kind: str | None = None
+    recorded_sha256: str | None = Field(None, description="The hash the referencing manifest recorded (inputs).")
+    sha256: str | None = Field(None, description="The hash its own manifest has now.")
+    status: str = Field("ok", description="ok | changed since recorded | no manifest | cycle | depth limit")
+    children: list[LineageNode] = Field(default_factory=list)
+
+
+def flow_run_url(ui_base: str | None, flow_run_id: str | None) -> str | None:
+    """The Prefect UI page of a flow run (`ui_base` is the API URL without its `/api`)."""
+    if not ui_base or not flow_run_id:
+        return None
+    return f"{ui_base.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}"
+
+
+def _walk_tree(graph: LineageGraph, uri: str, *, up: bool, depth: int, path: frozenset[str],
+               recorded: str | None = None) -> LineageNode:
+    manifest = graph.manifests.get(uri)
+    node = LineageNode(uri=uri, kind=str(manifest.kind) if manifest else None, recorded_sha256=recorded,
+                       sha256=manifest.sha256 if manifest else None)
+    if manifest is None:
+        node.status = "no manifest"
+    elif recorded is not None and recorded != manifest.sha256:
+        node.status = "changed since recorded"
+    if uri in path:
+        node.status = "cycle"
+        return node
+    if depth == 0:
+        if (up and manifest and manifest.inputs) or (not up and graph._children.get(uri)):
+            node.status = "depth limit"
+        return node
+    if up and manifest is not None:
+        node.children = [_walk_tree(graph, ref.uri, up=True, depth=depth - 1, path=path | {uri}, recorded=ref.sha256)
+                         for ref in manifest.inputs]
+    elif not up:
+        node.children = [_walk_tree(graph, child, up=False, depth=depth - 1, path=path | {uri})
+                         for child in sorted(graph._children.get(uri, ()))]
+    return node
+
+
+def describe(graph: LineageGraph, uri: str, *, ui_base: str | None = None, depth: int = 10) -> dict[str, Any]:
+    """What made `uri` (producer, code version, config, inputs with hashes, walked up) and what it fed
+    (walked down), as plain JSON-able data."""
+    manifest = graph.manifests.get(uri)
+    if manifest is None and uri not in graph._children:
+        raise KeyError(f"{uri} has no manifest and no manifest names it as an input")
+    made_by = _walk_tree(graph, uri, up=True, depth=depth, path=frozenset())
+    fed = _walk_tree(graph, uri, up=False, depth=depth, path=frozenset())
+    producer = manifest.producer if manifest else None
+    return {
+        "uri": uri,
+        "manifest": json.loads(manifest.model_dump_json()) if manifest else None,
+        "flow_run_url": flow_run_url(ui_base, producer.flow_run_id if producer else None),
+        "inputs": [json.loads(c.model_dump_json()) for c in made_by.children],
+        "fed": [json.loads(c.model_dump_json()) for c in fed.children],
+    }
+
+
+def mermaid(graph: LineageGraph, *, prefix_uri: str = "", max_nodes: int = 80) -> str:
+    """A mermaid flowchart (markdown) of the artifacts under `prefix_uri` and their direct inputs, newest
+    first when there are more than `max_nodes`."""
+    chosen = sorted((m for u, m in graph.manifests.items() if u.startswith(prefix_uri)),
+                    key=lambda m: m.created_at, reverse=True)[:max_nodes]
+    uris: list[str] = []
+    for m in chosen:
+        for uri in [m.uri, *(ref.uri for ref in m.inputs)]:
+            if uri not in uris and len(uris) < max_nodes:
+                uris.append(uri)
+    ids = {uri: f"n{i}" for i, uri in enumerate(uris)}
+    lines = ["```mermaid", "flowchart LR"]
+    for uri, node_id in ids.items():
+        manifest = graph.manifests.get(uri)
+        label = "/".join(uri.split("/")[-3:]).replace('"', "'")
+        kind = str(manifest.kind) if manifest else "no manifest"
+        lines.append(f'  {node_id}["{label}<br/><i>{kind}</i>"]')
+    for m in chosen:
+        for ref in m.inputs:
+            if ref.uri in ids and m.uri in ids:
+                lines.append(f"  {ids[ref.uri]} --> {ids[m.uri]}")
+    lines.append("```")
+    total = sum(1 for u in graph.manifests if u.startswith(prefix_uri))
+    note = f"\n{len(chosen)} of {total} artifacts shown (newest first).\n" if total > len(chosen) else ""
+    return "\n".join(lines) + "\n" + note

@@ -6,12 +6,14 @@ from dflash_core.nodes.access import (
 )
 from dflash_core.nodes.node import Node, find_node, load_inventory, local_node
 from dflash_core.nodes.preserve import PROCESS_DIR, PreserveConfig, PreserveResult, preserve
-from dflash_core.nodes.provision import ProvisionConfig, ProvisionError, provision, write_node_record
+from dflash_core.nodes.provision import (
+    ProvisionConfig, ProvisionError, provision, upload_node_record, write_node_record,
+)
 from dflash_core.nodes.record import NodeRecord, SystemInventory
 
 __all__ = [
     "CommandFailed", "CommandResult", "CommandTimeout", "DetachedProcess", "HostKeyError", "Node", "NodeAccess",
     "NodeError", "NodeRecord", "NodeUnreachable", "PROCESS_DIR", "PreserveConfig", "PreserveResult",
     "ProvisionConfig", "ProvisionError", "SystemInventory", "find_node", "load_inventory", "local_node", "preserve",
-    "provision", "write_node_record",
+    "provision", "upload_node_record", "write_node_record",
 ]

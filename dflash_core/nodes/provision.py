@@ -20,10 +20,14 @@ from posixpath import basename
 
 from pydantic import BaseModel, Field
 
+from dflash_core.layout import ArtifactKind, artifact_key
+from dflash_core.lineage import Manifest, write_artifact
 from dflash_core.nodes import probe
 from dflash_core.nodes.access import NodeAccess, NodeError
 from dflash_core.nodes.node import Node
 from dflash_core.nodes.record import ModelPlacement, NodeRecord, VenvState
+from dflash_core.provenance import Producer
+from dflash_core.storage import ObjectStore
 
 INSTALL_STAMP = ".dflash-provisioned"
 RECORD_NAME = "node-record.json"
@@ -107,6 +111,15 @@ def write_node_record(access: NodeAccess, work_dir: str, record: NodeRecord) -> 
     path = f"{probe.resolve(access, work_dir)}/{RECORD_NAME}"
     access.write_text(path, record.model_dump_json(indent=2))
     return path
+
+
+def upload_node_record(store: ObjectStore, prefixes: dict[ArtifactKind, str], record: NodeRecord, *,
+                       producer: Producer | None = None) -> Manifest:
+    """The record as an artifact with its manifest: node-backups/<node>/<time>/node-record.json."""
+    stamp = record.provisioned_at.strftime("%Y%m%dT%H%M%SZ")
+    key = artifact_key(prefixes, ArtifactKind.NODE_BACKUP, record.node, stamp, RECORD_NAME)
+    return write_artifact(store, key, record.model_dump_json(indent=2).encode(), kind=ArtifactKind.NODE_BACKUP,
+                          config={"node": record.node, "category": "provision"}, producer=producer)
 
 
 def _ensure_venv(access: NodeAccess, config: ProvisionConfig, path: str, actions: list[str]) -> VenvState:

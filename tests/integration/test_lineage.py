@@ -116,3 +116,37 @@ def test_register_an_object_written_outside_write_artifact(store: ObjectStore, p
     assert manifest.sha256 == sha256_bytes(b"tarball") and manifest.bytes == 7
     assert read_manifest(store, key) == manifest
     assert find_unmanifested(store, f"{prefix}/backup/") == []
+
+
+def test_lineage_show_walks_up_and_down_with_hashes_and_the_flow_run_link(store: ObjectStore, prefix: str,
+                                                                          env_settings) -> None:
+    from typer.testing import CliRunner
+
+    from dflash_core import cli
+
+    prompts, shards, tokenized, checkpoint = _chain(store, prefix)
+    write_artifact(store, prompts.key, b"changed\n", kind=ArtifactKind.PROMPTS)  # the shards' recorded hash is stale now
+    runner = CliRunner()
+    result = runner.invoke(cli.app, ["lineage", "show", shards[0].uri, "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["flow_run_url"] == env_settings.prefect_api_url.removesuffix("/api") + "/runs/flow-run/flow-123"
+    assert info["manifest"]["producer"]["git_sha"] and info["manifest"]["sha256"] == shards[0].sha256
+    [made_from] = info["inputs"]
+    assert (made_from["uri"], made_from["recorded_sha256"], made_from["status"]) == \
+        (prompts.uri, prompts.sha256, "changed since recorded")
+    [fed] = info["fed"]
+    assert fed["uri"] == tokenized.uri and [c["uri"] for c in fed["children"]] == [checkpoint.uri]
+
+    deep = json.loads(runner.invoke(cli.app, ["lineage", "show", checkpoint.key, "--json"]).output)
+    assert [n["uri"] for n in deep["inputs"]] == [tokenized.uri]
+    assert sorted(c["uri"] for c in deep["inputs"][0]["children"]) == sorted(s.uri for s in shards)
+    assert deep["fed"] == []
+
+    text = runner.invoke(cli.app, ["lineage", "show", shards[0].uri], env={"COLUMNS": "250"})
+    assert text.exit_code == 0 and "made by" in text.output and "runs/flow-run/flow-123" in text.output
+    assert "changed since recorded" in text.output and tokenized.uri in text.output
+    missing = runner.invoke(cli.app, ["lineage", "show", f"{prefix}/nothing"], env={"COLUMNS": "250"})
+    assert missing.exit_code == 2 and "has no manifest and no manifest names it" in missing.output
+    listed = json.loads(runner.invoke(cli.app, ["lineage", "list", prefix, "--json"]).output)
+    assert {"from": tokenized.uri, "to": checkpoint.uri} in listed["edges"]

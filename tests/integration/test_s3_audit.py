@@ -196,3 +196,32 @@ def test_partial_failure_reports_exactly_what_was_and_was_not_deleted(store: Obj
     assert store.exists(refused) and store.exists(refused + ".manifest.json")
     assert not any(store.exists(o.key) for o in result.deleted)
     assert {o.key for o in result.deleted} | {refused, refused + ".manifest.json"} == _expected_dead(p)
+
+
+def test_cli_cleanup_is_a_dry_run_until_confirmed(store: ObjectStore, env_settings) -> None:
+    from typer.testing import CliRunner
+
+    from dflash_core import cli
+
+    root = f"cli-{uuid.uuid4().hex[:10]}"
+    dead = [f"{root}/hidden/part-{i}.bin" for i in range(3)]
+    for key in dead:
+        store.put_bytes(key, b"h" * 100)
+    report = write_artifact(store, f"reports/probe/{root}/uses-part-2.json", b"{}", kind=ArtifactKind.REPORT,
+                            inputs=[InputRef(uri=store.uri(dead[2]))])
+    time.sleep(1.1)  # last_modified has one-second resolution: be older than "now" for --abandoned-after-days 0
+    args = ["s3", "cleanup", "--prefix", f"{root}/", "--abandoned-after-days", "0"]
+    runner = CliRunner()
+    dry = runner.invoke(cli.app, [*args, "--json"])
+    assert dry.exit_code == 0, dry.output
+    plan = json.loads(dry.output)
+    assert [c["key"] for c in plan["candidates"]] == dead[:2]
+    assert [(p["key"], p["kept_because"]) for p in plan["protected"]] == [(dead[2], f"referenced by kept {report.uri}")]
+    assert all(store.exists(k) for k in dead)
+    done = runner.invoke(cli.app, [*args, "--confirm"], env={"COLUMNS": "250"})
+    assert done.exit_code == 0, done.output
+    assert "deleted 2 objects (200 B)" in done.output and "reports/s3-cleanup/" in done.output
+    assert [store.exists(k) for k in dead] == [False, False, True]
+    audit_out = runner.invoke(cli.app, ["s3", "audit", "--prefix", f"{root}/", "--json", "--no-verify-hashes"])
+    assert audit_out.exit_code == 0, audit_out.output
+    assert json.loads(audit_out.output)["unmanifested_keys"] == [dead[2]]
