@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, Field
 
 from dflash_core.layout import MANIFEST_SUFFIX, ArtifactKind, artifact_key
-from dflash_core.lineage import Manifest, write_artifact
+from dflash_core.lineage import InputRef, Manifest, write_artifact
 from dflash_core.provenance import Producer
 from dflash_core.s3audit.dead import Candidate, Protected, Retention, find_dead
 from dflash_core.s3audit.inventory import DEFAULT_WORKERS, Inventory, manifest_cache, take_inventory
@@ -188,11 +188,11 @@ def _delete_with_retries(keys: list[str], delete_batch: DeleteBatch, attempts: i
 
 
 def write_deletion_record(store: ObjectStore, prefixes: dict[ArtifactKind, str], result: CleanupResult, *,
-                          producer: Producer | None = None) -> Manifest:
+                          producer: Producer | None = None, inputs: Iterable[InputRef] = ()) -> Manifest:
     """The record of a cleanup (what, bytes, why, who, when; failures and skips too) as a report artifact."""
     stamp = result.executed_at.strftime("%Y%m%dT%H%M%S%fZ")
     key = artifact_key(prefixes, ArtifactKind.REPORT, "s3-cleanup", stamp, "deletion-record.json")
     body = {**json.loads(result.model_dump_json()), "bytes_reclaimed": result.bytes_reclaimed,
             "complete": result.complete}
-    return write_artifact(store, key, json.dumps(body, indent=2).encode(), kind=ArtifactKind.REPORT,
+    return write_artifact(store, key, json.dumps(body, indent=2).encode(), kind=ArtifactKind.REPORT, inputs=inputs,
                           config={"retention": result.retention.model_dump(), "who": result.who}, producer=producer)

@@ -1,0 +1,140 @@
+"""Node flows: provision a node (idempotent), preserve it before shutdown, and a hook that preserves
+the node a generate or train flow run was given when that run fails, crashes or is cancelled.
+
+Run: `python -m flows.nodes provision --params '{"node": {"name": "gpu-1", "host": "10.0.0.5", "user": "ubuntu"}}'`
+     `python -m flows.nodes preserve --params '{"node_name": "gpu-1", "inventory": "nodes.yaml"}'`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from pydantic import BaseModel, Field
+
+from dflash_core.nodes import Node, NodeRecord, PreserveConfig, ProvisionConfig, find_node, local_node
+from dflash_core.nodes.preserve import preserve
+from dflash_core.settings import Settings, load_settings
+from dflash_core.storage import ObjectStore
+from dflash_core.units import binary_bytes
+from tasks.nodes import preserve_node, provision_node, register_node_record
+from tasks.store import check_store
+
+
+class NodeChoice(BaseModel):
+    node: Node | None = Field(None, description="The node, inline (host, user, key_path, work_dir, gpus).")
+    node_name: str | None = Field(None, description="Or: a node name from the inventory file.")
+    inventory: str | None = Field(None, description="Node inventory YAML (with node_name).")
+
+    def resolve(self, settings: Settings) -> Node:
+        if self.node is not None and self.node_name is not None:
+            raise ValueError("pass node or node_name (with inventory), not both")
+        if self.node is not None:
+            return self.node
+        if self.node_name is not None:
+            if not self.inventory:
+                raise ValueError(f"node_name {self.node_name!r} needs inventory (a nodes YAML file)")
+            return find_node(Path(self.inventory), self.node_name)
+        return local_node(settings.work_path("node"))
+
+
+class ProvisionParams(NodeChoice):
+    provision: ProvisionConfig = Field(default_factory=ProvisionConfig)
+    upload: bool = Field(True, description="Register the node record in S3 (node-backups/<node>/<time>/).")
+
+
+class PreserveParams(NodeChoice):
+    preserve: PreserveConfig = Field(default_factory=PreserveConfig)
+
+
+def record_markdown(record: NodeRecord, uri: str | None) -> str:
+    gpus = "\n".join(f"| GPU {g.index} | {g.name}, {g.memory_mib:,} MiB, driver {g.driver} |" for g in record.gpus.gpus) \
+        or f"| GPUs | {record.gpus.note} |"
+    disks = "\n".join(f"| disk `{d.path}` | {d.fs_type} at `{d.mount_point}`: {binary_bytes(d.free_bytes)} free of "
+                      f"{binary_bytes(d.total_bytes)} |" for d in record.disks)
+    model = (f"| model | `{record.model.source}` reads {record.model.read_mb_s:,.0f} MB/s -> `{record.model.placed_at}` "
+             f"({record.model.reason}) |") if record.model else "| model | none given |"
+    return "\n".join([
+        f"## Node {record.node} ({record.hostname})", "",
+        "| what | value |", "|---|---|",
+        f"| changed | {'; '.join(record.actions) or 'nothing (already provisioned)'} |",
+        f"| venv | `{record.venv.path}` ({record.venv.fs_type}), Python {record.venv.python}, "
+        f"{len(record.venv.freeze)} packages |",
+        gpus, f"| CUDA (driver) | {record.gpus.cuda_version or '-'} |", disks, model,
+        f"| record | {uri or 'not uploaded'} |",
+    ]) + "\n"
+
+
+@flow(name="dflash-provision", log_prints=True)
+def provision(params: ProvisionParams = ProvisionParams()) -> dict:
+    settings = load_settings()
+    node = params.resolve(settings)
+    if params.upload:
+        check_store(settings)
+    record = provision_node(node, params.provision)
+    uri = register_node_record(settings, record).uri if params.upload else None
+    create_markdown_artifact(record_markdown(record, uri), key=f"node-record-{_artifact_key(node.name)}",
+                             description=f"provision of {node.name}")
+    create_table_artifact([d.model_dump() for d in record.disks], key=f"node-disks-{_artifact_key(node.name)}")
+    print(f"{node.name}: {'; '.join(record.actions) or 'already provisioned, nothing changed'}")
+    return {"node": node.name, "actions": record.actions, "record_uri": uri, "venv": record.venv.path,
+            "model": record.model.placed_at if record.model else None}
+
+
+@flow(name="dflash-preserve", log_prints=True)
+def preserve_flow(params: PreserveParams = PreserveParams()) -> dict:
+    settings = load_settings()
+    node = params.resolve(settings)
+    check_store(settings)
+    result = preserve_node(settings, node, params.preserve)
+    create_markdown_artifact(result.note_markdown, key=f"node-backup-{_artifact_key(node.name)}",
+                             description=f"what was saved from {node.name} and where")
+    print(f"saved {len(result.saved)} objects under {result.prefix_uri}; stopped {len(result.stopped)} process(es)")
+    return {"prefix": result.prefix_uri, "note": result.note_uri, "saved": [s.uri for s in result.saved],
+            "stopped": [s.model_dump() for s in result.stopped], "missing": result.missing}
+
+
+def preserve_on_failure(flow_obj, flow_run_obj, state) -> None:
+    """Flow hook (on_failure / on_cancellation / on_crashed): preserve the node in the run's `params.node`,
+    if it was given one. Never raises: a failed backup is logged, the run's own failure stays the story."""
+    raw = (flow_run_obj.parameters or {}).get("params") or {}
+    node_data = raw.get("node") if isinstance(raw, dict) else getattr(raw, "node", None)
+    if not node_data:
+        return
+    logger = get_run_logger() if _has_run_context() else None
+    try:
+        node = node_data if isinstance(node_data, Node) else Node.model_validate(node_data)
+        settings = load_settings()
+        store = ObjectStore.from_settings(settings)
+        with node.connect() as access:
+            result = preserve(access, node, store, settings.s3_prefixes, PreserveConfig())
+        message = f"preserved {node.name} after {state.name}: {result.prefix_uri} (note {result.note_uri})"
+    except Exception as error:  # noqa: BLE001 - a hook must not hide the run's own failure
+        message = f"could not preserve the node after {state.name}: {error}"
+    if logger:
+        logger.warning(message)
+    else:
+        print(message, file=sys.stderr)
+
+
+def _has_run_context() -> bool:
+    from prefect.context import FlowRunContext
+
+    return FlowRunContext.get() is not None
+
+
+def _artifact_key(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "-" else "-" for c in name.lower())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Run the dflash-provision or dflash-preserve flow.")
+    parser.add_argument("which", choices=["provision", "preserve"])
+    parser.add_argument("--params", default="{}", help="ProvisionParams / PreserveParams as JSON")
+    args = parser.parse_args()
+    chosen, model = (provision, ProvisionParams) if args.which == "provision" else (preserve_flow, PreserveParams)
+    print(json.dumps(chosen(model.model_validate_json(args.params)), indent=2, default=str))

@@ -1,0 +1,58 @@
+"""Prefect tasks over dflash_core.nodes: provision and preserve a node, register its record.
+
+Retries only for transient faults (the node or S3 did not answer); a command that failed with a clear
+error, a refused host key or a refused provision plan fails at once.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+
+from dflash_core.lineage import Manifest
+from dflash_core.nodes import Node, NodeRecord, NodeUnreachable, PreserveConfig, PreserveResult, ProvisionConfig
+from dflash_core.nodes import preserve, provision, upload_node_record, write_node_record
+from dflash_core.settings import Settings
+from dflash_core.storage import ObjectStore, StoreConfigError, StoreError
+from tasks.provenance import run_producer
+
+
+def is_transient(error: BaseException) -> bool:
+    if isinstance(error, (NodeUnreachable, ConnectionError, TimeoutError)):
+        return True
+    return isinstance(error, StoreError) and not isinstance(error, StoreConfigError) and \
+        type(error).__name__ not in {"ObjectNotFound", "ChecksumMismatch"}
+
+
+def retry_transient(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except Exception as error:  # noqa: BLE001 - classified below
+        return is_transient(error)
+    return False
+
+
+_RETRY = {"retries": 3, "retry_delay_seconds": [5, 15, 30], "retry_condition_fn": retry_transient}
+
+
+@task(**_RETRY, task_run_name="provision {node.name}")
+def provision_node(node: Node, config: ProvisionConfig) -> NodeRecord:
+    """Provision `node` idempotently and write its record to <work_dir>/node-record.json there."""
+    with node.connect() as access:
+        record = provision(access, node, config)
+        write_node_record(access, node.work_dir, record)
+    return record
+
+
+@task(**_RETRY)
+def register_node_record(settings: Settings, record: NodeRecord) -> Manifest:
+    """The node record as an S3 artifact with its manifest."""
+    return upload_node_record(ObjectStore.from_settings(settings), settings.s3_prefixes, record,
+                              producer=run_producer())
+
+
+@task(**_RETRY, task_run_name="preserve {node.name}")
+def preserve_node(settings: Settings, node: Node, config: PreserveConfig) -> PreserveResult:
+    """Stop our servers on `node`, upload its scripts, logs, configs and inventory, write the note."""
+    store = ObjectStore.from_settings(settings)
+    with node.connect() as access:
+        return preserve(access, node, store, settings.s3_prefixes, config, producer=run_producer())
