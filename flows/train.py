@@ -19,6 +19,7 @@ from dflash_core.train.config import TrainConfig
 from dflash_core.train.entry import Rendezvous
 from flows.command_line import run_from_command_line
 from flows.evaluate import EvaluateParams, evaluate
+from tasks.data_gate import check_training_data
 from tasks.export import export_checkpoint
 from tasks.train import plan_training, report_training, run_training
 
@@ -46,6 +47,7 @@ def train(params: TrainFlowParams) -> dict:
     settings = load_settings()
     config = params.config.model_copy(update={"output_dir": params.config.output_dir.resolve()})
     gpus_per_process = 2 if config.placement == "pair" else 1
+    check_training_data(settings, config)  # refuses data whose quality gate failed, before torchrun starts
     plan_training(config, gpu_memory_gib=params.gpu_memory_gib, num_gpus=params.nproc_per_node * gpus_per_process,
                   samples=params.expected_samples, mean_tokens=params.expected_mean_tokens)
     checkpoint = run_training(config, nproc_per_node=params.nproc_per_node, flow_run_id=str(flow_run.id or ""),

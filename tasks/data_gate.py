@@ -1,0 +1,27 @@
+"""Prefect task: refuse training data whose quality gate failed or is unknown, before any process starts."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+
+from dflash_core.settings import Settings
+from dflash_core.storage import ObjectStore
+from dflash_core.train.config import TrainConfig
+from dflash_core.train.inputs import fetch_shards
+
+
+@task
+def check_training_data(settings: Settings, config: TrainConfig) -> int:
+    """Every shard's verdict (downloading into the cache the trainer reads); the number of shards.
+
+    Not retried: a verdict does not change by waiting. The trainer checks again in every process."""
+    import warnings
+
+    store = ObjectStore.from_settings(settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shards = fetch_shards(config.data, store=store, cache_dir=config.run_dir.parent / ".cache",
+                              allow_failed_quality_gate=config.allow_failed_quality_gate)
+    for warning in caught:
+        get_run_logger().warning(str(warning.message))
+    return len(shards)
