@@ -198,7 +198,9 @@ def train(
         raise _fail(str(error)) from None
     extra = [f"--set={item}" for item in overrides]
     argv = training_argv(config, nproc_per_node=nproc_per_node, resume=resume, extra=extra, rendezvous=rendezvous)
-    raise typer.Exit(code=subprocess.run(argv).returncode)
+    from dflash_core.train.supervise import run_tied  # the run dies with this command (no orphan)
+
+    raise typer.Exit(code=run_tied(argv))
 
 
 @app.command()

@@ -3,6 +3,10 @@
 Every object written here carries its sha256 in user metadata (`x-amz-meta-sha256`); reads verify
 it. The same hash goes into the artifact manifest (dflash_core.lineage), so a manifest and the
 object it describes can be checked against each other without downloading twice.
+
+Errors come in two kinds a caller must treat differently: `StoreUnavailable` (unreachable, timeouts,
+5xx, throttling: retry later) and `StoreConfigError` (wrong credentials, missing bucket, an endpoint
+that is not an S3 server: retrying cannot help, fix the named setting).
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import boto3
+from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import ClientError, EndpointConnectionError, ConnectTimeoutError
+from botocore.exceptions import (
+    ClientError, ConnectionError as BotoConnectionError, ConnectTimeoutError, EndpointConnectionError,
+    HTTPClientError,
+)
+from botocore.parsers import ResponseParserError
 
 if TYPE_CHECKING:
     from dflash_core.settings import Settings
@@ -37,7 +46,18 @@ class StoreError(RuntimeError):
 
 
 class StoreConfigError(StoreError):
-    """The endpoint, bucket or credentials in Settings are wrong."""
+    """The endpoint, bucket or credentials in Settings are wrong: retrying cannot help."""
+
+
+class StoreUnavailable(StoreError):
+    """A transient fault: the endpoint is unreachable, timed out, failed (5xx) or throttled us.
+    Retry later; a setting is wrong only if this persists."""
+
+
+_THROTTLING = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+               "RequestTimeout", "ServiceUnavailable", "InternalError", "503", "500", "502", "504"}
+_CHECK_ATTEMPTS = 2
+_CHECK_CONNECT_TIMEOUT_S = 2
 
 
 class ObjectNotFound(StoreError, KeyError):
@@ -81,8 +101,11 @@ def sha256_bytes(data: bytes) -> str:
 class ObjectStore:
     """One bucket on one S3 endpoint. Build it with `ObjectStore.from_settings(settings)`."""
 
-    def __init__(self, client, bucket: str, *, endpoint_url: str = "", scratch_dir: Path | None = None):
+    def __init__(self, client, bucket: str, *, endpoint_url: str = "", scratch_dir: Path | None = None,
+                 probe_client=None):
         self.client = client
+        # `check` answers within seconds: its own client retries little and gives up connecting fast.
+        self.probe_client = probe_client or client
         self.bucket = bucket
         self.endpoint_url = endpoint_url
         self._scratch_dir = scratch_dir
@@ -92,28 +115,32 @@ class ObjectStore:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ObjectStore:
-        config = Config(
-            region_name=settings.s3_region,
-            retries={"max_attempts": settings.s3_max_attempts, "mode": "adaptive"},
-            connect_timeout=5,
-            read_timeout=120,
-            s3={"addressing_style": "path"},
-            # Our own sha256 covers integrity end to end; CRC trailers are not supported by every S3 server.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-        client = boto3.client(
-            "s3",
-            endpoint_url=settings.s3_endpoint_url,
-            aws_access_key_id=settings.s3_access_key_id.get_secret_value(),
-            aws_secret_access_key=settings.s3_secret_access_key.get_secret_value(),
-            config=config,
-        )
+        def client(*, max_attempts: int, connect_timeout: float, read_timeout: float):
+            config = Config(
+                region_name=settings.s3_region,
+                retries={"max_attempts": max_attempts, "mode": "adaptive"},
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                s3={"addressing_style": "path"},
+                # Our own sha256 covers integrity end to end; CRC trailers are not supported by every S3 server.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            )
+            return boto3.client(
+                "s3",
+                endpoint_url=settings.s3_endpoint_url,
+                aws_access_key_id=settings.s3_access_key_id.get_secret_value(),
+                aws_secret_access_key=settings.s3_secret_access_key.get_secret_value(),
+                config=config,
+            )
+
         return cls(
-            client,
+            client(max_attempts=settings.s3_max_attempts, connect_timeout=5, read_timeout=120),
             settings.s3_bucket,
             endpoint_url=settings.s3_endpoint_url,
             scratch_dir=settings.work_path("tmp"),
+            probe_client=client(max_attempts=min(_CHECK_ATTEMPTS, settings.s3_max_attempts),
+                                connect_timeout=_CHECK_CONNECT_TIMEOUT_S, read_timeout=10),
         )
 
     def __repr__(self) -> str:
@@ -125,14 +152,19 @@ class ObjectStore:
     # ---- health -----------------------------------------------------------------------------
 
     def check(self, *, create_bucket: bool = False) -> None:
-        """Fail fast, naming the setting to fix, when the endpoint, credentials or bucket are wrong."""
+        """Fail within seconds, naming the setting to fix, when the endpoint is unreachable or not an S3
+        server, or the credentials or bucket are wrong. A GET (unlike HEAD) brings back the server's
+        XML error code, which tells an S3 server's "no such bucket" from any other server's 404."""
         try:
             with self._errors(key=None):
-                self.client.head_bucket(Bucket=self.bucket)
+                listing = self.probe_client.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
+            if listing.get("Name") != self.bucket:  # some HTTP server answered 200 with a page, not a listing
+                server = listing["ResponseMetadata"].get("HTTPHeaders", {}).get("server", "unnamed")
+                raise StoreConfigError(self._not_s3(f"its answer to a bucket listing is not one (server: {server})"))
         except StoreConfigError as error:
             if create_bucket and "does not exist" in str(error):
                 with self._errors(key=None):
-                    self.client.create_bucket(Bucket=self.bucket)
+                    self.probe_client.create_bucket(Bucket=self.bucket)
                 return
             raise
 
@@ -281,9 +313,31 @@ class ObjectStore:
         return len(keys)
 
     def presigned_url(self, key: str, *, expires_s: int = 3600) -> str:
+        """A bearer link that embeds the access key id: never store one in a database (e.g. a Prefect artifact)."""
         return self.client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expires_s
         )
+
+    def incomplete_uploads(self, prefix: str = "") -> list[dict]:
+        """Multipart uploads started under `prefix` and never completed nor aborted (their parts use
+        space without being objects): [{"key", "upload_id", "initiated"}]."""
+        found = []
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        with self._errors(key=None):
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                found += [{"key": u["Key"], "upload_id": u["UploadId"], "initiated": u.get("Initiated")}
+                          for u in page.get("Uploads", [])]
+        return found
+
+    def abort_incomplete_uploads(self, prefix: str = "") -> int:
+        """Abort every incomplete multipart upload under `prefix` (call it when no upload of this
+        prefix is in flight); how many were aborted."""
+        uploads = self.incomplete_uploads(prefix)
+        for upload in uploads:
+            with self._errors(upload["key"]):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload["key"],
+                                                   UploadId=upload["upload_id"])
+        return len(uploads)
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -301,30 +355,57 @@ class ObjectStore:
 
     @contextlib.contextmanager
     def _errors(self, key: str | None) -> Iterator[None]:
-        """Turn botocore errors into ones that name the key or the setting to fix."""
+        """Turn botocore errors into transient (`StoreUnavailable`) or configuration (`StoreConfigError`)
+        ones that name the key or the setting to fix."""
         try:
             yield
-        except (EndpointConnectionError, ConnectTimeoutError) as error:
-            raise StoreConfigError(
-                f"cannot reach the S3 endpoint {self.endpoint_url}: set DFLASH_S3_ENDPOINT_URL to a "
-                "running S3 server, or start the local one with `dflash services up`"
-            ) from error
-        except ClientError as error:
-            code = str(error.response.get("Error", {}).get("Code", ""))
-            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code == "NoSuchBucket" or (key is None and code in {"404", "NotFound"}):
-                raise StoreConfigError(
-                    f"bucket {self.bucket!r} does not exist at {self.endpoint_url}: set DFLASH_S3_BUCKET "
-                    "to an existing bucket, or create it (`dflash services up` creates the local one)"
-                ) from error
-            if code in {"NoSuchKey", "404", "NotFound"}:
-                raise ObjectNotFound(self.uri(key or "")) from error
-            if code in {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"} or status == 403:
-                raise StoreConfigError(
-                    f"the S3 server at {self.endpoint_url} refused our credentials ({code}): check "
-                    "DFLASH_S3_ACCESS_KEY_ID and DFLASH_S3_SECRET_ACCESS_KEY"
-                ) from error
-            raise StoreError(f"S3 {code or status} on {self.uri(key or '')}: {error}") from error
+        except (S3UploadFailedError, BotoConnectionError, HTTPClientError, ResponseParserError, ClientError) as error:
+            raise self._translate(error, key) from error
+
+    def _translate(self, error: Exception, key: str | None) -> StoreError:
+        if isinstance(error, S3UploadFailedError):  # boto3 wraps upload_file's error: classify the cause
+            cause = error.__cause__ or error.__context__
+            if isinstance(cause, (BotoConnectionError, HTTPClientError, ResponseParserError, ClientError)):
+                return self._translate(cause, key)
+            return StoreUnavailable(f"upload of {self.uri(key or '')} failed: {error}")
+        if isinstance(error, (EndpointConnectionError, ConnectTimeoutError)):
+            return StoreUnavailable(
+                f"cannot reach the S3 endpoint {self.endpoint_url} ({type(error).__name__}): if the server should "
+                "be running it is down (retry later); if the URL is wrong set DFLASH_S3_ENDPOINT_URL, or start the "
+                "local server with `dflash services up`")
+        if isinstance(error, (BotoConnectionError, HTTPClientError)):  # read timeouts, connections closed mid-request
+            return StoreUnavailable(f"S3 endpoint {self.endpoint_url} failed mid-request on {self.uri(key or '')} "
+                                    f"({type(error).__name__}: {error}); retry later")
+        if isinstance(error, ResponseParserError):
+            return StoreConfigError(self._not_s3(f"its answer is not S3's XML ({str(error)[:120]})"))
+        assert isinstance(error, ClientError), error
+        code = str(error.response.get("Error", {}).get("Code", ""))
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        headers = error.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+        if code in _THROTTLING or status >= 500:
+            return StoreUnavailable(f"S3 endpoint {self.endpoint_url} answered {code or status} on "
+                                    f"{self.uri(key or '')} (a transient fault: retry later)")
+        # An S3 server puts an XML error code in the body of every failed GET/PUT/POST (and sends
+        # x-amz-* headers); a bare HTTP status there means some other HTTP server answered.
+        bodyless = error.operation_name in {"HeadObject", "HeadBucket"}
+        if (not code or code.isdigit()) and not bodyless and not any(name.startswith("x-amz-") for name in headers):
+            return StoreConfigError(self._not_s3(f"it answered HTTP {status} without an S3 error code "
+                                                 f"(server: {headers.get('server', 'unnamed')})"))
+        if code == "NoSuchBucket" or (key is None and code in {"404", "NotFound"}):
+            return StoreConfigError(
+                f"bucket {self.bucket!r} does not exist at {self.endpoint_url}: set DFLASH_S3_BUCKET "
+                "to an existing bucket, or create it (`dflash services up` creates the local one)")
+        if code in {"NoSuchKey", "404", "NotFound"}:
+            return ObjectNotFound(self.uri(key or ""))
+        if code in {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"} or status == 403:
+            return StoreConfigError(
+                f"the S3 server at {self.endpoint_url} refused our credentials ({code}): check "
+                "DFLASH_S3_ACCESS_KEY_ID and DFLASH_S3_SECRET_ACCESS_KEY")
+        return StoreError(f"S3 {code or status} on {self.uri(key or '')}: {error}")
+
+    def _not_s3(self, detail: str) -> str:
+        return (f"{self.endpoint_url} is not an S3 server: {detail}; set DFLASH_S3_ENDPOINT_URL to the S3 "
+                "endpoint (the local one is started by `dflash services up`)")
 
 
 @contextlib.contextmanager

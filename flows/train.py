@@ -31,6 +31,9 @@ class TrainFlowParams(BaseModel):
     rendezvous: Rendezvous = Field(default_factory=Rendezvous, description=(
         "Several nodes: run this flow once per node with these torchrun rendezvous settings (identical on every "
         "node with c10d); checkpoints must reach every node (S3 upload or a shared output_dir)."))
+    s3_outage_limit_s: float = Field(300.0, gt=0, description=(
+        "How long checkpoint uploads may keep failing (S3 down) before the run fails; training goes on with "
+        "local checkpoints meanwhile. Keep it below the process-group timeout (600 s) on several GPUs."))
     gpu_memory_gib: float = Field(139.0, gt=0, description="For the capacity check.")
     expected_samples: int = Field(100_000, gt=0, description="For the capacity check's storage figures.")
     expected_mean_tokens: float = Field(2_000, gt=0)
@@ -51,7 +54,7 @@ def train(params: TrainFlowParams) -> dict:
     plan_training(config, gpu_memory_gib=params.gpu_memory_gib, num_gpus=params.nproc_per_node * gpus_per_process,
                   samples=params.expected_samples, mean_tokens=params.expected_mean_tokens)
     checkpoint = run_training(config, nproc_per_node=params.nproc_per_node, flow_run_id=str(flow_run.id or ""),
-                              rendezvous=params.rendezvous)
+                              rendezvous=params.rendezvous, s3_outage_limit_s=params.s3_outage_limit_s)
     if checkpoint is None:  # another node hosted global rank 0; its flow run carries on from here
         return {"checkpoint": None, "run_dir": str(config.run_dir), "node_rank": params.rendezvous.node_rank}
     report = report_training(settings, config, checkpoint=checkpoint)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from dflash_core.evaluate.inputs import CHECKPOINT_META_FILE, CHECKPOINT_MODEL_FILE
 from dflash_core.layout import ArtifactKind
@@ -16,6 +16,7 @@ from dflash_core.lineage import InputRef, Manifest, input_ref, write_artifact
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore, sha256_file
 from tasks.provenance import run_producer
+from tasks.store import png_artifact, retry_transient
 
 
 def _retry_unless_user_error(task, task_run, state) -> bool:
@@ -79,7 +80,7 @@ def run_evaluation(*, target: Any, drafter: Any, prompts: list[list[int]], modes
                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, tree_budget=tree_budget)
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15])
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
 def publish_evaluation(settings: Settings, *, report: dict[str, Any], key_prefix: str, inputs: list[InputRef],
                        config: dict[str, Any], work_dir: Path) -> Manifest:
     """report.json and acceptance.png to S3 with manifests (inputs: the checkpoint and prompts), then
@@ -101,6 +102,6 @@ def publish_evaluation(settings: Settings, *, report: dict[str, Any], key_prefix
     create_markdown_artifact(
         f"### Drafter evaluation\n\n{report['table']}\n\nReport: `{manifest.uri}`\n\n"
         "Inputs:\n" + "\n".join(f"- `{i.uri}`" for i in inputs), key="drafter-evaluation-summary")
-    create_image_artifact(store.presigned_url(f"{key_prefix}/acceptance.png", expires_s=7 * 24 * 3600),
-                          key="drafter-acceptance-plot", description="tau histogram and per-position acceptance")
+    png_artifact(Path(png).read_bytes(), key="drafter-acceptance-plot",
+                 description="tau histogram and per-position acceptance")
     return manifest

@@ -7,7 +7,7 @@ from collections import deque
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_image_artifact, create_progress_artifact, create_table_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact
 from prefect.artifacts import update_progress_artifact
 
 from dflash_core.layout import ArtifactKind, artifact_key
@@ -19,12 +19,29 @@ from dflash_core.train.checkpoint import latest_checkpoint
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.entry import Rendezvous, training_argv
 from dflash_core.train.report import curves_png, read_metrics, summary_rows
+from dflash_core.train.supervise import die_with_parent
 from tasks.plan import NoLayoutFits
 from tasks.provenance import run_producer
+from tasks.store import png_artifact, retry_transient
 
 
 class TrainingFailed(RuntimeError):
     """The training process exited with an error; the message quotes its log tail."""
+
+
+class TrainingRefused(TrainingFailed):
+    """The run refused to start or stopped with a one-line reason (already running, S3 misconfigured or
+    down past the outage limit): retrying at once would not help."""
+
+
+def _retry_unless_refused(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except TrainingRefused:
+        return False
+    except Exception:  # noqa: BLE001 - a crash or preemption: a retry resumes from the last checkpoint
+        return True
+    return False
 
 
 @task(persist_result=True)
@@ -43,22 +60,26 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
     return result
 
 
-@task(retries=2, retry_delay_seconds=[10, 60])
+@task(retries=2, retry_delay_seconds=[10, 60], retry_condition_fn=_retry_unless_refused)
 def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str | None,
-                 rendezvous: Rendezvous | None = None) -> str | None:
-    """Launch the run (torchrun for several processes or nodes), stream its log, resume on retry; the last
-    checkpoint. None on the nodes of a multi-node job that did not host global rank 0 (it writes them)."""
+                 rendezvous: Rendezvous | None = None, s3_outage_limit_s: float | None = None) -> str | None:
+    """Launch the run (torchrun for several processes or nodes; it dies with this process), stream its log,
+    resume on retry; the last checkpoint. None on the nodes of a multi-node job that did not host global
+    rank 0 (it writes them)."""
     logger = get_run_logger()
     rendezvous = rendezvous or Rendezvous()
     config.run_dir.mkdir(parents=True, exist_ok=True)
     config_path = config.run_dir / "run.yaml"
     config_path.write_text(config.to_yaml())
+    extra = (["--flow-run-id", flow_run_id] if flow_run_id else []) + \
+        (["--s3-outage-limit-s", str(s3_outage_limit_s)] if s3_outage_limit_s else [])
     argv = training_argv(config_path, nproc_per_node=nproc_per_node, resume=True, rendezvous=rendezvous,
-                         extra=["--flow-run-id", flow_run_id] if flow_run_id else [])
+                         extra=extra)
     progress = create_progress_artifact(progress=0.0, description=f"training {config.run_name}")
     tail: deque[str] = deque(maxlen=40)
     hosted_rank_0 = False
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                          preexec_fn=die_with_parent) as process:
         for line in process.stdout:
             line = line.rstrip()
             tail.append(line)
@@ -69,6 +90,8 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
             hosted_rank_0 = hosted_rank_0 or line.startswith('{"final_step"')  # printed by global rank 0 only
     if process.returncode == 143:
         raise TrainingFailed(f"training was stopped by SIGTERM after a checkpoint; a retry resumes it")
+    if process.returncode == 1 and tail and tail[-1].startswith("error: "):
+        raise TrainingRefused(tail[-1].removeprefix("error: "))
     if process.returncode != 0:
         raise TrainingFailed(f"training exited with {process.returncode}:\n" + "\n".join(tail))
     if rendezvous.nnodes > 1 and not hosted_rank_0:
@@ -80,7 +103,7 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
     return str(checkpoint)
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15])
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
 def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str) -> Manifest:
     """Curves and a summary table as artifacts; metrics + PNG to S3 with manifests pointing at the checkpoint."""
     store = ObjectStore.from_settings(settings)
@@ -96,6 +119,5 @@ def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str)
                               kind=ArtifactKind.REPORT, inputs=inputs, config=config, producer=producer)
     create_table_artifact(summary_rows(records, every=max(1, len(records) // 12)), key="training-metrics",
                           description=f"{config.run_name}: loss, expected acceptance length, accuracy at slot 1")
-    create_image_artifact(image_url=store.presigned_url(f"{prefix}/curves.png", expires_s=7 * 24 * 3600),
-                          key="training-curves", description=f"{config.run_name}: loss and acceptance length")
+    png_artifact(png, key="training-curves", description=f"{config.run_name}: loss and acceptance length")
     return manifest

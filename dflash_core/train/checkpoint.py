@@ -1,6 +1,7 @@
 """Checkpoints: drafter weights (safetensors, target weights never included), optimizer, LR
 scheduler, sampler and RNG states, step. Written atomically (a temp dir renamed into place, meta
-last), pruned to the last N, uploaded to S3 with manifests, and found again for `--resume`.
+last), pruned to the last N (renamed aside before deletion, so a crash mid-prune leaves no partial
+`step-*` dir), uploaded to S3 by dflash_core.train.uploader, and found again for `--resume`.
 
     <root>/step-000100/model.safetensors   drafter weights
     <root>/step-000100/train_state.pt      optimizer, scheduler, sampler, RNG
@@ -85,10 +86,31 @@ def prune(root: Path, *, keep_last: int) -> None:
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     for old in complete_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old)
+        _remove(old)
     for stale in root.glob(".step-*.tmp-*"):  # left by a crash mid-save
         if not stale.name.endswith(f"-{os.getpid()}"):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    """Rename aside, then delete: a crash mid-delete leaves a `.pruned-*` dir, never a partial `step-*`."""
+    aside = path.with_name(f".pruned-{path.name}-{os.getpid()}")
+    os.rename(path, aside)
+    shutil.rmtree(aside)
+
+
+def remove_debris(root: Path) -> list[str]:
+    """Delete what crashes left under `root`: temp dirs of interrupted saves, dirs renamed aside by an
+    interrupted prune, and `step-*` dirs missing files (partly deleted by an older prune). Call it only
+    while holding the run's lock (dflash_core.train.run_lock): another live run's save is debris too."""
+    if not root.is_dir():
+        return []
+    debris = [p for p in root.iterdir() if p.is_dir() and (
+        p.name.startswith((".pruned-", ".step-"))
+        or (p.name.startswith("step-") and not all((p / name).is_file() for name in _FILES)))]
+    for path in debris:
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(p.name for p in debris)
 
 
 def load_checkpoint(path: Path, *, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict, dict]:

@@ -2,7 +2,9 @@
 one process per device (per GPU pair in the pair layout) under torchrun, on one node or many
 (`training_argv` builds the torchrun command from a `Rendezvous`).
 
-Exit codes: 0 done, 143 stopped by SIGTERM after writing a checkpoint (rerun with --resume).
+Exit codes: 0 done (with the final checkpoint complete in S3 when uploading), 143 stopped by SIGTERM
+after writing a checkpoint (rerun with --resume), 1 with a one-line reason (the run is already
+running, S3 is misconfigured or stayed down past --s3-outage-limit-s, ...).
 Every rank prints one `rank-summary {json}` line at the end: step, a checksum of its drafter
 weights (DDP replicas must agree) and peak GPU memory per device.
 """
@@ -30,9 +32,10 @@ from pydantic import BaseModel, Field, model_validator
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.provenance import current_producer
 from dflash_core.settings import Settings, load_settings
-from dflash_core.train.checkpoint import complete_checkpoints, latest_checkpoint
+from dflash_core.train.checkpoint import complete_checkpoints, latest_checkpoint, remove_debris
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.loop import EXIT_PREEMPTED, Distributed, Trainer
+from dflash_core.train.run_lock import RunLock, RunLocked
 from dflash_core.train.step import PairOverlapSteps
 
 if TYPE_CHECKING:  # boto3 is imported only when a run reads S3 or uploads checkpoints
@@ -132,9 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flow-run-id", default=None, help="Prefect flow run that launched this run (lineage)")
     parser.add_argument("--pg-timeout-s", type=float, default=DEFAULT_PG_TIMEOUT_S,
                         help="a collective waiting this long (a rank died) ends the process")
+    parser.add_argument("--s3-outage-limit-s", type=float, default=os.environ.get("DFLASH_S3_OUTAGE_LIMIT_S"),
+                        help="how long checkpoint uploads may keep failing (S3 down) before the run fails, default "
+                             "300; training goes on with local checkpoints meanwhile (env DFLASH_S3_OUTAGE_LIMIT_S)")
     args = parser.parse_args(argv)
     config = TrainConfig.from_yaml(args.config, overrides=args.set)
     dist_info = Distributed.from_env()
+    lock = None
+    if dist_info.is_main:  # one run per run dir (also on a shared output_dir): a second would delete our saves
+        try:
+            lock = RunLock(config.run_dir, run_name=config.run_name).acquire()
+        except RunLocked as error:
+            raise SystemExit(f"error: {error}") from None
+        removed = remove_debris(config.run_dir / "checkpoints")
+        if removed:
+            print(f"removed debris of interrupted saves/prunes: {', '.join(removed)}", file=sys.stderr, flush=True)
     devices = process_devices(config, dist_info)
     # The drafter's device is this process's device: DDP, NCCL collectives and barriers run there.
     device = torch.device((devices.drafter_device if devices.placement == "pair" else None)
@@ -155,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     store = _store_if_needed(config, settings)
     trainer_class = PairOverlapTrainer if config.pair_overlap else Trainer
     trainer = trainer_class(devices, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
-                            flow_run_id=args.flow_run_id,
+                            flow_run_id=args.flow_run_id, s3_outage_limit_s=args.s3_outage_limit_s,
                             checkpoint_prefix=artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT,
                                                            config.run_name))
     try:
@@ -166,12 +181,17 @@ def main(argv: list[str] | None = None) -> int:
         if not resumed:
             trainer.validate_capture()
         log = _console_logger(config) if dist_info.is_main else None
-        result = trainer.run(on_log=log)
+        try:
+            result = trainer.run(on_log=log)
+        except _upload_errors(store) as error:  # local checkpoints are intact; the message says what to do
+            raise SystemExit(f"error: {error}") from None
         _print_rank_summary(trainer)
     finally:
         trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
     if dist_info.is_main:
         print(json.dumps({"final_step": result.final_step, "checkpoint": str(result.checkpoint),
                           "preempted": result.preempted}), flush=True)
@@ -181,11 +201,22 @@ def main(argv: list[str] | None = None) -> int:
 def _store_if_needed(config: TrainConfig, settings: Settings) -> ObjectStore | None:
     if not config.upload_checkpoints and all(Path(item).is_file() for item in config.data):
         return None
-    from dflash_core.storage import ObjectStore
+    from dflash_core.storage import ObjectStore, StoreError
 
     store = ObjectStore.from_settings(settings)
-    store.check()
+    try:
+        store.check()
+    except StoreError as error:  # unreachable, wrong credentials, missing bucket, not S3: say which, fast
+        raise SystemExit(f"error: {error}") from None
     return store
+
+
+def _upload_errors(store: ObjectStore | None) -> tuple[type[Exception], ...]:
+    if store is None:
+        return ()
+    from dflash_core.train.uploader import CheckpointUploadFailed
+
+    return (CheckpointUploadFailed,)
 
 
 def _ranks_agree_on_step(trainer: Trainer) -> None:

@@ -5,15 +5,18 @@ Run: `.venv/bin/python -m pytest tests/integration/test_storage.py -q`
 
 from __future__ import annotations
 
+import http.server
 import io
 import os
+import threading
+import time
 import urllib.request
 
 import pytest
 
 from dflash_core.settings import Settings
 from dflash_core.storage import (
-    ChecksumMismatch, ObjectNotFound, ObjectStore, StoreConfigError, sha256_bytes,
+    ChecksumMismatch, ObjectNotFound, ObjectStore, StoreConfigError, StoreUnavailable, sha256_bytes,
 )
 
 
@@ -100,9 +103,67 @@ def test_missing_bucket_names_the_setting(settings: Settings, s3_server) -> None
     # (SeaweedFS creates a bucket on first write, so flows call check() before writing anything.)
 
 
-def test_unreachable_endpoint_names_the_setting(settings: Settings) -> None:
+def test_unreachable_endpoint_fails_within_seconds_naming_the_url(settings: Settings) -> None:
     from tests.conftest import free_port
 
-    dead = ObjectStore.from_settings(settings.replace(s3_endpoint_url=f"http://127.0.0.1:{free_port()}", s3_max_attempts=1))
-    with pytest.raises(StoreConfigError, match="DFLASH_S3_ENDPOINT_URL"):
+    url = f"http://127.0.0.1:{free_port()}"
+    dead = ObjectStore.from_settings(settings.replace(s3_endpoint_url=url))  # default attempts: check stays fast
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=f"cannot reach the S3 endpoint {url}.*DFLASH_S3_ENDPOINT_URL"):
         dead.check()
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("status", [404, 200])
+def test_an_endpoint_that_is_not_s3_is_named_as_such(settings: Settings, status: int) -> None:
+    class NotS3(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html><body>a web page</body></html>"
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        other = ObjectStore.from_settings(settings.replace(s3_endpoint_url=url))
+        started = time.monotonic()
+        with pytest.raises(StoreConfigError, match=f"{url} is not an S3 server.*DFLASH_S3_ENDPOINT_URL"):
+            other.check()
+        assert time.monotonic() - started < 5
+    finally:
+        server.shutdown()
+
+
+def test_configuration_errors_are_not_retried_by_check_store(settings: Settings, s3_server, prefect_server) -> None:
+    from prefect import flow
+
+    from tasks.store import check_store
+
+    @flow
+    def check(s: Settings) -> str:
+        return check_store(s)
+
+    for bad in (settings.replace(s3_secret_access_key="wrong"), settings.replace(s3_bucket="no-such-bucket")):
+        started = time.monotonic()
+        state = check(bad, return_state=True)
+        assert state.is_failed()
+        with pytest.raises(StoreConfigError):
+            state.result()
+        assert time.monotonic() - started < 5, "a 403 or a missing bucket was retried"
+
+
+def test_incomplete_multipart_uploads_are_listed_and_aborted(store: ObjectStore, prefix: str) -> None:
+    key = f"{prefix}/half.bin"
+    upload = store.client.create_multipart_upload(Bucket=store.bucket, Key=key)
+    store.client.upload_part(Bucket=store.bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1,
+                             Body=b"x" * 1024)
+    assert [u["key"] for u in store.incomplete_uploads(prefix + "/")] == [key]
+    assert store.abort_incomplete_uploads(prefix + "/") == 1
+    assert store.incomplete_uploads(prefix + "/") == [] and not store.exists(key)

@@ -61,11 +61,12 @@ def test_incomplete_rendezvous_is_refused(settings, message) -> None:
 
 def test_cli_passes_the_rendezvous_to_torchrun(tmp_path, monkeypatch) -> None:
     from dflash_core import cli
+    from dflash_core.train import supervise
 
     config = tmp_path / "run.yaml"
     config.write_text("target: tiny:llama\ndata: [shard.arrow]\nplacement: pair\n")
     launched = []
-    monkeypatch.setattr(cli.subprocess, "run", lambda argv: launched.append(argv) or type("Done", (), {"returncode": 0}))
+    monkeypatch.setattr(supervise, "run_tied", lambda argv: launched.append(argv) or 0)
     result = CliRunner().invoke(cli.app, ["train", "--config", str(config), "--nproc-per-node", "4", "--nnodes", "2",
                                           "--rdzv-endpoint", "head:29400", "--rdzv-id", "job1", "--pair-overlap",
                                           "--set", "optim.lr=1e-4"])
