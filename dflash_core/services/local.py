@@ -2,10 +2,17 @@
 
 Both bind 127.0.0.1, keep data, logs and PID records under `<work_dir>/services/<name>/`, and are
 idempotent: `up` leaves a healthy running service alone, `down` stops only what `up` recorded.
+
+SeaweedFS serves data only through its S3 port, which requires signed requests. Its other ports
+refuse anyone else on the host: the master and filer serve no HTTP (`-disableHttp`), the volume
+server reads and writes only with a JWT that the master and filer sign with keys drawn at each start
+(kept in the process's environment only), and every gRPC port requires a client certificate from a
+CA made for this work dir (`services/s3/tls/`, private key readable by its owner only).
 """
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import sys
 import urllib.request
@@ -77,13 +84,14 @@ def s3_service(settings: Settings) -> LocalService:
         _venv_binary("weed"), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-master.port={ports[0]}", f"-volume.port={ports[1]}", f"-filer.port={ports[2]}",
         f"-s3.port={ports[3]}", f"-admin.port={ports[4]}", "-admin.ui=false", "-webdav=false",
-        "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", "-disableHttp",
     ]
     env = {
         # Credentials in the environment turn SeaweedFS's S3 auth on: wrong keys are refused.
         "AWS_ACCESS_KEY_ID": settings.s3_access_key_id.get_secret_value(),
         "AWS_SECRET_ACCESS_KEY": settings.s3_secret_access_key.get_secret_value(),
         "GOMEMLIMIT": "256MiB",
+        **seaweed_security_env(home / "tls"),
     }
 
     def store():
@@ -102,6 +110,68 @@ def s3_service(settings: Settings) -> LocalService:
         name="s3", argv=argv, env=env, ports=ports, probe=probe, ready_timeout_s=S3_READY_TIMEOUT_S,
         home=home, after_ready=create_bucket, url=settings.s3_endpoint_url,
     )
+
+
+# security.toml settings as WEED_* variables (SeaweedFS reads them as the file's keys).
+_JWT_KEYS = ("WEED_JWT_SIGNING_KEY", "WEED_JWT_SIGNING_READ_KEY",  # master <-> volume, writes / reads
+             "WEED_JWT_FILER_SIGNING_KEY", "WEED_JWT_FILER_SIGNING_READ_KEY")  # s3 <-> filer
+_GRPC_COMPONENTS = ("MASTER", "VOLUME", "FILER", "S3", "ADMIN", "WORKER", "MSG_BROKER", "MSG_AGENT", "MQ", "CLIENT")
+
+
+def seaweed_security_env(tls_dir: Path) -> dict[str, str]:
+    """JWT signing keys (new at each start) and gRPC mutual TLS for every SeaweedFS component."""
+    ca, cert, key = grpc_certificates(tls_dir)
+    env = {name: secrets.token_urlsafe(32) for name in _JWT_KEYS}
+    env["WEED_FILER_EXPOSE_DIRECTORY_METADATA_ENABLED"] = "false"
+    env["WEED_ACCESS_UI"] = "false"
+    env["WEED_GRPC_CA"] = str(ca)
+    for component in _GRPC_COMPONENTS:
+        env[f"WEED_GRPC_{component}_CERT"] = str(cert)
+        env[f"WEED_GRPC_{component}_KEY"] = str(key)
+    return env
+
+
+def grpc_certificates(tls_dir: Path) -> tuple[Path, Path, Path]:
+    """(CA certificate, node certificate, node key) for loopback mTLS, made once per work dir. The CA's
+    key is not kept: nothing else can be signed by it."""
+    ca_path, cert_path, key_path = tls_dir / "ca.crt", tls_dir / "node.crt", tls_dir / "node.key"
+    if ca_path.is_file() and cert_path.is_file() and key_path.is_file():
+        return ca_path, cert_path, key_path
+    import datetime
+    import ipaddress
+    import os
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, node_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dflash local SeaweedFS CA")])
+    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=3650))
+               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+               .sign(ca_key, hashes.SHA256()))
+    node_cert = (x509.CertificateBuilder()
+                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dflash-seaweedfs")]))
+                 .issuer_name(ca_name).public_key(node_key.public_key()).serial_number(x509.random_serial_number())
+                 .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=3650))
+                 .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                             x509.DNSName("localhost")]), critical=False)
+                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                 .sign(ca_key, hashes.SHA256()))
+    tls_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(tls_dir, 0o700)
+    descriptor = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(node_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.NoEncryption()))
+    cert_path.write_bytes(node_cert.public_bytes(serialization.Encoding.PEM))
+    ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    return ca_path, cert_path, key_path
 
 
 def prefect_client_env(settings: Settings) -> dict[str, str]:
