@@ -103,3 +103,12 @@ def test_repetition_and_tool_call_loop_detectors(qwen_target):
     problems = check_gate(summarize(samples, skipped), GateThresholds())
     assert [p.check for p in problems] == ["max_degenerate_fraction"]
     assert "1 n-gram loops, 1 repeated <tool_call> blocks" in problems[0].message
+
+
+def test_duplicate_ids_are_checked_not_only_counted(qwen_target):
+    records = [make_record(id=f"r{i % 4}", content=f"Answer {i}, in a short sentence.") for i in range(6)]
+    samples, skipped = frames(qwen_target, jsonl(*records))
+    problems = check_gate(summarize(samples, skipped), GateThresholds())
+    assert [p.check for p in problems] == ["max_duplicate_ids"]
+    assert "all datasets: 2 samples repeat the id of another sample" in problems[0].message
+    assert check_gate(summarize(samples, skipped), GateThresholds(max_duplicate_ids=2)) == []
