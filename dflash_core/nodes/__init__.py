@@ -1,4 +1,8 @@
-"""Nodes: reach one (local or SSH), provision it, preserve it before shutdown. No Prefect import."""
+"""Nodes: reach one (local or SSH), provision it, preserve it before shutdown. No Prefect import.
+
+Importing this package needs no boto3 (S3 is imported where a record or backup is uploaded), so
+`python -m dflash_core.nodes provision --local` runs on a bare GPU image.
+"""
 
 from dflash_core.nodes.access import (
     CommandFailed, CommandResult, CommandTimeout, DetachedProcess, HostKeyError, NodeAccess, NodeError,

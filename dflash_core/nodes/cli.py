@@ -37,9 +37,11 @@ def _resolve_node(local: bool, node: str | None, inventory: Path, work_dir: str 
     if local == (node is not None):
         raise ValueError("say which node: --local (this machine) or --node NAME (from --inventory)")
     if local:
-        from dflash_core.settings import load_settings
+        if work_dir is None:
+            from dflash_core.settings import load_settings
 
-        return local_node(work_dir or str(load_settings().work_path("node")), name="local", gpus=gpus)
+            work_dir = str(load_settings().work_path("node"))
+        return local_node(work_dir, name="local", gpus=gpus)
     found = find_node(inventory, node or "")
     changes = {k: v for k, v in {"work_dir": work_dir, "gpus": gpus}.items() if v is not None}
     return Node.model_validate({**found.model_dump(), **changes})

@@ -17,18 +17,22 @@ import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, Field
 
 from dflash_core.layout import ArtifactKind, artifact_key
-from dflash_core.lineage import InputRef, Manifest, write_artifact
 from dflash_core.nodes import probe
 from dflash_core.nodes.access import NodeAccess
 from dflash_core.nodes.node import Node
 from dflash_core.nodes.provision import RECORD_NAME
 from dflash_core.nodes.record import SystemInventory
-from dflash_core.provenance import Producer
-from dflash_core.storage import ObjectStore
 from dflash_core.units import binary_bytes
+
+if TYPE_CHECKING:  # the S3 side is imported in preserve(): the rest runs on a node image without boto3
+    from dflash_core.lineage import Manifest
+    from dflash_core.provenance import Producer
+    from dflash_core.storage import ObjectStore
 
 PROCESS_DIR = "pids"  # under the node's work_dir: records of processes started with NodeAccess.start_detached
 
@@ -99,6 +103,8 @@ def stop_our_processes(access: NodeAccess, work_dir: str, *, timeout_s: float) -
 
 def preserve(access: NodeAccess, node: Node, store: ObjectStore, prefixes: dict[ArtifactKind, str],
              config: PreserveConfig, *, producer: Producer | None = None, timestamp: str | None = None) -> PreserveResult:
+    from dflash_core.lineage import InputRef, write_artifact
+
     timestamp = timestamp or backup_timestamp()
     work_dir = probe.resolve(access, node.work_dir)
     stopped = stop_our_processes(access, work_dir, timeout_s=config.stop_timeout_s) if config.stop_servers else []

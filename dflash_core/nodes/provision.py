@@ -18,16 +18,20 @@ import shlex
 import time
 from posixpath import basename
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, Field
 
-from dflash_core.layout import ArtifactKind, artifact_key
-from dflash_core.lineage import Manifest, write_artifact
 from dflash_core.nodes import probe
 from dflash_core.nodes.access import NodeAccess, NodeError
 from dflash_core.nodes.node import Node
 from dflash_core.nodes.record import ModelPlacement, NodeRecord, VenvState
-from dflash_core.provenance import Producer
-from dflash_core.storage import ObjectStore
+
+if TYPE_CHECKING:  # S3 only for upload_node_record: provision itself runs on a bare GPU image without boto3
+    from dflash_core.layout import ArtifactKind
+    from dflash_core.lineage import Manifest
+    from dflash_core.provenance import Producer
+    from dflash_core.storage import ObjectStore
 
 INSTALL_STAMP = ".dflash-provisioned"
 RECORD_NAME = "node-record.json"
@@ -47,6 +51,10 @@ for _, path in sorted(files, reverse=True):
         break
     fd = os.open(path, os.O_RDONLY)
     try:
+        try:
+            os.fdatasync(fd)  # dirty pages (a file just written) cannot be dropped from the cache
+        except OSError:
+            pass
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # measure the storage, not the page cache
         while done < budget:
             chunk = os.read(fd, 8 << 20)
@@ -116,6 +124,9 @@ def write_node_record(access: NodeAccess, work_dir: str, record: NodeRecord) -> 
 def upload_node_record(store: ObjectStore, prefixes: dict[ArtifactKind, str], record: NodeRecord, *,
                        producer: Producer | None = None) -> Manifest:
     """The record as an artifact with its manifest: node-backups/<node>/<time>/node-record.json."""
+    from dflash_core.layout import ArtifactKind, artifact_key
+    from dflash_core.lineage import write_artifact
+
     stamp = record.provisioned_at.strftime("%Y%m%dT%H%M%SZ")
     key = artifact_key(prefixes, ArtifactKind.NODE_BACKUP, record.node, stamp, RECORD_NAME)
     return write_artifact(store, key, record.model_dump_json(indent=2).encode(), kind=ArtifactKind.NODE_BACKUP,
@@ -136,9 +147,16 @@ def _ensure_venv(access: NodeAccess, config: ProvisionConfig, path: str, actions
     if cfg.returncode != 0 or not access.exists(python) or not has_site:
         argv = [config.python, "-m", "venv", *(["--system-site-packages"] if config.system_site_packages else []),
                 *(["--clear"] if cfg.returncode == 0 else []), path]
-        access.run(argv, timeout_s=600)
+        made = access.run(argv, timeout_s=600, check=False)
+        if made.returncode != 0 and "ensurepip" in made.stdout + made.stderr:
+            # Debian/Ubuntu images without python3-venv: a venv without pip, filled by the outer pip (--python).
+            access.run([*argv[:-1], "--without-pip", "--clear", path], timeout_s=600)
+        elif made.returncode != 0:
+            access.run(argv, timeout_s=600)  # raises with the output
         actions.append(f"{'recreated' if cfg.returncode == 0 else 'created'} venv {path}")
     version = access.run([python, "-c", "import sys; print(sys.version.split()[0])"], timeout_s=60).stdout.strip()
+    has_pip = access.run([python, "-m", "pip", "--version"], check=False, timeout_s=60).returncode == 0
+    pip = [python, "-m", "pip"] if has_pip else [config.python, "-m", "pip", "--python", python]
     state = VenvState(path=path, fs_type=mount.fs_type, mount_point=mount.mount_point, python=version,
                       system_site_packages=config.system_site_packages, packages=list(config.packages),
                       find_links=list(config.find_links))
@@ -147,15 +165,14 @@ def _ensure_venv(access: NodeAccess, config: ProvisionConfig, path: str, actions
         stamp_path = f"{path}/{INSTALL_STAMP}"
         current = access.run(["cat", stamp_path], check=False, timeout_s=30).stdout.strip()
         if current != state.install_stamp:
-            argv = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--quiet",
+            argv = [*pip, "install", "--disable-pip-version-check", "--no-input", "--quiet",
                     *(["--no-index"] if config.no_index else []), *(["--no-deps"] if config.no_deps else []),
                     *[arg for link in config.find_links for arg in ("--find-links", access.path(link))],
                     *config.packages]
             access.run(argv, timeout_s=config.install_timeout_s)
             access.write_text(stamp_path, state.install_stamp)
             actions.append(f"installed {' '.join(config.packages)} into {path}")
-    state.freeze = access.run([python, "-m", "pip", "freeze", "--disable-pip-version-check"],
-                              timeout_s=120).stdout.split()
+    state.freeze = access.run([*pip, "freeze", "--disable-pip-version-check"], timeout_s=120).stdout.split()
     return state
 
 

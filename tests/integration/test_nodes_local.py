@@ -168,3 +168,29 @@ def test_preserve_stops_only_ours_and_uploads_everything_with_manifests(store, s
     assert "server-0 (pid" in note and f"{work}/missing.log" in note and result.missing == [f"{work}/missing.log"]
     graph = build_lineage(store, prefix)
     assert graph.inputs_of(store.uri(prefix + "NOTE.md")) == {s.uri for s in result.saved}
+
+
+def test_provision_without_ensurepip_fills_the_venv_with_the_outer_pip(tmp_path: Path) -> None:
+    """Images without python3-venv (no ensurepip): the venv is made --without-pip and filled by `pip --python`."""
+    import sys
+
+    build_wheel(tmp_path / "wheelhouse")
+    fake = tmp_path / "python-without-ensurepip"
+    fake.write_text(f"""#!/bin/sh
+case " $* " in
+  *" -m venv "*) case " $* " in *" --without-pip "*) ;; *)
+    echo "The virtual environment was not created successfully because ensurepip is not available." >&2; exit 1;;
+  esac;;
+esac
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    node = local_node(tmp_path / "node")
+    config = ProvisionConfig(python=str(fake), packages=["dflash_probe_pkg==0.1.0"],
+                             find_links=[str(tmp_path / "wheelhouse")], no_index=True)
+    with node.connect() as access:
+        record = provision(access, node, config)
+        again = provision(access, node, config)
+    assert not (Path(record.venv.path) / "bin" / "pip").exists()
+    assert "dflash_probe_pkg==0.1.0" in record.venv.freeze and again.actions == []
+    assert subprocess.run([f"{record.venv.path}/bin/python", "-c", "import dflash_probe_pkg"]).returncode == 0
