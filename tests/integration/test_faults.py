@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,28 +120,38 @@ def private_s3(tmp_path):
 
 def test_s3_stopped_and_restarted_mid_run(private_s3, tmp_path) -> None:
     from dflash_core.services import local
+    from dflash_core.services.process import stop
 
     settings, service = private_s3
-    config = _config(tmp_path, "outage", upload_checkpoints=True, max_steps=60)
+    config = _config(tmp_path, "outage", upload_checkpoints=True, max_steps=150, checkpoint_every=10)
     run_dir = tmp_path / "runs" / "outage"
     store = ObjectStore.from_settings(settings)
     prefix = "checkpoints/outage"
     process = subprocess.Popen(_entry(config), env=_env(tmp_path, settings, DFLASH_S3_MAX_ATTEMPTS="2",
                                                          DFLASH_S3_OUTAGE_LIMIT_S="120"),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait(lambda: 5 in remote_checkpoints(store, prefix) and remote_checkpoints(store, prefix)[5].complete(),
-          process, timeout_s=120, what="the first checkpoint in S3")
-    local.shutdown(service)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    _wait(lambda: any(r.complete() for r in remote_checkpoints(store, prefix).values()), process, timeout_s=120,
+          what="a first checkpoint in S3")
+    stop(service.record(), timeout_s=0)  # the server dies at once, as in a crash
     stopped_at = _logged_step(run_dir)
-    _wait(lambda: _logged_step(run_dir) >= min(60, stopped_at + 15), process, timeout_s=60,
+    _wait(lambda: any("S3 unavailable" in line for line in lines), None, timeout_s=60,
+          what="the uploader noticing the outage")
+    _wait(lambda: _logged_step(run_dir) >= min(150, stopped_at + 20), None, timeout_s=60,
           what="training going on while S3 is down")
+    down_steps = _logged_step(run_dir) - stopped_at
     local.start(service)
-    output, _ = process.communicate(timeout=180)
+    process.wait(timeout=180)
+    reader.join(timeout=10)
+    output = "".join(lines)
     assert process.returncode == 0, output[-4000:]
-    assert "S3 unavailable" in output and "training goes on with local checkpoints" in output, output[-4000:]
+    assert stopped_at < 150 and down_steps >= min(20, 150 - stopped_at), (stopped_at, down_steps)
+    assert "training goes on with local checkpoints" in output and "S3 is back after" in output, output[-4000:]
     root = run_dir / "checkpoints"
-    assert [p.name for p in complete_checkpoints(root)] == ["step-000055", "step-000060"]
-    _assert_s3_holds(store, prefix, root, [55, 60])
+    assert [p.name for p in complete_checkpoints(root)] == ["step-000140", "step-000150"]
+    _assert_s3_holds(store, prefix, root, [140, 150])
 
 
 def test_failed_upload_is_repaired_by_a_rerun_at_max_steps(store, settings, prefix, tmp_path, one_thread) -> None:
