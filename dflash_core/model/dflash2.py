@@ -89,12 +89,9 @@ class DFlash2Config(DFlashConfig):
             raise ValueError(
                 f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping}"
             )
-        # Base-DFlash loss options (fields present once the trainer's loss options land) that the
-        # DFlash 2 objective does not implement yet: refused, never silently ignored.
-        for name, supported in (("loss_type", "ce"), ("loss_weighting", "exp_decay")):
-            value = getattr(self, name, supported)
-            if value != supported:
-                raise ValueError(f"DFlash 2 training supports {name}={supported!r} only, got {value!r}")
+        # The DFlash 2 objective has no KL form (the selector needs hard labels): refused, never ignored.
+        if self.loss_type != "ce":
+            raise ValueError(f"DFlash 2 training supports loss_type='ce' only, got {self.loss_type!r}")
 
     @property
     def conv_num_groups(self) -> int:
@@ -349,7 +346,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         drafted = hidden[:, :, 1:]
         labels = self._labels(input_ids_BT=input_ids, plan=plan, teacher_hidden_BTH=teacher_hidden)
         predecessors = self._predecessor_ids(input_ids=input_ids, plan=plan, labels_BAK=labels)
-        weights = self.slot_weights[1:] * plan.label_valid
+        dpace = cfg.loss_weighting == "dpace"
+        weights = plan.label_valid.float() if dpace else self.slot_weights[1:] * plan.label_valid
         lm_head_weight = self.target_heads.lm_head.weight
         objective = dflash2_objective(
             drafted.reshape(-1, drafted.shape[-1]),
@@ -362,6 +360,8 @@ class DFlash2DraftModel(DFlashDraftModel):
             softcap=cfg.final_logit_softcapping,
             selector_loss_weight=cfg.selector_loss_weight,
             chunk_size=loss_chunk_size or default_chunk_size(vocab_size=lm_head_weight.shape[0]),
+            dpace_alpha=cfg.dpace_alpha if dpace else None,
+            num_slots=cfg.block_size - 1,
         )
         metrics = selector_metrics(objective, valid_BAK=plan.label_valid, anchor_valid_BA=plan.anchor_valid)
         return DraftOutput(hidden_BAKH=drafted, labels_BAK=labels), objective.loss, metrics

@@ -21,6 +21,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from dflash_core.model.loss import dpace_weights
 from dflash_core.model.metrics import block_metrics
 
 
@@ -48,12 +49,12 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
     chunk; the candidate logits' gradient gathers K LM-head rows per slot in backward."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, labels_N, token_weights_N, top_k, multiplier, softcap, chunk_size):
+    def forward(ctx, hidden_NH, weight_VH, labels_N, token_weights_N, top_k, multiplier, softcap, chunk_size,
+                dpace_alpha, num_slots):
         num_rows = hidden_NH.shape[0]
         device = hidden_NH.device
         compute_dtype = weight_VH.dtype
-        inv_total_weight = 1.0 / token_weights_N.sum().clamp_min(1e-12)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        nll_rows = torch.empty(num_rows, dtype=torch.float32, device=device)
         correct = torch.empty(num_rows, dtype=torch.bool, device=device)
         contains = torch.empty(num_rows, dtype=torch.bool, device=device)
         candidate_ids = torch.empty(num_rows, top_k, dtype=torch.long, device=device)
@@ -65,10 +66,9 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
             raw = (hidden_NH[rows].to(compute_dtype) @ weight_VH.T).float()
             logits = transform_logits(raw, multiplier=multiplier, softcap=softcap)
             labels = labels_N[rows]
-            weights = token_weights_N[rows]
             log_norm = torch.logsumexp(logits, dim=-1)
             label_logit = logits.gather(1, labels[:, None]).squeeze(1)
-            loss_sum += (weights * (log_norm - label_logit)).sum()
+            nll_rows[rows] = log_norm - label_logit
             correct[rows] = logits.argmax(dim=-1) == labels
             values, ids = logits.topk(top_k, dim=-1)  # sorted: the last is the weakest
             has_label = (ids == labels[:, None]).any(dim=-1)
@@ -78,18 +78,20 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
             if needs_grad:
                 grad = torch.exp(logits - log_norm[:, None])
                 grad.scatter_add_(1, labels[:, None], torch.full_like(label_logit[:, None], -1.0))
-                grad = grad * (weights * inv_total_weight)[:, None]
                 grad = grad * _transform_slope(logits, multiplier=multiplier, softcap=softcap)
                 grad_hidden[rows] = (grad.to(compute_dtype) @ weight_VH).to(hidden_NH.dtype)
+        scale = slot_scale(nll_rows, token_weights_N, dpace_alpha=dpace_alpha, num_slots=num_slots)
+        if needs_grad:
+            grad_hidden.mul_(scale[:, None].to(grad_hidden.dtype))
         ctx.save_for_backward(grad_hidden, weight_VH, candidate_ids, candidate_logits)
         ctx.transform = (multiplier, softcap)
         ctx.chunk_size = chunk_size
         ctx.hidden_dtype = hidden_NH.dtype
-        ctx.mark_non_differentiable(correct, candidate_ids, contains)
-        return loss_sum * inv_total_weight, correct, candidate_ids, candidate_logits, contains
+        ctx.mark_non_differentiable(correct, candidate_ids, contains, scale)
+        return (scale * nll_rows).sum(), correct, candidate_ids, candidate_logits, contains, scale
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct, _grad_ids, grad_candidate_logits, _grad_contains):
+    def backward(ctx, grad_loss, _grad_correct, _grad_ids, grad_candidate_logits, _grad_contains, _grad_scale):
         grad_ce, weight_VH, candidate_ids, candidate_logits = ctx.saved_tensors
         grad_hidden = grad_ce * grad_loss.to(grad_ce.dtype)
         if grad_candidate_logits is not None:
@@ -102,7 +104,22 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
                 rows_of_head = weight_VH[candidate_ids[rows]]  # [chunk, K, H]
                 grad_rows = torch.einsum("nk,nkh->nh", grad_raw[rows].to(weight_VH.dtype), rows_of_head)
                 grad_hidden[rows] += grad_rows.to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None, None
+
+
+def slot_scale(nll_N: torch.Tensor, token_weights_N: torch.Tensor, *, dpace_alpha: float | None,
+               num_slots: int) -> torch.Tensor:
+    """Per-slot loss scale [N] (no gradient), DFlash's two weightings: fixed weights over their sum, or
+    D-PACE weights (slots with weight 0 have no loss) over the number of slots with loss, as the base
+    drafter's loss and speculators normalize them."""
+    with torch.no_grad():
+        if dpace_alpha is None:
+            return token_weights_N / token_weights_N.sum().clamp_min(1e-12)
+        if num_slots < 1 or nll_N.numel() % num_slots:
+            raise ValueError(f"D-PACE groups slots into blocks of num_slots={num_slots}; {nll_N.numel()} slots")
+        valid = token_weights_N > 0
+        weights = dpace_weights(nll_N.view(-1, num_slots), valid.view(-1, num_slots), alpha=dpace_alpha)
+        return weights.flatten() / valid.sum().clamp_min(1)
 
 
 @dataclasses.dataclass
@@ -117,12 +134,10 @@ class DFlash2Objective:
     selector_correct: torch.Tensor
 
 
-def selector_cross_entropy(
-    scores_NK: torch.Tensor, label_index_N: torch.Tensor, token_weights_N: torch.Tensor
-) -> torch.Tensor:
-    """sum(w * CE_K(scores, label index)) / sum(w): the unary loss's normalization."""
+def selector_cross_entropy(scores_NK: torch.Tensor, label_index_N: torch.Tensor, scale_N: torch.Tensor) -> torch.Tensor:
+    """sum(scale * CE_K(scores, label index)), with the unary loss's per-slot scale (`slot_scale`)."""
     ce = torch.logsumexp(scores_NK, dim=-1) - scores_NK.gather(1, label_index_N[:, None]).squeeze(1)
-    return (token_weights_N * ce).sum() / token_weights_N.sum().clamp_min(1e-12)
+    return (scale_N * ce).sum()
 
 
 def dflash2_objective(
@@ -137,15 +152,19 @@ def dflash2_objective(
     softcap: float | None = None,
     selector_loss_weight: float = 1.0,
     chunk_size: int = 2048,
+    dpace_alpha: float | None = None,
+    num_slots: int = 0,
 ) -> DFlash2Objective:
     """Both losses over N drafted slots. `selector` is a `CandidateSelector` (top_k, context,
-    transition_scores); `predecessor_ids_N` the token before each slot on an accepted path."""
+    transition_scores); `predecessor_ids_N` the token before each slot on an accepted path.
+    `token_weights_N`: fixed slot weights (0: no loss), or with `dpace_alpha` only the 0/1 validity,
+    the slots then weighted by D-PACE within blocks of `num_slots`."""
     if lm_head_weight.requires_grad:
         raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     token_weights_N = token_weights_N.float()
-    dflash_loss, unary_correct, candidate_ids, candidate_logits, label_in_top_k = (
+    dflash_loss, unary_correct, candidate_ids, candidate_logits, label_in_top_k, scale = (
         _UnaryLossAndCandidates.apply(
             hidden_NH,
             lm_head_weight,
@@ -155,13 +174,15 @@ def dflash2_objective(
             float(output_multiplier),
             None if softcap is None else float(softcap),
             chunk_size,
+            dpace_alpha,
+            num_slots,
         )
     )
     context = selector.context(hidden_NH, predecessor_ids_N)
     scores = candidate_logits + selector.transition_scores(context, candidate_ids).float()
     # The label sits where the top-K has it, else in the last slot (injected).
     label_index = (candidate_ids == labels_N[:, None]).long().argmax(dim=-1)
-    selector_loss = selector_cross_entropy(scores, label_index, token_weights_N)
+    selector_loss = selector_cross_entropy(scores, label_index, scale)
     with torch.no_grad():
         selector_correct = (scores.argmax(dim=-1) == label_index) & label_in_top_k
     return DFlash2Objective(

@@ -47,7 +47,7 @@ class DrafterSettings(BaseModel):
         "dflash", description="dflash: the DFlash drafter. dflash2: DFlash 2 (a dynamic causal conv around every "
         "sublayer and a candidate selector that reranks the top-K); loads in z-lab's DFlash2DraftModel, "
         "vLLM/SGLang, and speculators 0.9's dflash2 when output_multiplier/softcapping are off. Block decoding "
-        "only (no DDTree); loss_type ce and loss_weighting exp_decay only.")
+        "only (no DDTree); loss_type ce only.")
     # DFlash 2 only; defaults are DFlash2Config's (the published Qwen3.8-27B-DFlash2 drafter's).
     conv_kernel_size: int = Field(
         _DFLASH2["conv_kernel_size"], ge=1,
@@ -82,11 +82,9 @@ class DrafterSettings(BaseModel):
                 raise ValueError(f"{changed} are DFlash 2 settings but variant is 'dflash': set variant=dflash2, "
                                  "or leave them at their defaults")
         else:
-            for name, supported in (("loss_type", "ce"), ("loss_weighting", "exp_decay")):
-                if getattr(self, name) not in (supported, None):
-                    raise ValueError(f"variant dflash2 trains with {name}={supported!r} only, got "
-                                     f"{getattr(self, name)!r} (the DFlash 2 objective implements neither KL nor "
-                                     "D-PACE yet)")
+            if self.loss_type != "ce":
+                raise ValueError(f"variant dflash2 trains with loss_type='ce' only, got {self.loss_type!r} (the "
+                                 "selector learns hard labels; the DFlash 2 objective has no KL form)")
             if self.conv_kernel_size > self.block_size:
                 raise ValueError(f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}: "
                                  "the conv never reaches across a block")

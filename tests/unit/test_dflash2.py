@@ -23,6 +23,7 @@ from dflash_core.model.dflash2 import (
 )
 from dflash_core.export import export_drafter, load_drafter
 from dflash_core.model.dflash2_loss import dflash2_objective, transform_logits
+from dflash_core.model.loss import dpace_weights
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config
 
 _SEQ, _BLOCK, _VOCAB = 40, 4, 256
@@ -209,6 +210,44 @@ def test_selector_loss_and_gradients_match_a_direct_computation(multiplier, soft
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_dpace_weights_both_losses_as_the_base_drafter_does():
+    """D-PACE: slot weights from the unary NLL (no gradient through them), both losses over the
+    number of slots with loss, exactly as a direct computation with `dpace_weights`."""
+    torch.manual_seed(1)
+    slots, blocks, hidden_size = 4, 6, 16
+    num = slots * blocks
+    weight = torch.randn(_VOCAB, hidden_size)
+    selector = CandidateSelector(vocab_size=_VOCAB, hidden_size=hidden_size, rank=6, top_k=5)
+    selector.reset_parameters(std=0.5)
+    hidden = torch.randn(num, hidden_size, requires_grad=True)
+    labels = torch.randint(0, _VOCAB, (num,))
+    predecessors = torch.randint(0, _VOCAB, (num,))
+    valid = torch.ones(num)
+    valid[[3, 7, 10, 11]] = 0.0
+
+    logits = hidden @ weight.T
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    weights = dpace_weights(ce.detach().view(blocks, slots), valid.bool().view(blocks, slots), alpha=0.4).flatten()
+    candidates = logits.topk(5, dim=-1).indices
+    present = (candidates == labels[:, None]).any(-1)
+    candidates[:, -1] = torch.where(present, candidates[:, -1], labels)
+    pred = selector.predecessor_codebook[predecessors] * selector.hidden_projection(hidden)
+    scores = logits.gather(1, candidates) + torch.einsum("nr,nkr->nk", pred, selector.successor_codebook[candidates])
+    target_index = (candidates == labels[:, None]).long().argmax(-1)
+    selector_ce = F.cross_entropy(scores, target_index, reduction="none")
+    expected = ((weights * ce).sum() + 0.6 * (weights * selector_ce).sum()) / valid.sum()
+
+    objective = dflash2_objective(
+        hidden, lm_head_weight=weight, selector=selector, labels_N=labels, predecessor_ids_N=predecessors,
+        token_weights_N=valid, selector_loss_weight=0.6, chunk_size=7, dpace_alpha=0.4, num_slots=slots,
+    )
+    torch.testing.assert_close(objective.loss, expected)
+    grads = torch.autograd.grad(objective.loss, [hidden, *selector.parameters()])
+    expected_grads = torch.autograd.grad(expected, [hidden, *selector.parameters()])
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def test_gradients_reach_every_drafter_parameter_and_no_target_parameter():
     target, drafter, input_ids, captured, plan = _setup(output_multiplier=0.8, final_logit_softcapping=5.0)
     _, loss, metrics = _run(drafter, input_ids, captured, plan, loss_chunk_size=13)
@@ -317,10 +356,9 @@ def test_config_validation_variants_and_round_trips():
     for fields in bad:
         with pytest.raises(ValueError):
             DFlash2Config.from_dflash(base, **fields)
-    if hasattr(base, "loss_type"):  # base loss options DFlash 2 does not implement are refused
-        for name, value in (("loss_type", "kl"), ("loss_weighting", "dpace")):
-            with pytest.raises(ValueError, match=name):
-                DFlash2Config.from_dflash(dataclasses.replace(base, **{name: value}))
+    with pytest.raises(ValueError, match="loss_type"):  # the selector needs hard labels: no KL form
+        DFlash2Config.from_dflash(dataclasses.replace(base, loss_type="kl"))
+    assert DFlash2Config.from_dflash(dataclasses.replace(base, loss_weighting="dpace")).loss_weighting == "dpace"
     with pytest.raises(ValueError, match="variant"):
         drafter_config("eagle3", base)
     with pytest.raises(ValueError, match="given for variant 'dflash'"):
