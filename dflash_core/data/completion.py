@@ -6,7 +6,9 @@ so callers can count and quarantine it instead of dropping it.
 
 `prompt` holds the messages as they were sent to the server. Tokenization keeps only the system
 and user turns of it (generation strips assistant turns the same way), so a record carrying the
-source conversation's assistant turns still renders what the target really saw.
+source conversation's assistant turns still renders what the target really saw. A `regenerated`
+record (the regenerate_turns policy) is the exception: its prompt's assistant turns are the target's
+own earlier answers, fed back turn by turn, and are rendered as context.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ class CompletionRecord(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
     finish_reason: Literal["stop", "length", "tool_calls", "content_filter"]
     generation: GenerationMeta
+    regenerated: bool = Field(
+        False, description="The prompt's assistant turns are the target's own earlier answers (regenerate_turns): "
+        "tokenization keeps them as context. False: they came from the source and are dropped.")
 
     def to_json_line(self) -> bytes:
         """The record as one JSONL line (UTF-8, newline-terminated)."""

@@ -10,7 +10,7 @@ not understood (a `.json` object instead of an array, an unknown suffix) is an e
 Multi-turn conversations keep their meaning under one of two policies (`TURN_POLICIES`):
 - `first_user_turn` (default): the system turn and the first user turn only, a single-turn prompt.
 - `regenerate_turns`: the first user turn as the prompt, the later user turns as `followups`, asked
-  in order after the target answered each earlier one (`regenerate_conversation`), so every
+  in order after the target answered each earlier one (`regenerate_completion`), so every
   assistant turn is the target's own. The source's assistant turns are never kept.
 Either way a conversation whose first kept user turn answers something missing (an assistant turn
 before it, or a bare "continue") is rejected as `needs_context`.
@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from dflash_core.data.completion import Message
+from dflash_core.data.completion import CompletionRecord, Message
 
 PROMPT_SCHEMA_VERSION = 1
 USER_ROLES = {"user", "human"}
@@ -413,20 +413,34 @@ def import_prompts(sources: Iterable[PromptSource], *, total: int | None = None,
     return mixed, report
 
 
-async def regenerate_conversation(record: PromptRecord,
-                                  answer: Callable[[list[Message]], Awaitable[Message]]) -> list[Message]:
-    """The whole conversation of a `regenerate_turns` prompt, every assistant turn the target's own:
-    `answer(messages)` is called once per user turn, in order, with the target's earlier answers as
-    context. A single-turn prompt gives [*messages, answer]."""
-    conversation = list(record.messages)
-    for index, followup in enumerate([None, *(record.followups or [])]):
+async def regenerate_completion(prompt: PromptRecord,
+                                complete: Callable[[list[Message]], Awaitable[CompletionRecord]]) -> CompletionRecord:
+    """Answer a prompt turn by turn with the target's own answers as context (regenerate_turns).
+
+    `complete(messages)` asks the target once; each follow-up is sent after the target's answer to
+    the turn before it. The result is the last turn's record, its prompt the whole conversation so far
+    (`regenerated=True`). A turn cut at max_tokens or ending in tool calls (which need tool results,
+    not a user turn) ends the conversation early; `generation.extra` says how many turns were answered.
+    A single-turn prompt is one `complete` call, as before."""
+    turns = [None, *(prompt.followups or [])]
+    conversation = list(prompt.messages)
+    record: CompletionRecord | None = None
+    for answered, followup in enumerate(turns):
         if followup is not None:
-            conversation.append(Message(role="user", content=followup))
-        reply = await answer(list(conversation))
-        if reply.role != "assistant":
-            raise ValueError(f"prompt {record.id!r}: turn {index} was answered with role {reply.role!r}, not assistant")
-        conversation.append(reply)
-    return conversation
+            assert record is not None
+            if record.finish_reason in ("length", "tool_calls", "content_filter"):
+                break
+            conversation += [Message(role="assistant", content=record.content, tool_calls=record.tool_calls or None),
+                             Message(role="user", content=followup)]
+        record = await complete(list(conversation))
+    else:
+        answered = len(turns)
+    assert record is not None
+    if len(turns) == 1:
+        return record
+    extra = {**record.generation.extra, "turns_answered": answered, "turns_total": len(turns)}
+    return record.model_copy(update={"prompt": conversation, "regenerated": True,
+                                     "generation": record.generation.model_copy(update={"extra": extra})})
 
 
 def shard_prompts(records: list[PromptRecord], *, shard_size: int) -> list[list[PromptRecord]]:

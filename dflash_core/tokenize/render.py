@@ -1,6 +1,7 @@
 """Render a completion record with the target's chat template and find the loss span in characters.
 
-The prompt keeps only its system and user turns (generation strips assistant turns the same way).
+The prompt keeps only its system and user turns (generation strips assistant turns the same way),
+except in a regenerated conversation, whose assistant turns are the target's own earlier answers.
 The prompt is rendered with the generation prompt, the full conversation without it; the full text
 must start with the prompt text (prefix stability), and the characters after it are what the
 target generated: thinking, answer, tool calls, and the end-of-turn token when the model emitted
@@ -37,7 +38,10 @@ class RenderedSample:
 
 
 def prompt_messages(record: CompletionRecord) -> list[dict]:
-    """The prompt as the target saw it: system and user turns only, None fields dropped."""
+    """The prompt as the target saw it: system and user turns (and, in a regenerated conversation, the
+    target's own earlier answers), None fields dropped."""
+    if record.regenerated:
+        return [m.model_dump(exclude_none=True) for m in record.prompt]
     return [{"role": m.role, "content": m.content} for m in record.prompt if m.role in PROMPT_ROLES]
 
 

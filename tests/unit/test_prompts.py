@@ -27,28 +27,60 @@ def test_default_policy_keeps_the_first_user_turn_only() -> None:
     assert record.followups is None and record.id == "sg-1"
 
 
-def test_regenerate_turns_keeps_later_user_turns_as_followups_in_order() -> None:
+def _answering(finish_reasons=()):
+    """A stand-in target: answers each call with what it was shown, recording every request."""
+    from dflash_core.data.completion import CompletionRecord
+
+    seen = []
+
+    async def complete(messages):
+        seen.append([(m.role, m.content) for m in messages])
+        finish = finish_reasons[len(seen) - 1] if len(seen) <= len(finish_reasons) else "stop"
+        return CompletionRecord(id="sg-1", source="sg", prompt=messages, content=f"own answer {len(seen)}",
+                                finish_reason=finish, generation={"model": "m"})
+    return complete, seen
+
+
+def test_regenerate_turns_asks_each_user_turn_with_the_targets_own_answers() -> None:
     import asyncio
 
-    from dflash_core.data.completion import Message
-    from dflash_core.data.prompts import regenerate_conversation
+    from dflash_core.data.prompts import regenerate_completion
 
     record = normalize(SHAREGPT, source="sg", index=0, turns="regenerate_turns")
     assert [(m.role, m.content) for m in record.messages] == [("system", "Be brief."), ("user", "Hi")]
     assert record.followups == ["Reverse a string in Python"]
-    seen = []
-
-    async def answer(messages):  # stands in for the target: answers with what it was shown
-        seen.append([(m.role, m.content) for m in messages])
-        return Message(role="assistant", content=f"own answer {len(seen)}")
-
-    conversation = asyncio.run(regenerate_conversation(record, answer))
+    complete, seen = _answering()
+    final = asyncio.run(regenerate_completion(record, complete))
     # The source's answers ("Hello!", "s[::-1]") never reach the target; its own answers are its context.
     assert seen == [[("system", "Be brief."), ("user", "Hi")],
                     [("system", "Be brief."), ("user", "Hi"), ("assistant", "own answer 1"),
                      ("user", "Reverse a string in Python")]]
-    assert [m.role for m in conversation] == ["system", "user", "assistant", "user", "assistant"]
-    assert conversation[-1].content == "own answer 2"
+    assert final.regenerated and final.content == "own answer 2"
+    assert [(m.role, m.content) for m in final.prompt] == seen[1]
+    assert final.generation.extra == {"turns_answered": 2, "turns_total": 2}
+
+
+def test_regeneration_stops_at_a_cut_turn_and_says_so() -> None:
+    import asyncio
+
+    from dflash_core.data.prompts import regenerate_completion
+
+    record = normalize({"conversations": [{"from": "human", "value": f"q{i}"} for i in range(3)]}, source="s",
+                       index=0, turns="regenerate_turns")
+    complete, seen = _answering(finish_reasons=("stop", "length"))
+    final = asyncio.run(regenerate_completion(record, complete))
+    assert len(seen) == 2 and final.finish_reason == "length"
+    assert final.generation.extra == {"turns_answered": 2, "turns_total": 3}
+
+
+def test_single_turn_prompts_are_one_request() -> None:
+    import asyncio
+
+    from dflash_core.data.prompts import regenerate_completion
+
+    complete, seen = _answering()
+    final = asyncio.run(regenerate_completion(normalize(SHAREGPT, source="sg", index=0), complete))
+    assert len(seen) == 1 and not final.regenerated
 
 
 @pytest.mark.parametrize("turns", ["first_user_turn", "regenerate_turns"])

@@ -75,6 +75,22 @@ def test_smollm2_multi_turn_keeps_only_user_and_system_turns(smol_hf, smol_targe
     assert smol_hf.decode(row["input_ids"]).count("<|im_start|>user") == 2
 
 
+def test_regenerated_conversation_renders_the_targets_own_answers_as_context(smol_hf, smol_target):
+    """regenerate_turns: earlier answers are the target's own, so they are rendered; the loss is the last one."""
+    prompt = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! (the target's own first answer)"},
+        {"role": "user", "content": "What is 2 + 2?"},
+    ]
+    record = make_record(prompt=prompt, reasoning=None, generation={"model": "m"}, regenerated=True)
+    row = tokenize_one(smol_target, record)
+    assert_mask(smol_hf, record, row, assistant={"role": "assistant", "content": "It is 4."},
+                loss_text="It is 4.<|im_end|>")
+    text = smol_hf.decode(row["input_ids"])
+    assert "the target's own first answer" in text and text.count("<|im_start|>assistant") == 2
+
+
 def test_smollm2_inlines_reasoning_and_tool_calls_it_cannot_render(smol_hf, smol_target):
     record = make_record(tool_calls=[{"function": {"name": "calc", "arguments": '{"x": 2}'}}])
     row = tokenize_one(smol_target, record)
