@@ -21,7 +21,7 @@ class LocalAccess(NodeAccess):
         start = time.monotonic()
         # Own session, so a timeout kills the whole command (pipes and children), not just the shell.
         process = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, start_new_session=True)
+                                   stderr=subprocess.PIPE, start_new_session=True, env=_node_env())
         try:
             stdout, stderr = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -39,6 +39,13 @@ class LocalAccess(NodeAccess):
 
     def get(self, remote: str, local: Path) -> None:
         _copy(Path(self.path(remote)), Path(local))
+
+
+def _node_env() -> dict[str, str]:
+    """This process's environment minus what points Python at this process's packages: a command on the
+    node must see the node's interpreters as a login shell would (as over SSH), not our PYTHONPATH or venv."""
+    return {k: v for k, v in os.environ.items()
+            if k not in {"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "PYTHONNOUSERSITE"}}
 
 
 def _copy(source: Path, dest: Path) -> None:
