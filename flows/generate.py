@@ -1,5 +1,6 @@
 """Generate on-policy completions: (import prompts) -> launch servers -> canary -> one task per
-prompt shard -> stop servers (also when the flow fails or is cancelled).
+prompt shard -> stop servers (also when the flow fails or is cancelled). More failed prompts than
+`max_failed_fraction` fail the flow (counts and first errors); fewer leave a warning artifact.
 
 Run: `dflash run generate --params '{"prompt_sources": [{"path": "prompts.jsonl", "name": "mine"}]}'`
 """
@@ -17,13 +18,14 @@ from dflash_core.layout import ArtifactKind, artifact_key, shard_name
 from dflash_core.serving import launcher
 from dflash_core.serving.canary import CanaryThresholds
 from dflash_core.serving.client import ClientConfig, SamplingParams
-from dflash_core.serving.generation import GenerationTarget, shard_is_done
+from dflash_core.serving.generation import GenerationTarget, failure_verdict, shard_is_done
 from dflash_core.serving.profiles import EngineProfile, TransformersProfile
 from dflash_core.settings import load_settings
 from dflash_core.storage import ObjectStore
 from flows.command_line import run_from_command_line
 from tasks.generate import (
-    generate_completion_shard, import_prompt_set, launch_servers, new_progress, run_canary, stop_servers,
+    generate_completion_shard, import_prompt_set, launch_servers, new_progress, report_failures, run_canary,
+    stop_servers,
 )
 
 
@@ -50,6 +52,10 @@ class GenerateParams(BaseModel):
     client: ClientConfig = Field(default_factory=ClientConfig)
     canary_prompts: int = Field(8, ge=0, description="0 skips the canary.")
     canary: CanaryThresholds = Field(default_factory=CanaryThresholds)
+    max_failed_fraction: float = Field(
+        0.02, ge=0, le=1, description="Failed prompts (after the client's retries) above this fraction of all "
+        "prompts fail the flow, so nothing downstream tokenizes or trains on partial data; at or below it the "
+        "flow completes with a warning artifact. Failed prompts are retried by rerunning the flow.")
 
 
 def _run_dir(settings, run: str) -> Path:
@@ -105,7 +111,11 @@ def generate(params: GenerateParams = GenerateParams()) -> dict:
                                                       target=target, progress_id=progress))
     finally:
         stop_servers(run_dir)
-    summary = {"shards": [o.output_key for o in outcomes], "completed": sum(o.completed for o in outcomes),
+    warning = failure_verdict(outcomes, max_failed_fraction=params.max_failed_fraction)  # raises past it
+    if warning:
+        report_failures(warning, run=params.run)
+    summary = {"shards": [o.output_key for o in outcomes if o.completed],
+               "completed": sum(o.completed for o in outcomes),
                "failed": sum(o.failed for o in outcomes), "generated_now": sum(o.generated_now for o in outcomes),
                "completion_tokens_now": sum(o.completion_tokens_now for o in outcomes),
                "flow_run": str(flow_run.id or "")}

@@ -72,6 +72,13 @@ def launch_servers(profile: _EngineProfile, *, num_instances: int, base_port: in
     return [i.url for i in instances]
 
 
+def report_failures(warning: str, *, run: str) -> None:
+    """A visible warning (artifact and log) for failed prompts below the flow's threshold."""
+    get_run_logger().warning("generation %s: %s", run, warning)
+    create_markdown_artifact(f"### Generation {run}: some prompts failed\n\n{warning}\n", key="generation-failures",
+                             description=f"{run}: failed prompts (below max_failed_fraction)")
+
+
 @task
 def stop_servers(run_dir: Path) -> int:
     """Stop every server the launch recorded in `run_dir`."""

@@ -4,7 +4,9 @@ Each answered prompt is appended to a local partial file at once and the partial
 to S3 (`<output>.partial`) every `checkpoint_every` answers, so a run killed at any point resumes
 where it stopped, on this node or another. The shard is final when every prompt has an answer or a
 recorded failure: the JSONL goes to S3 with its manifest (input: the prompt shard), failures beside
-it (`<output>.failures.jsonl`); a rerun retries only the failed prompts.
+it (`<output>.failures.jsonl`); a rerun retries only the failed prompts. A shard with no answer at
+all is not registered (no object, no manifest): nothing downstream mistakes it for data.
+`failure_verdict` says whether a run's failed fraction is past what its caller accepts.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_core.data.completion import CompletionRecord
@@ -36,6 +38,30 @@ class ShardOutcome:
     generated_now: int
     completion_tokens_now: int
     skipped: bool = False
+    first_errors: list[str] = field(default_factory=list)  # "<prompt id>: <error>", at most 3
+
+
+class GenerationFailed(RuntimeError):
+    """More prompts failed than the run accepts; the message gives the counts and the first errors."""
+
+
+def failure_verdict(outcomes: list[ShardOutcome], *, max_failed_fraction: float) -> str | None:
+    """None when nothing failed; a warning line when the failed fraction is within `max_failed_fraction`;
+    raises `GenerationFailed` past it."""
+    prompts = sum(o.prompts for o in outcomes)
+    failed = sum(o.failed for o in outcomes)
+    if not failed:
+        return None
+    errors = [error for o in outcomes for error in o.first_errors][:3]
+    empty = [o.output_key for o in outcomes if o.prompts and o.completed == 0]
+    line = (f"{failed} of {prompts} prompts failed ({failed / max(1, prompts):.1%}; max_failed_fraction "
+            f"{max_failed_fraction:.1%}) in {sum(1 for o in outcomes if o.failed)} shard(s); first errors: "
+            + "; ".join(errors)
+            + (f"; shards without any answer (not registered): {', '.join(empty)}" if empty else "")
+            + ". Each shard's failures are in <shard>.failures.jsonl; rerunning the flow retries only those.")
+    if failed / max(1, prompts) > max_failed_fraction:
+        raise GenerationFailed(line)
+    return line
 
 
 @dataclass
@@ -114,8 +140,11 @@ def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, targ
     if remaining:
         asyncio.run(run())
     body = b"".join(done[prompt.id] for prompt in prompts if prompt.id in done)
-    write_artifact(store, output_key, body, kind=ArtifactKind.COMPLETIONS, inputs=[prompt_ref],
-                   config={**config, "failed": len(failures)}, producer=producer)
+    if body:
+        write_artifact(store, output_key, body, kind=ArtifactKind.COMPLETIONS, inputs=[prompt_ref],
+                       config={**config, "failed": len(failures)}, producer=producer)
+    else:  # no answer at all: no shard, and no stale one from an earlier run either
+        store.delete_many([k for k in (output_key, output_key + ".manifest.json") if store.exists(k)])
     if failures:
         lines = b"".join(f.model_dump_json().encode() + b"\n" for f in failures)
         write_artifact(store, failures_key, lines, kind=ArtifactKind.REPORT, inputs=[prompt_ref],
@@ -124,7 +153,8 @@ def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, targ
         store.delete_many([k for k in (failures_key, failures_key + ".manifest.json") if store.exists(k)])
     store.delete_many([k for k in (output_key + PARTIAL_SUFFIX,) if store.exists(k)])
     local_partial.unlink(missing_ok=True)
-    return ShardOutcome(output_key, len(prompts), len(prompts) - len(failures), len(failures), new, tokens)
+    return ShardOutcome(output_key, len(prompts), len(prompts) - len(failures), len(failures), new, tokens,
+                        first_errors=[f"{f.id}: {f.error[:200]}" for f in failures[:3]])
 
 
 def _made_from(store: ObjectStore, output_key: str, prompt_sha256: str | None, config: dict) -> bool:

@@ -1,5 +1,8 @@
 """Start N data-parallel instances of one engine profile as detached process groups, wait until
-each answers, and stop them by their recorded PIDs (also from another process, via the run dir)."""
+each answers, and stop them by their recorded PIDs (also from another process, via the run dir).
+
+A launch first stops the servers recorded in its run dir (left running by a flow process that was
+killed): only a port held by a process we did not start is an error."""
 
 from __future__ import annotations
 
@@ -39,9 +42,12 @@ def launch(profile: _EngineProfile, *, num_instances: int, base_port: int, run_d
     if devices is not None and len(devices) < num_instances:
         raise ValueError(f"{num_instances} instances need {num_instances} devices, got {devices}")
     ports = [base_port + i for i in range(num_instances)]
+    stop_recorded(run_dir)  # our own servers from a run that was killed before it could stop them
     busy = [port for port in ports if not port_is_free(port, profile.host)]
     if busy:
-        raise ServiceError(f"port(s) {busy} on {profile.host} are taken: choose another base_port")
+        raise ServiceError(
+            f"port(s) {busy} on {profile.host} are held by a process this launcher did not start (none is "
+            f"recorded in {run_dir}): stop that process, or choose another base_port")
     run_dir.mkdir(parents=True, exist_ok=True)
     instances = []
     for index, port in enumerate(ports):
@@ -100,9 +106,16 @@ def load_instances(run_dir: Path) -> list[ServerInstance]:
 
 
 def stop_recorded(run_dir: Path) -> int:
-    """Stop every recorded instance still running; how many were running."""
-    running = [instance for instance in load_instances(run_dir) if is_alive(instance.record)]
-    stop_instances(running)
+    """Stop every recorded server still running (also those of a launch killed before it wrote
+    instances.json: each server has its own record); how many were running."""
+    records = {instance.record.pid: instance.record for instance in load_instances(run_dir)}
+    for path in sorted(Path(run_dir).glob("server-*.json")) if Path(run_dir).is_dir() else []:
+        record = ProcessRecord.load(path)
+        if record is not None:
+            records.setdefault(record.pid, record)
+    running = [record for record in records.values() if is_alive(record)]
+    with ThreadPoolExecutor(max(1, len(running))) as pool:
+        list(pool.map(stop, running))
     return len(running)
 
 

@@ -83,3 +83,33 @@ def test_failed_canary_stops_the_run_and_the_servers(prefect_server, store, env_
     run_dir = env_settings.work_path("servers", params.run)
     assert launcher.load_instances(run_dir) and not any(is_alive(i.record) for i in launcher.load_instances(run_dir))
     assert not list(store.list(f"completions/flowtest/{params.run}/"))
+
+
+def test_failures_past_the_threshold_fail_the_flow(prefect_server, store, env_settings, tiny_model_dir,
+                                                   tmp_path) -> None:
+    from flows.generate import generate
+
+    # A 1 ms request timeout: every prompt fails after the client's one attempt.
+    params = _params(tmp_path, tiny_model_dir, canary_prompts=0,
+                     client={"concurrency": 4, "max_attempts": 1, "request_timeout_s": 0.001})
+    state = generate(params, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match=r"10 of 10 prompts failed \(100.0%; max_failed_fraction 2.0%\).*"
+                                        r"first errors: q\d: .*Timeout"):
+        state.result()
+    keys = [info.key for info in store.list(f"completions/flowtest/{params.run}/")]
+    assert keys and all(".failures.jsonl" in key for key in keys), "an empty shard was registered"
+    run_dir = env_settings.work_path("servers", params.run)
+    assert not any(is_alive(i.record) for i in launcher.load_instances(run_dir)), "servers stopped"
+
+
+def test_failures_within_the_threshold_only_warn() -> None:
+    from dflash_core.serving.generation import GenerationFailed, ShardOutcome, failure_verdict
+
+    outcomes = [ShardOutcome("c/shard-0", 100, 99, 1, 99, 500, first_errors=["p7: HTTP 500"]),
+                ShardOutcome("c/shard-1", 100, 100, 0, 100, 500)]
+    assert failure_verdict(outcomes[1:], max_failed_fraction=0.0) is None
+    warning = failure_verdict(outcomes, max_failed_fraction=0.01)
+    assert warning.startswith("1 of 200 prompts failed (0.5%; max_failed_fraction 1.0%)") and "p7: HTTP 500" in warning
+    with pytest.raises(GenerationFailed, match="1 of 200 prompts failed"):
+        failure_verdict(outcomes, max_failed_fraction=0.004)

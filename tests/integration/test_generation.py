@@ -147,7 +147,8 @@ def test_failed_prompts_are_recorded_then_retried(servers, store, prefix, tmp_pa
                               sampling=SAMPLING, client=quick)
     outcome = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=broken,
                              scratch_dir=tmp_path)
-    assert outcome.failed == 6 and _records(store, output_key) == []
+    assert outcome.failed == 6 and not store.exists(output_key), "a shard without answers is not registered"
+    assert not store.exists(output_key + ".manifest.json") and len(outcome.first_errors) == 3
     assert {f.id for f in failures_of(store, output_key)} == {f"p{i:03d}" for i in range(6)}
     assert all("ConnectError" in f.error for f in failures_of(store, output_key))
     fixed = generate_shard(store, prompt_key=prompt_key, output_key=output_key,
@@ -171,7 +172,7 @@ def test_partial_answers_from_other_sampling_are_not_reused(store, prefix, tmp_p
     dead = GenerationTarget(urls=[f"http://127.0.0.1:{free_port()}"], model="m", server="transformers",
                             sampling=SAMPLING, client=CLIENT.model_copy(update={"max_attempts": 1}))
     outcome = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=dead, scratch_dir=tmp_path)
-    assert outcome.failed == 4 and _records(store, output_key) == [], "thinking-mode answers were reused"
+    assert outcome.failed == 4 and not store.exists(output_key), "thinking-mode answers were reused"
     same = GenerationTarget(urls=dead.urls, model="m", server="transformers", sampling=old_sampling,
                             client=dead.client)
     store.put_bytes(output_key + PARTIAL_SUFFIX, stale)
@@ -198,3 +199,40 @@ def test_vllm_profile_generates_a_shard(tiny_model_dir, store, prefix, tmp_path)
         assert outcome.completed == 4 and len(_records(store, output_key)) == 4
     finally:
         launcher.stop_instances(instances)
+
+
+class _StaticProfile(TransformersProfile):
+    """A stand-in engine that starts in a blink: `python -m http.server` over a directory that holds
+    `health` and `v1/models`, which is all the launcher's readiness probe asks for."""
+
+    directory: str = ""
+
+    def argv(self, *, port: int) -> list[str]:
+        return [self.python, "-m", "http.server", str(port), "--bind", self.host, "--directory", self.directory]
+
+
+def test_a_relaunch_stops_our_orphaned_servers_and_refuses_a_foreign_port(tmp_path) -> None:
+    import socket
+
+    from dflash_core.services.process import ServiceError
+
+    (tmp_path / "www" / "v1").mkdir(parents=True)
+    (tmp_path / "www" / "health").write_text("ok")
+    (tmp_path / "www" / "v1" / "models").write_text("{}")
+    profile = _StaticProfile(model="static", directory=str(tmp_path / "www"), ready_timeout_s=30)
+    base = _free_consecutive(2)
+    orphans = launcher.launch(profile, num_instances=2, base_port=base, run_dir=tmp_path / "run")
+    launcher.wait_until_ready(orphans, profile)  # then the flow process is killed: nobody stops them
+    again = launcher.launch(profile, num_instances=2, base_port=base, run_dir=tmp_path / "run")
+    try:
+        launcher.wait_until_ready(again, profile)
+        assert not any(is_alive(i.record) for i in orphans), "the orphaned servers were stopped"
+        assert all(is_alive(i.record) for i in again)
+        with socket.socket() as foreign:
+            foreign.bind(("127.0.0.1", _free_consecutive(1)))
+            foreign.listen()
+            port = foreign.getsockname()[1]
+            with pytest.raises(ServiceError, match=rf"\[{port}\] .* held by a process this launcher did not start"):
+                launcher.launch(profile, num_instances=1, base_port=port, run_dir=tmp_path / "other")
+    finally:
+        launcher.stop_instances(again)
