@@ -13,7 +13,7 @@ from pathlib import Path
 
 import polars as pl
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
@@ -30,6 +30,7 @@ from dflash_core.tokenize import (
 from dflash_core.tokenize.stats import skip_reasons
 from flows.command_line import run_from_command_line
 from tasks.provenance import run_producer
+from tasks.store import png_artifact
 from tasks.tokenize import summary_frames, tokenize_completion_shard
 
 
@@ -117,8 +118,8 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> dict:
         f"{' (overridden: the run finished, training still refuses it)' if problems and params.override_quality_gate else ''}\n"
         + ("\n".join(f"- {p.message}" for p in problems) or "every check passed"),
         key="tokenize-report")
-    create_image_artifact(image_url=store.presigned_url(png_key, expires_s=7 * 24 * 3600), key="tokenize-loss-histogram",
-                          description="loss tokens per sample, per source dataset")
+    png_artifact(store.get_bytes(png_key), key="tokenize-loss-histogram",
+                 description="loss tokens per sample, per source dataset")
     for warning in enforce_gate(problems, override=params.override_quality_gate):
         logger.warning(warning)
     print(f"tokenized {len(outputs)} shards into {store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, params.dataset, out_run))}/")

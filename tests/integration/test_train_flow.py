@@ -45,11 +45,18 @@ def test_train_flow_trains_from_s3_uploads_checkpoints_and_resumes(prefect_serve
     graph = build_lineage(store, f"checkpoints/{run_name}/")
     assert store.uri(shard_key) in graph.ancestors(store.uri(weights_key))
 
-    async def artifact_keys():
+    async def artifacts():  # this flow run's and its evaluation subflow's
         async with get_client() as client:
-            return {a.key for a in await client.read_artifacts()}
+            runs = {state.state_details.flow_run_id} | {
+                r.id for r in await client.read_flow_runs() if r.parent_task_run_id is not None}
+            return [a for a in await client.read_artifacts() if a.flow_run_id in runs]
 
-    assert {"training-metrics", "training-curves"} <= asyncio.run(artifact_keys())
+    ours = {a.key: a for a in asyncio.run(artifacts())}
+    assert {"training-metrics", "training-curves", "drafter-acceptance-plot"} <= set(ours)
+    assert str(ours["training-curves"].data).startswith("data:image/png;base64,"), "the PNG is embedded, no link"
+    access_key = env_settings.s3_access_key_id.get_secret_value()
+    leaked = [a.key for a in ours.values() if access_key in str(a.data) or "X-Amz-" in str(a.data)]
+    assert not leaked, f"key material (a presigned URL) in the Prefect database: {leaked}"
 
     # A second run of the same config with more steps continues from step 12 instead of starting over.
     config["max_steps"] = 18
