@@ -20,13 +20,14 @@ from dflash_core.serving.profiles import _EngineProfile
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
 from tasks.provenance import run_producer
+from tasks.store import retry_transient
 
 
 class CanaryFailed(RuntimeError):
     """The first completions look wrong; the full run would waste GPU hours."""
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15])
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
 def import_prompt_set(settings: Settings, *, sources: list[PromptSource], dataset: str, version: str,
                       total: int | None, shard_size: int, seed: int) -> list[str]:
     """Stream, normalize, dedupe and mix prompt sources into JSONL shards with manifests; keys of the shards."""
@@ -109,7 +110,7 @@ def run_canary(settings: Settings, *, prompt_key: str, target: GenerationTarget,
     return report
 
 
-@task(retries=2, retry_delay_seconds=[5, 30])
+@task(retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=retry_transient)
 def generate_completion_shard(settings: Settings, *, prompt_key: str, output_key: str,
                               target: GenerationTarget, progress_id=None) -> ShardOutcome:
     """Answer every prompt of one shard (resuming any partial work) and write the shard with its manifest."""

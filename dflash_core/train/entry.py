@@ -201,12 +201,18 @@ def main(argv: list[str] | None = None) -> int:
 def _store_if_needed(config: TrainConfig, settings: Settings) -> ObjectStore | None:
     if not config.upload_checkpoints and all(Path(item).is_file() for item in config.data):
         return None
-    from dflash_core.storage import ObjectStore, StoreError
+    from dflash_core.storage import ObjectStore, StoreError, StoreUnavailable
 
     store = ObjectStore.from_settings(settings)
     try:
         store.check()
-    except StoreError as error:  # unreachable, wrong credentials, missing bucket, not S3: say which, fast
+    except StoreUnavailable as error:
+        if not all(Path(item).is_file() for item in config.data):
+            raise SystemExit(f"error: {error}") from None
+        # Local data: train now; the uploader retries until S3 is back or the outage limit passes.
+        print(f"warning: {error}; training starts on local data, checkpoint uploads wait for S3",
+              file=sys.stderr, flush=True)
+    except StoreError as error:  # wrong credentials, missing bucket, not S3: say which, at once
         raise SystemExit(f"error: {error}") from None
     return store
 
