@@ -157,6 +157,13 @@ def test_configuration_errors_are_not_retried_by_check_store(settings: Settings,
         with pytest.raises(StoreConfigError):
             state.result()
         assert time.monotonic() - started < 5, "a 403 or a missing bucket was retried"
+    from tests.conftest import free_port
+
+    started = time.monotonic()  # unreachable: transient, so retried once, and still over within seconds
+    state = check(settings.replace(s3_endpoint_url=f"http://127.0.0.1:{free_port()}"), return_state=True)
+    with pytest.raises(StoreUnavailable, match="cannot reach"):
+        state.result()
+    assert time.monotonic() - started < 10
 
 
 def test_incomplete_multipart_uploads_are_listed_and_aborted(store: ObjectStore, prefix: str) -> None:
