@@ -251,3 +251,25 @@ def test_lock_names_the_holder_and_debris_is_removed(tmp_path) -> None:
             (directory / name).write_text("x")
     assert remove_debris(root) == [".pruned-step-000001-77", ".step-000006.tmp-99", "step-000002"]
     assert [p.name for p in root.iterdir()] == ["step-000004"]
+
+
+def test_the_train_task_does_not_retry_a_refused_run(tmp_path, monkeypatch) -> None:
+    import logging
+
+    import tasks.train as train_tasks
+    from dflash_core.train.config import TrainConfig
+
+    config = TrainConfig(target="tiny:llama", data=["shard.arrow"], output_dir=tmp_path)
+    refusal = "error: run 'drafter' is already running as PID 7 on host h (lock x): wait for it to finish"
+    monkeypatch.setattr(train_tasks, "get_run_logger", lambda: logging.getLogger("test"))
+    monkeypatch.setattr(train_tasks, "create_progress_artifact", lambda **kwargs: None)
+    monkeypatch.setattr(train_tasks, "training_argv", lambda path, **kwargs: [
+        sys.executable, "-c", f"import sys; print({refusal!r}); sys.exit(1)"])
+    with pytest.raises(train_tasks.TrainingRefused, match="already running as PID 7") as refused:
+        train_tasks.run_training.fn(config, nproc_per_node=1, flow_run_id=None)
+
+    class State:
+        def result(self):
+            raise refused.value
+
+    assert train_tasks._retry_unless_refused(None, None, State()) is False
