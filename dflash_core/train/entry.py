@@ -168,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     _announce_sigterm(dist_info, config.run_dir / "checkpoints", pg_timeout_s=args.pg_timeout_s)
     settings = load_settings()
     store = _store_if_needed(config, settings)
+    checkpoint_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)
+    if store is not None and config.upload_checkpoints and dist_info.is_main and not args.resume:
+        _refuse_remote_checkpoints(store, checkpoint_prefix)
     trainer_class = PairOverlapTrainer if config.pair_overlap else Trainer
     trainer = trainer_class(devices, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
                             flow_run_id=args.flow_run_id, s3_outage_limit_s=args.s3_outage_limit_s,
-                            checkpoint_prefix=artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT,
-                                                           config.run_name))
+                            checkpoint_prefix=checkpoint_prefix)
     try:
         if dist_info.is_main:
             write_run_record(config)
@@ -215,6 +217,21 @@ def _store_if_needed(config: TrainConfig, settings: Settings) -> ObjectStore | N
     except StoreError as error:  # wrong credentials, missing bucket, not S3: say which, at once
         raise SystemExit(f"error: {error}") from None
     return store
+
+
+def _refuse_remote_checkpoints(store: ObjectStore, prefix: str) -> None:
+    """A fresh run must not mix its checkpoints with another run's of the same name in S3 (the S3 prune
+    keeps the newest steps, which would be the other run's)."""
+    from dflash_core.storage import StoreUnavailable
+    from dflash_core.train.remote import remote_steps
+
+    try:
+        steps = remote_steps(store, prefix)
+    except StoreUnavailable:
+        return  # S3 is down: the uploader's reconcile looks again when it is back
+    if steps:
+        raise SystemExit(f"error: {store.uri(prefix)}/ already holds checkpoints up to step {steps[-1]}: pass "
+                         "--resume to continue that run, or choose a new run_name")
 
 
 def _upload_errors(store: ObjectStore | None) -> tuple[type[Exception], ...]:

@@ -179,6 +179,10 @@ def test_failed_upload_is_repaired_by_a_rerun_at_max_steps(store, settings, pref
     _assert_s3_holds(store, key_prefix, root, [4, 6])
     assert read_manifest(store, f"{key_prefix}/step-000006/meta.json").sha256 == sha256_file(
         root / "step-000006" / "meta.json")
+    from dflash_core.train.entry import _refuse_remote_checkpoints
+
+    with pytest.raises(SystemExit, match=r"already holds checkpoints up to step 6: pass --resume"):
+        _refuse_remote_checkpoints(store, key_prefix)  # a fresh run of this name would mix with these
 
 
 def test_wrong_credentials_fail_the_run_at_once(settings, s3_server, prefix, tmp_path, one_thread) -> None:
