@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from prefect import get_run_logger, task
 
 from dflash_core.settings import Settings
@@ -15,8 +17,6 @@ def check_training_data(settings: Settings, config: TrainConfig) -> int:
     """Every shard's verdict (downloading into the cache the trainer reads); the number of shards.
 
     Not retried: a verdict does not change by waiting. The trainer checks again in every process."""
-    import warnings
-
     store = ObjectStore.from_settings(settings)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
