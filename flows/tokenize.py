@@ -1,8 +1,9 @@
 """Tokenize a completion run: one cached, retryable task per shard on a thread-pool task runner
 (sharing one process pool for the CPU work), then per-shard / per-dataset stats, a histogram and
 the data-quality gate, whose verdict is written beside the shards (`dataset.json`: passed or failed,
-the failed checks, the sha256 of every shard it judged); training refuses shards it did not pass. Reruns (scheduled or from the UI) redo only shards whose input, tokenizer or
-config changed, or whose output is gone.
+the failed checks, the sha256 of every shard it judged); training refuses shards it did not pass.
+Reruns (scheduled or from the UI) redo only shards whose input, tokenizer or config changed, or
+whose output is gone.
 
 Run: `python -m flows.tokenize --params '{"dataset": "demo", "run": "smollm2"}'`
 """
