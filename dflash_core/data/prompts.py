@@ -236,13 +236,19 @@ def _shape_error(path: Path, data, pos: int) -> str:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     index = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield index, row
-            index += 1
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                yield index, row
+                index += 1
+    except (pa.ArrowException, OSError) as error:
+        if not index:
+            raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
+        yield index, BadPrompt("truncated", f"{path.name}: unreadable after record {index - 1} ({error})")
 
 
 def normalize(raw: Any, *, source: str, index: int, turns: TurnPolicy = "first_user_turn",

@@ -105,6 +105,14 @@ def test_a_json_file_of_another_shape_is_an_error_naming_it(tmp_path, text, matc
     assert str(path) in str(error.value)
 
 
+def test_a_file_that_is_not_parquet_is_an_error_naming_it(tmp_path) -> None:
+    path = tmp_path / "prompts.parquet"
+    path.write_bytes(b"PAR1 but not really")
+    with pytest.raises(ValueError, match="not a readable Parquet file") as error:
+        import_prompts([PromptSource(path, "s")])
+    assert str(path) in str(error.value)
+
+
 def test_bad_source_settings_are_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="turns='all'"):
         PromptSource(tmp_path / "x.jsonl", "s", turns="all")
