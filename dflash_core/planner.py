@@ -129,6 +129,12 @@ class PlanInputs(BaseModel):
     interconnect_gb_s: float = Field(450.0, gt=0, description="GPU-to-GPU bandwidth, GB/s (NVLink ~450, PCIe 5 ~50).")
     generation_tokens_per_s: float = Field(2000.0, gt=0, description="Output tokens/s of one inference instance.")
     inference_instances: int = Field(1, gt=0)
+    variant: Literal["dflash", "dflash2"] = Field(
+        "dflash2", description="Drafter variant (the trainer's default is dflash2): DFlash 2 adds conv pairs and a "
+        "candidate selector (two vocab x rank codebooks).")
+    conv_kernel_size: int = Field(2, gt=0, description="DFlash 2: conv taps.")
+    conv_group_size: int = Field(16, gt=0, description="DFlash 2: channels per dynamic-kernel group.")
+    selector_rank: int = Field(256, gt=0, description="DFlash 2: rank of the selector's codebooks.")
 
     @model_validator(mode="after")
     def _tapped_fit(self) -> PlanInputs:
@@ -166,13 +172,21 @@ class Plan(BaseModel):
     generation_hours: float
 
 
-def drafter_params(shape: ModelShape, *, drafter_layers: int, tapped_layers: int) -> int:
-    """Drafter = `drafter_layers` target-shaped decoder layers + fc(L*H -> H) + norms; no embeddings."""
+def drafter_params(shape: ModelShape, *, drafter_layers: int, tapped_layers: int, variant: str = "dflash",
+                   conv_kernel_size: int = 2, conv_group_size: int = 16, selector_rank: int = 256) -> int:
+    """Drafter = `drafter_layers` target-shaped decoder layers + fc(L*H -> H) + norms; no embeddings.
+    DFlash 2 adds, per layer, two conv pairs (static kernel 2*k*H, kernel projection H -> 2*k*H/group)
+    and one selector (two vocab x rank codebooks, an H -> rank projection)."""
+    hidden = shape.hidden_size
     per_layer = shape.layer_params()
     if per_layer is None:  # shape unknown: the common 8/3 MLP ratio and full MHA
-        hidden = shape.hidden_size
         per_layer = 4 * hidden * hidden + 3 * hidden * math.ceil(hidden * 8 / 3) + 2 * hidden
-    return drafter_layers * per_layer + tapped_layers * shape.hidden_size**2 + 2 * shape.hidden_size
+    total = drafter_layers * per_layer + tapped_layers * hidden**2 + 2 * hidden
+    if variant == "dflash2":
+        conv_pair = 2 * conv_kernel_size * hidden + hidden * 2 * conv_kernel_size * (hidden // conv_group_size)
+        vocab = shape.vocab_size or 0  # unknown vocabulary: the selector's codebooks are left out
+        total += drafter_layers * 2 * conv_pair + 2 * vocab * selector_rank + hidden * selector_rank
+    return total
 
 
 def plan(inputs: PlanInputs) -> Plan:
@@ -185,7 +199,9 @@ def plan(inputs: PlanInputs) -> Plan:
 
     target_params = shape.params()
     target_weights = target_params * inputs.dtype_bytes if target_params is not None else None
-    draft_params = drafter_params(shape, drafter_layers=inputs.drafter_layers, tapped_layers=inputs.tapped_layers)
+    draft_params = drafter_params(shape, drafter_layers=inputs.drafter_layers, tapped_layers=inputs.tapped_layers,
+                                  variant=inputs.variant, conv_kernel_size=inputs.conv_kernel_size,
+                                  conv_group_size=inputs.conv_group_size, selector_rank=inputs.selector_rank)
     drafter_state = draft_params * _TRAINABLE_BYTES_PER_PARAM
 
     budget = inputs.token_budget

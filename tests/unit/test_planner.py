@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_core.cli import app
+from dflash_core import planner
 from dflash_core.planner import GiB, PRESETS, TB, ModelShape, PlanInputs, plan
 
 runner = CliRunner()
@@ -129,3 +130,23 @@ def test_every_input_is_validated_overrides_on_a_preset_too(flags, match) -> Non
 def test_an_overridden_preset_is_validated_again_in_code() -> None:
     with pytest.raises(ValueError, match="hidden_size"):
         PlanInputs(target=PRESETS["qwen3-8b"].model_copy(update={"hidden_size": -5}), samples=1, mean_tokens=1)
+
+
+def test_drafter_params_count_what_the_model_builds():
+    """Both variants, Qwen3-8B's shape on the meta device: the estimate is the built drafter's size to
+    within its q/k norms (DFlash 2's selector codebooks alone are 78M parameters there)."""
+    import warnings
+
+    from dflash_core.model import DFlashConfig
+    from dflash_core.model.dflash2 import drafter_config
+    from dflash_core.target import real_shape_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = DFlashConfig.from_target(real_shape_config("qwen3-8b"), num_layers=5, block_size=16,
+                                        num_tapped_layers=5)
+    for variant in ("dflash", "dflash2"):
+        built = sum(p.numel() for p in drafter_config(variant, base).build(device="meta").parameters())
+        estimate = planner.drafter_params(planner.PRESETS["qwen3-8b"], drafter_layers=5, tapped_layers=5,
+                                          variant=variant)
+        assert abs(estimate - built) < 2_000, (variant, estimate, built)
