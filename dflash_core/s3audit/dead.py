@@ -1,9 +1,11 @@
 """What is dead in the bucket, and the one safety rule no cleanup breaks.
 
 Rules that nominate objects (each candidate says why):
-- checkpoints beyond the newest `keep_checkpoints` steps of their run;
+- checkpoints beyond the newest `keep_checkpoints` complete steps of their run (a step without its
+  meta.json may be an upload in flight: never nominated);
 - superseded tokenizations: a tokenized file whose inputs were re-tokenized later into a file of the
-  same name elsewhere, or whose input has changed since (its recorded hash is stale);
+  same name elsewhere; with it, what only describes superseded files (the run's dataset.json, the
+  tokenize reports), unless what they describe is kept;
 - abandoned prefixes: a prefix group where no object has a manifest and nothing changed for
   `abandoned_after_days` (the 645 GB of dead hidden states looked like this);
 - manifests whose object is gone.
@@ -26,6 +28,7 @@ from dflash_core.layout import MANIFEST_SUFFIX, ArtifactKind
 from dflash_core.s3audit.inventory import Inventory
 
 _STEP = re.compile(r"^step-(\d+)$")
+CHECKPOINT_COMPLETE_FILE = "meta.json"  # written last (dflash_core.train.checkpoint): its presence marks a step complete
 
 
 class Retention(BaseModel):
@@ -78,12 +81,19 @@ def find_dead(inventory: Inventory, retention: Retention, *, now: datetime | Non
     for rule, found in rules:
         for key, reason in found.items():
             nominated.setdefault(key, (rule, reason))
+    nominated.update({key: ("superseded-tokenization", reason)
+                      for key, reason in _describing_only(inventory, nominated).items() if key not in nominated})
 
     protected: list[Protected] = []
     for key in [k for k in nominated if any(k.startswith(p) for p in retention.keep_prefixes)]:
         protected.append(Protected(key=key, bytes=rows[key]["bytes"], nominated_because=nominated.pop(key)[1],
                                    kept_because="under keep_prefixes"))
     protected += _protect_lineage(inventory, nominated, rows)
+    while companions := _companions_of_kept(inventory, nominated):
+        for key, subject in companions.items():
+            protected.append(Protected(key=key, bytes=rows[key]["bytes"], nominated_because=nominated.pop(key)[1],
+                                       kept_because=f"describes {subject}, which is kept"))
+        protected += _protect_lineage(inventory, nominated, rows)
 
     candidates = []
     for key, (rule, reason) in sorted(nominated.items()):
@@ -120,19 +130,20 @@ def _protect_lineage(inventory: Inventory, nominated: dict[str, tuple[str, str]]
 
 
 def _old_checkpoints(artifacts: pl.DataFrame, prefix: str, keep: int) -> dict[str, str]:
-    """<prefix><run>/step-NNNNNN/<file>: steps older than the newest `keep` of each run."""
-    steps: dict[str, set[int]] = defaultdict(set)
+    """<prefix><run>/step-NNNNNN/<file>: complete steps (meta.json present) older than the newest `keep`."""
+    complete: dict[str, set[int]] = defaultdict(set)
     located: list[tuple[str, str, int]] = []
     for key in artifacts.filter(pl.col("kind") == str(ArtifactKind.CHECKPOINT))["key"]:
         parts = key.removeprefix(prefix).split("/")
         if len(parts) >= 3 and (match := _STEP.match(parts[1])):
             run, step = prefix + parts[0], int(match.group(1))
-            steps[run].add(step)
             located.append((key, run, step))
-    newest = {run: sorted(found, reverse=True)[:keep] for run, found in steps.items()}
+            if parts[-1] == CHECKPOINT_COMPLETE_FILE and len(parts) == 3:
+                complete[run].add(step)
+    newest = {run: sorted(found, reverse=True)[:keep] for run, found in complete.items()}
     return {key: f"checkpoint step {step} of {run}/: older than the newest {keep} "
                  f"(kept: {', '.join(map(str, newest[run]))})"
-            for key, run, step in located if step not in newest[run]}
+            for key, run, step in located if step in complete[run] and step not in newest[run]}
 
 
 def _superseded_tokenizations(inventory: Inventory) -> dict[str, str]:
@@ -144,15 +155,41 @@ def _superseded_tokenizations(inventory: Inventory) -> dict[str, str]:
     found: dict[str, str] = {}
     for versions in by_inputs.values():
         versions.sort()
-        newest_time, newest_key = versions[-1]
+        newest_key = versions[-1][1]
         for _, key in versions[:-1]:
             found[key] = f"superseded by {inventory.manifests[newest_key].uri} (same inputs, made later)"
-    by_uri = {m.uri: m for m in inventory.manifests.values()}
-    for key, manifest in tokenized.items():
-        for ref in manifest.inputs:
-            current = by_uri.get(ref.uri)
-            if key not in found and current is not None and ref.sha256 and current.sha256 != ref.sha256:
-                found[key] = f"made from an older version of {ref.uri} (its hash changed since)"
+    return found
+
+
+def _describing_only(inventory: Inventory, nominated: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """Tokenized companions and reports whose every input is a superseded tokenization (a run's
+    dataset.json, its stats): they describe nothing that stays. Repeated until nothing new is found."""
+    superseded = {inventory.uri(k) for k, (rule, _) in nominated.items() if rule == "superseded-tokenization"}
+    found: dict[str, str] = {}
+    while True:
+        new = {key: f"describes only superseded tokenizations ({len(m.inputs)} inputs, e.g. {m.inputs[0].uri})"
+               for key, m in inventory.manifests.items()
+               if key not in found and key not in nominated and m.inputs
+               and m.kind in (ArtifactKind.TOKENIZED, ArtifactKind.REPORT)
+               and all(ref.uri in superseded for ref in m.inputs)}
+        if not new:
+            return found
+        found.update(new)
+        superseded |= {inventory.uri(k) for k in new}
+
+
+def _companions_of_kept(inventory: Inventory, nominated: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """Nominated describers whose subject is no longer nominated (lineage kept it): they stay with it
+    (a kept shard needs its dataset.json: the trainer reads the quality verdict there)."""
+    found = {}
+    for key, (_, reason) in nominated.items():
+        manifest = inventory.manifests.get(key)
+        if manifest is None or not reason.startswith("describes only"):
+            continue
+        kept = [ref.uri for ref in manifest.inputs
+                if ref.uri.removeprefix(inventory.bucket_uri) not in nominated]
+        if kept:
+            found[key] = kept[0]
     return found
 
 

@@ -37,6 +37,7 @@ class Planted:
     completions: Manifest
     tokenized_old: Manifest
     tokenized_new: Manifest
+    describers_old: list[Manifest]
     steps: dict[int, list[Manifest]]
     export: Manifest
     hidden_states: list[str]
@@ -65,10 +66,19 @@ def plant(store: ObjectStore, *, root: str | None = None) -> Planted:
     time.sleep(0.01)  # created_at orders the two tokenizations
     tokenized_new = write_artifact(store, key(ArtifactKind.TOKENIZED, "demo", "run-v2", "shard-00000.arrow"), b"n" * 80,
                                    kind=ArtifactKind.TOKENIZED, inputs=[input_ref(store, completions.key)])
+    # What the tokenize flow writes beside a run: its dataset.json (quality verdict) and a stats report.
+    describers = {run: [write_artifact(store, key(ArtifactKind.TOKENIZED, "demo", run, "dataset.json"), b"{}",
+                                       kind=ArtifactKind.TOKENIZED, inputs=[input_ref(store, shard.key)]),
+                        write_artifact(store, key(ArtifactKind.REPORT, "tokenize", "demo", run, "stats.json"), b"{}",
+                                       kind=ArtifactKind.REPORT, inputs=[input_ref(store, shard.key)])]
+                  for run, shard in (("run-v1", tokenized_old), ("run-v2", tokenized_new))}
     steps = {step: [write_artifact(store, key(ArtifactKind.CHECKPOINT, "drafter", f"step-{step:06d}", name),
                                    f"{name}{step}".encode() * 10, kind=ArtifactKind.CHECKPOINT,
                                    inputs=[input_ref(store, tokenized_new.key)])
                     for name in ("model.safetensors", "meta.json")] for step in (100, 200, 300, 400)}
+    # A step whose upload has not finished (no meta.json yet) is never nominated, nor counted as kept.
+    write_artifact(store, key(ArtifactKind.CHECKPOINT, "drafter", "step-000500", "model.safetensors"), b"partial",
+                   kind=ArtifactKind.CHECKPOINT, inputs=[input_ref(store, tokenized_new.key)])
     # The export was made from step 100's weights: that file must survive keep-N, its meta.json need not.
     export = write_artifact(store, key(ArtifactKind.EXPORT, "drafter", "native", "model.safetensors"), b"e" * 40,
                             kind=ArtifactKind.EXPORT, inputs=[input_ref(store, steps[100][0].key)])
@@ -87,13 +97,15 @@ def plant(store: ObjectStore, *, root: str | None = None) -> Planted:
                              kind=ArtifactKind.REPORT)
     store.put_bytes(changed.key, b'{"edited": 1}')
     return Planted(root=root, prefixes=prefixes, prompts=prompts, completions=completions,
-                   tokenized_old=tokenized_old, tokenized_new=tokenized_new, steps=steps, export=export,
+                   tokenized_old=tokenized_old, tokenized_new=tokenized_new, describers_old=describers["run-v1"],
+                   steps=steps, export=export,
                    hidden_states=hidden, referenced_hidden_state=referenced, stray=stray,
                    orphan_manifest=gone.key + ".manifest.json", mismatched=changed.key)
 
 
 def _expected_dead(p: Planted) -> set[str]:
-    artifacts = [p.tokenized_old.key, p.steps[100][1].key, *(m.key for m in p.steps[200])]
+    artifacts = [p.tokenized_old.key, *(m.key for m in p.describers_old), p.steps[100][1].key,
+                 *(m.key for m in p.steps[200])]
     hidden = [k for k in p.hidden_states if k != p.referenced_hidden_state]
     return {*artifacts, *(k + ".manifest.json" for k in artifacts), *hidden, p.orphan_manifest}
 
@@ -107,7 +119,7 @@ def test_audit_finds_dead_prefix_unmanifested_objects_and_broken_manifests(store
     assert set(report.hash_problems) == {p.mismatched}
     assert "its manifest says" in report.hash_problems[p.mismatched]
     by_kind = {row["kind"]: row for row in report.by_kind}
-    assert by_kind["checkpoint"]["objects"] == 8 and by_kind["unknown"]["bytes"] == 3000
+    assert by_kind["checkpoint"]["objects"] == 9 and by_kind["unknown"]["bytes"] == 3000
     assert by_kind["completions"]["unmanifested"] == 1
     groups = {row["group"] for row in report.by_group}
     assert {f"{p.root}/hidden-states", f"{p.root}/checkpoints/drafter", f"{p.root}/tokenized/demo/run-v1"} <= groups
@@ -115,6 +127,8 @@ def test_audit_finds_dead_prefix_unmanifested_objects_and_broken_manifests(store
     assert {c.key for c in plan.candidates} == _expected_dead(p)
     rules = {c.key: c.rule for c in plan.candidates}
     assert rules[p.tokenized_old.key] == "superseded-tokenization"
+    assert all(rules[m.key] == "superseded-tokenization" for m in p.describers_old)  # dataset.json, stats.json
+    assert not any("step-000500" in c.key or "run-v2" in c.key for c in plan.candidates)
     assert rules[p.steps[200][0].key] == "old-checkpoint"
     assert rules[p.hidden_states[0]] == "abandoned-prefix" and rules[p.orphan_manifest] == "orphan-manifest"
     kept = {k.key: k.kept_because for k in plan.protected}
@@ -132,7 +146,7 @@ def test_audit_finds_dead_prefix_unmanifested_objects_and_broken_manifests(store
 def test_cleanup_needs_confirmation_and_never_deletes_what_live_data_references(store: ObjectStore, settings) -> None:
     p = plant(store)
     _, _, plan = audit(store, p.prefixes, prefix=p.root + "/", now=LATER, retention=Retention(keep_checkpoints=2))
-    with pytest.raises(CleanupNotConfirmed, match=r"dry run: 11 objects .* pass confirm=True"):
+    with pytest.raises(CleanupNotConfirmed, match=r"dry run: 15 objects .* pass confirm=True"):
         execute_cleanup(store, p.prefixes, plan, confirm=False, who="test")
     # Between the dry run and the delete, new work starts from the superseded tokenization.
     late = write_artifact(store, p.key(ArtifactKind.CHECKPOINT, "late-run", "step-000001", "model.safetensors"),
@@ -141,11 +155,15 @@ def test_cleanup_needs_confirmation_and_never_deletes_what_live_data_references(
     skipped = {o.key: o.detail for o in result.skipped}
     assert skipped[p.tokenized_old.key] == f"now kept: referenced by kept {late.uri}"
     assert skipped[p.tokenized_old.key + ".manifest.json"].startswith("now kept")
-    expected = _expected_dead(p) - {p.tokenized_old.key, p.tokenized_old.key + ".manifest.json"}
+    # The run's dataset.json and stats stay with the shard they describe (the trainer reads the verdict there).
+    for describer in p.describers_old:
+        assert skipped[describer.key] == f"now kept: describes {p.tokenized_old.uri}, which is kept"
+    kept_now = {m.key for m in [p.tokenized_old, *p.describers_old]}
+    expected = _expected_dead(p) - kept_now - {k + ".manifest.json" for k in kept_now}
     assert {o.key for o in result.deleted} == expected and result.failed == [] and result.complete
     assert result.bytes_reclaimed == sum(c.bytes for c in plan.candidates if c.key in expected)
     assert not any(store.exists(k) for k in expected)
-    for survivor in (p.tokenized_old.key, p.steps[100][0].key, p.referenced_hidden_state, p.export.key, p.stray,
+    for survivor in (p.tokenized_old.key, *(m.key for m in p.describers_old), p.steps[100][0].key, p.referenced_hidden_state, p.export.key, p.stray,
                      *(m.key for m in p.steps[300] + p.steps[400])):
         assert store.exists(survivor), survivor
     # Every live manifest's inputs are still there.

@@ -40,7 +40,7 @@ def test_audit_flow_publishes_reports_and_artifacts_then_cleanup_runs_the_review
     retention = Retention(keep_checkpoints=2, abandoned_after_days=0)
     state = s3_audit(S3AuditParams(prefix=f"{p.root}/", retention=retention), return_state=True)
     summary = state.result()
-    assert summary["dead_objects"] == 11 and summary["unmanifested"] == 4 and summary["orphan_manifests"] == 1
+    assert summary["dead_objects"] == 15 and summary["unmanifested"] == 4 and summary["orphan_manifests"] == 1
     assert summary["hash_problems"] == 1
     artifacts = _artifacts(str(state.state_details.flow_run_id))
     assert {"s3-audit-by-kind", "s3-audit-summary", "s3-audit-bytes-by-kind", "s3-audit-lineage"} <= set(artifacts)
@@ -53,11 +53,11 @@ def test_audit_flow_publishes_reports_and_artifacts_then_cleanup_runs_the_review
     assert store.get_bytes(png_key).startswith(b"\x89PNG")
 
     dry = s3_cleanup(S3CleanupParams(plan_uri=summary["plan"]))
-    assert dry == {"dry_run": True, "candidates": 11, "bytes": dry["bytes"]} and store.exists(p.hidden_states[0])
+    assert dry == {"dry_run": True, "candidates": 15, "bytes": dry["bytes"]} and store.exists(p.hidden_states[0])
     done = s3_cleanup(S3CleanupParams(plan_uri=summary["plan"], confirm=True))
-    assert done["deleted"] == 11 and done["failed"] == 0
+    assert done["deleted"] == 15 and done["failed"] == 0
     assert not store.exists(p.hidden_states[0]) and store.exists(p.referenced_hidden_state)
     record = read_manifest(store, done["record"].removeprefix(store.uri("")))
     assert [ref.uri for ref in record.inputs] == [summary["plan"]]
     body = json.loads(store.get_bytes(record.key))
-    assert "via flow run" in body["who"] and len(body["deleted"]) == 11
+    assert "via flow run" in body["who"] and len(body["deleted"]) == 15
