@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from typer.testing import CliRunner
+
+from dflash_core import cli
 from dflash_core.lineage import build_lineage, read_manifest, verify_artifact
 from dflash_core.nodes import (
     PROCESS_DIR, PreserveConfig, ProvisionConfig, ProvisionError, local_node, preserve, provision, write_node_record,
@@ -137,7 +140,10 @@ def test_preserve_stops_only_ours_and_uploads_everything_with_manifests(store, s
             ours = [access.start_detached(f"server-{i}", f"echo serving {i}; exec sleep 300",
                                           log_path=f"{work}/logs/server-{i}.log", record_dir=f"{work}/{PROCESS_DIR}")
                     for i in range(2)]
-            write_node_record(access, str(work), provision(access, node, ProvisionConfig()))
+            cli_run = CliRunner().invoke(cli.app, ["node", "provision", "--local", "--work-dir", str(work),
+                                                   "--no-upload", "--json", "--record-out", str(tmp_path / "r.json")])
+            assert cli_run.exit_code == 0, cli_run.output
+            assert NodeRecord.model_validate_json(cli_run.output).venv.path == f"{work}/venv"
             before = _tree_state(work)
             result = preserve(access, node, store, settings.s3_prefixes, PreserveConfig(logs=["logs", "missing.log"]),
                               timestamp="20261130T120000Z")

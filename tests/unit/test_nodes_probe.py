@@ -87,3 +87,20 @@ def test_inventory_loads_nodes_and_refuses_passwords_and_bad_entries(tmp_path: P
         load_inventory(path)
     with pytest.raises(ValueError, match="does not exist"):
         load_inventory(tmp_path / "missing.yaml")
+
+
+def test_node_cli_names_what_is_missing(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from dflash_core import cli
+
+    runner = CliRunner()
+    neither = runner.invoke(cli.app, ["node", "provision"], env={"COLUMNS": "200"})
+    assert neither.exit_code == 2 and "--local (this machine) or --node NAME" in neither.output
+    missing = runner.invoke(cli.app, ["node", "provision", "--node", "gpu-1", "--inventory", str(tmp_path / "n.yaml")],
+                            env={"COLUMNS": "200"})
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    (tmp_path / "n.yaml").write_text("nodes:\n  gpu-2: {host: h}\n")
+    unknown = runner.invoke(cli.app, ["node", "preserve", "--node", "gpu-1", "--inventory", str(tmp_path / "n.yaml")],
+                            env={"COLUMNS": "200"})
+    assert unknown.exit_code == 2 and "node 'gpu-1' is not in" in unknown.output and "gpu-2" in unknown.output
