@@ -43,7 +43,7 @@ class CheckpointUploadFailed(StoreError):
 @dataclass
 class RemoteStep:
     step: int
-    files: dict[str, str | None]  # name -> recorded sha256, for checkpoint files and manifests present
+    files: set[str]  # names present: checkpoint files and their manifests
 
     def complete(self) -> bool:
         return all(name in self.files and manifest_key(name) in self.files for name in _FILES)
@@ -63,7 +63,7 @@ def remote_checkpoints(store: ObjectStore, key_prefix: str) -> dict[int, RemoteS
         parts = info.key[len(base):].split("/")
         step = step_of(parts[0]) if len(parts) == 2 else None
         if step is not None:
-            found.setdefault(step, RemoteStep(step, {})).files[parts[1]] = None
+            found.setdefault(step, RemoteStep(step, set())).files.add(parts[1])
     return found
 
 
@@ -120,7 +120,11 @@ class CheckpointUploader:
         self._thread.join()
         self.raise_if_failed()
         if final is not None:
-            remote = remote_checkpoints(self.store, self.key_prefix).get(step_of(final.name))
+            try:
+                remote = remote_checkpoints(self.store, self.key_prefix).get(step_of(final.name))
+            except StoreError as error:
+                raise CheckpointUploadFailed(f"could not verify the final checkpoint {final.name} in S3 ({error}); "
+                                             "rerun with --resume to check and upload it") from error
             if remote is None or not remote.complete():
                 raise CheckpointUploadFailed(
                     f"the final checkpoint {final.name} is not complete in {self.store.uri(self.key_prefix)}/ "
