@@ -277,3 +277,27 @@ def test_the_train_task_does_not_retry_a_refused_run(tmp_path, monkeypatch) -> N
             raise refused.value
 
     assert train_tasks._retry_unless_refused(None, None, State()) is False
+
+
+def test_an_outage_past_the_limit_fails_and_the_backlog_stays_bounded(settings, tmp_path) -> None:
+    from dflash_core.train.uploader import CheckpointUploader, CheckpointUploadFailed
+
+    root = tmp_path / "checkpoints"
+    for step in range(1, 6):
+        (root / f"step-{step:06d}").mkdir(parents=True)
+        for name in _FILES:
+            (root / f"step-{step:06d}" / name).write_text(f"{step} {name}")
+    down = ObjectStore.from_settings(settings.replace(s3_endpoint_url=f"http://127.0.0.1:{free_port()}",
+                                                      s3_max_attempts=1))
+    messages: list[str] = []
+    uploader = CheckpointUploader(down, root=root, key_prefix="checkpoints/down", keep_last=2, outage_limit_s=1.5,
+                                  backoff_s=(0.1, 0.4), log=messages.append)
+    for step in range(1, 6):
+        uploader.submit(root / f"step-{step:06d}")
+    assert [job.name for job in uploader._jobs if isinstance(job, Path)] == ["step-000004", "step-000005"]
+    started = time.monotonic()
+    with pytest.raises(CheckpointUploadFailed, match=r"failing for \d+ s, past the outage limit of 2 s.*--resume"):
+        uploader.finish(final=root / "step-000005")
+    assert 1.0 <= time.monotonic() - started < 10
+    assert any("S3 unavailable" in m and "training goes on with local checkpoints" in m for m in messages)
+    assert any(m.startswith("behind: 2 checkpoints wait") for m in messages)
