@@ -15,16 +15,15 @@ import platform
 from datetime import UTC, datetime
 
 from prefect import flow
-from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from dflash_core.s3audit import Retention, kind_table_rows
+from dflash_core.s3audit import Retention, bytes_by_kind_png, kind_table_rows
 from dflash_core.settings import load_settings
-from dflash_core.storage import ObjectStore
 from dflash_core.units import binary_bytes
 from tasks.s3 import audit_bucket, cleanup_bucket, load_plan, publish_audit, record_deletions
-from tasks.store import check_store
+from tasks.store import check_store, png_artifact
 
 
 class S3AuditParams(BaseModel):
@@ -52,14 +51,13 @@ def s3_audit(params: S3AuditParams = S3AuditParams()) -> dict:
     output = audit_bucket(settings, prefix=params.prefix, retention=params.retention,
                           verify_hashes=params.verify_hashes, max_graph_nodes=params.max_graph_nodes)
     published = publish_audit(settings, output, stamp=_stamp())
-    store = ObjectStore.from_settings(settings)
     report = output.report
     create_table_artifact(kind_table_rows(report), key="s3-audit-by-kind",
                           description=f"{report.store_uri}: objects and bytes per artifact kind")
     create_markdown_artifact(output.markdown + f"\n\nPlan for `dflash-s3-cleanup` (plan_uri): `{published.plan_uri}`\n",
                              key="s3-audit-summary", description="inventory, dead data, problems")
-    create_image_artifact(image_url=store.presigned_url(published.png_key, expires_s=7 * 24 * 3600),
-                          key="s3-audit-bytes-by-kind", description="bytes per artifact kind")
+    # Embedded, not a presigned link: no key material in the Prefect database.
+    png_artifact(bytes_by_kind_png(report), key="s3-audit-bytes-by-kind", description="bytes per artifact kind")
     create_markdown_artifact(f"# Lineage of `{report.store_uri}`\n\n{output.mermaid}", key="s3-audit-lineage",
                              description="artifacts and their inputs, from manifests")
     print(f"{report.objects:,} objects, {binary_bytes(report.bytes)}; dead {report.dead_objects:,} "

@@ -12,15 +12,14 @@ from dflash_core.lineage import Manifest
 from dflash_core.nodes import Node, NodeRecord, NodeUnreachable, PreserveConfig, PreserveResult, ProvisionConfig
 from dflash_core.nodes import preserve, provision, upload_node_record, write_node_record
 from dflash_core.settings import Settings
-from dflash_core.storage import ObjectStore, StoreConfigError, StoreError
+from dflash_core.storage import ObjectStore, StoreUnavailable
 from tasks.provenance import run_producer
 
 
 def is_transient(error: BaseException) -> bool:
-    if isinstance(error, (NodeUnreachable, ConnectionError, TimeoutError)):
-        return True
-    return isinstance(error, StoreError) and not isinstance(error, StoreConfigError) and \
-        type(error).__name__ not in {"ObjectNotFound", "ChecksumMismatch"}
+    """The node or S3 did not answer (worth a retry); anything else (a failed command, a refused host key,
+    a provision refused for a reason, a configuration error) fails the same way again."""
+    return isinstance(error, (NodeUnreachable, StoreUnavailable, ConnectionError, TimeoutError))
 
 
 def retry_transient(task, task_run, state) -> bool:

@@ -100,7 +100,11 @@ def delete_batch_s3(store: ObjectStore) -> DeleteBatch:
         try:
             response = store.client.delete_objects(
                 Bucket=store.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": False})
-        except (ClientError, BotoCoreError) as error:
+        except ClientError as error:  # the whole request refused: its code says whether a retry can help
+            code = str(error.response.get("Error", {}).get("Code") or "transport")
+            return set(), {k: (code if code not in {"500", "502", "503", "504"} else "transport", str(error))
+                           for k in keys}
+        except BotoCoreError as error:  # connection dropped, timed out
             return set(), {k: ("transport", str(error)) for k in keys}
         deleted = {item["Key"] for item in response.get("Deleted", [])}
         errors = {item["Key"]: (item.get("Code", "?"), item.get("Message", "")) for item in response.get("Errors", [])}

@@ -46,6 +46,9 @@ def test_audit_flow_publishes_reports_and_artifacts_then_cleanup_runs_the_review
     assert {"s3-audit-by-kind", "s3-audit-summary", "s3-audit-bytes-by-kind", "s3-audit-lineage"} <= set(artifacts)
     assert "flowchart LR" in artifacts["s3-audit-lineage"].data and "-->" in artifacts["s3-audit-lineage"].data
     assert "abandoned-prefix" in artifacts["s3-audit-summary"].data
+    assert artifacts["s3-audit-bytes-by-kind"].data.startswith("data:image/png;base64,")  # embedded, not a link
+    key_id = env_settings.s3_access_key_id.get_secret_value()
+    assert not any(key_id in str(a.data) or "X-Amz-Signature" in str(a.data) for a in artifacts.values())
     assert {row["kind"] for row in json.loads(artifacts["s3-audit-by-kind"].data)} >= {"checkpoint", "unknown"}
     plan_key = summary["plan"].removeprefix(store.uri(""))
     assert read_manifest(store, plan_key).kind == "report"
