@@ -110,11 +110,23 @@ def test_host_keys_are_verified_and_passwords_never_used(sshd: Sshd, tmp_path: P
         sshd.node(key_path=stranger).connect()
 
 
-def test_provision_over_ssh_is_idempotent(sshd: Sshd) -> None:
-    node_def = sshd.node(work_dir=f"{sshd.home}/node-{uuid.uuid4().hex[:6]}")
+def test_provision_twice_and_preserve_over_ssh(sshd: Sshd, store, settings) -> None:
+    from dflash_core.lineage import read_manifest
+    from dflash_core.nodes import PROCESS_DIR, PreserveConfig, preserve, write_node_record
+
+    name = f"ssh-{uuid.uuid4().hex[:8]}"
+    node_def = sshd.node(name=name, work_dir=f"{sshd.home}/{name}")
     with node_def.connect() as node:
         first = provision(node, node_def, ProvisionConfig())
         second = provision(node, node_def, ProvisionConfig())
-    assert any(a.startswith("created venv") for a in first.actions)
-    assert second.actions == []
-    assert second.venv.path == f"{node_def.work_dir}/venv" and not second.venv.fs_type.startswith("nfs")
+        write_node_record(node, node_def.work_dir, second)
+        record = node.start_detached("server", "echo ready; exec sleep 300", log_path=f"{node_def.work_dir}/logs/s.log",
+                                     record_dir=f"{node_def.work_dir}/{PROCESS_DIR}")
+        result = preserve(node, node_def, store, settings.s3_prefixes, PreserveConfig(), timestamp="20261130T000000Z")
+        assert not node.is_running(record)
+    assert any(a.startswith("created venv") for a in first.actions) and second.actions == []
+    assert second.venv.path == f"{node_def.work_dir}/venv"
+    assert [(p.name, p.outcome) for p in result.stopped] == [("server", "stopped")]
+    key = f"node-backups/{name}/20261130T000000Z/logs.tar.gz"
+    assert read_manifest(store, key).bytes == len(store.get_bytes(key))
+    assert {s.name for s in result.saved} >= {"logs.tar.gz", "records.tar.gz", "inventory.json", "pip-freeze.txt"}
