@@ -58,8 +58,8 @@ def provision(
                                                          "network filesystem.")] = None,
     python: Annotated[str, typer.Option(help="Interpreter that creates the venv.")] = "python3",
     system_site_packages: Annotated[bool, typer.Option(help="Venv sees the image's packages (its CUDA torch).")] = False,
-    package: Annotated[Optional[list[str]], typer.Option(help="Requirement to install (repeatable), e.g. "
-                                                              "'dflash-pipeline[gpu]'.")] = None,
+    package: Annotated[Optional[list[str]], typer.Option(help="Requirement to install (repeatable).")] = None,
+    gpu_extra: Annotated[bool, typer.Option(help="Install the project's `gpu` extra (pinned in pyproject.toml).")] = False,
     find_links: Annotated[Optional[list[str]], typer.Option(help="Wheelhouse dir on the node (repeatable).")] = None,
     no_index: Annotated[bool, typer.Option(help="Install only from --find-links (offline node).")] = False,
     no_deps: Annotated[bool, typer.Option(help="pip --no-deps.")] = False,
@@ -77,7 +77,8 @@ def provision(
     try:
         target = _resolve_node(local, node, inventory, work_dir, gpus)
         config = ProvisionConfig(venv_dir=venv_dir, python=python, system_site_packages=system_site_packages,
-                                 packages=package or [], find_links=find_links or [], no_index=no_index,
+                                 packages=package or [], gpu_extra=gpu_extra, find_links=find_links or [],
+                                 no_index=no_index,
                                  no_deps=no_deps, model_dir=model_dir, ram_disk=ram_disk,
                                  ram_disk_below_mb_s=ram_disk_below_mb_s, read_sample_mb=read_sample_mb)
         with target.connect() as access:

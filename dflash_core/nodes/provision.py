@@ -16,6 +16,8 @@ import hashlib
 import json
 import shlex
 import time
+import tomllib
+from pathlib import Path
 from posixpath import basename
 
 from typing import TYPE_CHECKING
@@ -77,8 +79,9 @@ class ProvisionConfig(BaseModel):
     python: str = Field("python3", description="Interpreter on the node that creates the venv.")
     system_site_packages: bool = Field(False, description="Let the venv see the image's packages (e.g. its CUDA "
                                                           "torch).")
-    packages: list[str] = Field(default_factory=list, description="pip requirement specs to install, e.g. "
-                                                                  "'dflash-pipeline[gpu]'; empty: venv only.")
+    packages: list[str] = Field(default_factory=list, description="pip requirement specs to install; empty (and "
+                                                                  "no gpu_extra): venv only.")
+    gpu_extra: bool = Field(False, description="Also install the project's `gpu` extra, as pinned in pyproject.toml.")
     find_links: list[str] = Field(default_factory=list, description="Wheelhouse dirs on the node (pip --find-links).")
     no_index: bool = Field(False, description="Install only from find_links (a node without internet).")
     no_deps: bool = Field(False, description="pip --no-deps (the wheelhouse holds exactly what is needed).")
@@ -133,6 +136,17 @@ def upload_node_record(store: ObjectStore, prefixes: dict[ArtifactKind, str], re
                           config={"node": record.node, "category": "provision"}, producer=producer)
 
 
+def gpu_extra_requirements() -> list[str]:
+    """The pinned requirements of the project's `gpu` extra: from the checkout's pyproject.toml (a bare GPU
+    image runs from a checkout), else from the installed package's metadata."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if pyproject.is_file():
+        return list(tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["gpu"])
+    from importlib import metadata
+
+    return [r.split(";")[0].strip() for r in metadata.requires("dflash-pipeline") or [] if 'extra == "gpu"' in r]
+
+
 def _ensure_venv(access: NodeAccess, config: ProvisionConfig, path: str, actions: list[str]) -> VenvState:
     mount = probe.mount_of(path, probe.mounts(access))
     if mount.is_network:
@@ -157,31 +171,32 @@ def _ensure_venv(access: NodeAccess, config: ProvisionConfig, path: str, actions
     version = access.run([python, "-c", "import sys; print(sys.version.split()[0])"], timeout_s=60).stdout.strip()
     has_pip = access.run([python, "-m", "pip", "--version"], check=False, timeout_s=60).returncode == 0
     pip = [python, "-m", "pip"] if has_pip else [config.python, "-m", "pip", "--python", python]
+    packages = [*config.packages, *(gpu_extra_requirements() if config.gpu_extra else [])]
     state = VenvState(path=path, fs_type=mount.fs_type, mount_point=mount.mount_point, python=version,
-                      system_site_packages=config.system_site_packages, packages=list(config.packages),
+                      system_site_packages=config.system_site_packages, packages=packages,
                       find_links=list(config.find_links))
-    if config.packages:
-        state.install_stamp = _install_stamp(access, config)
+    if packages:
+        state.install_stamp = _install_stamp(access, config, packages)
         stamp_path = f"{path}/{INSTALL_STAMP}"
         current = access.run(["cat", stamp_path], check=False, timeout_s=30).stdout.strip()
         if current != state.install_stamp:
             argv = [*pip, "install", "--disable-pip-version-check", "--no-input", "--quiet",
                     *(["--no-index"] if config.no_index else []), *(["--no-deps"] if config.no_deps else []),
                     *[arg for link in config.find_links for arg in ("--find-links", access.path(link))],
-                    *config.packages]
+                    *packages]
             access.run(argv, timeout_s=config.install_timeout_s)
             access.write_text(stamp_path, state.install_stamp)
-            actions.append(f"installed {' '.join(config.packages)} into {path}")
+            actions.append(f"installed {' '.join(packages)} into {path}")
     state.freeze = access.run([*pip, "freeze", "--disable-pip-version-check"], timeout_s=120).stdout.split()
     return state
 
 
-def _install_stamp(access: NodeAccess, config: ProvisionConfig) -> str:
+def _install_stamp(access: NodeAccess, config: ProvisionConfig, packages: list[str]) -> str:
     """A hash of what was asked for, including the wheelhouse contents (a new wheel means a new install)."""
     wheelhouse = ""
     for link in config.find_links:
         wheelhouse += access.run(f"ls -l {shlex.quote(access.path(link))} 2>/dev/null || true", timeout_s=60).stdout
-    asked = {"packages": config.packages, "find_links": config.find_links, "no_index": config.no_index,
+    asked = {"packages": packages, "find_links": config.find_links, "no_index": config.no_index,
              "no_deps": config.no_deps, "wheelhouse": wheelhouse}
     return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()
 

@@ -104,3 +104,11 @@ def test_node_cli_names_what_is_missing(tmp_path: Path) -> None:
     unknown = runner.invoke(cli.app, ["node", "preserve", "--node", "gpu-1", "--inventory", str(tmp_path / "n.yaml")],
                             env={"COLUMNS": "200"})
     assert unknown.exit_code == 2 and "node 'gpu-1' is not in" in unknown.output and "gpu-2" in unknown.output
+
+
+def test_gpu_extra_is_read_pinned_from_pyproject() -> None:
+    from dflash_core.nodes.provision import gpu_extra_requirements
+
+    requirements = gpu_extra_requirements()
+    assert requirements and all("==" in r for r in requirements)
+    assert any(r.startswith("flash-linear-attention==") for r in requirements)
