@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_core.hybrid import GDNKernels, install_packed_gdn, packed_gdn_kwargs
 from dflash_core.model.drafter import TargetHeads
 
 TINY_FAMILIES = ("llama", "qwen3", "qwen3_5")
@@ -156,12 +157,15 @@ def target_heads(model: nn.Module) -> TargetHeads:
 
 @dataclasses.dataclass
 class CapturedStates:
-    """tapped_hidden [B, T, L*H] in `layer_ids` order; final_hidden [B, T, H] pre-norm, or None."""
+    """tapped_hidden [B, T, L*H] in `layer_ids` order; final_hidden [B, T, H] pre-norm, or None.
+    gdn_document_means: {decoder layer index: [documents, H]} mean output of each GDN (linear
+    attention) layer per document of length >= 2, padding left out (only when asked for)."""
 
     input_ids: torch.Tensor
     tapped_hidden: torch.Tensor
     layer_ids: list[int]
     final_hidden: torch.Tensor | None = None
+    gdn_document_means: dict[int, torch.Tensor] | None = None
 
     def layer(self, layer_id: int) -> torch.Tensor:
         """[B, T, H] output of decoder layer `layer_id`."""
@@ -178,7 +182,9 @@ class HiddenStateCapture:
     """Captures tapped layer outputs (and optionally the pre-norm final state) in one forward.
 
     Hooks stay registered for the life of the object and act only inside `__call__`; call
-    `close()` to remove them.
+    `close()` to remove them. On hybrid targets the GDN layers restart at every document of a packed
+    row (dflash_core.hybrid); `gdn_kernels` says which kernels run them (None: no GDN layers, or
+    recurrent layers dflash_core.hybrid does not know: pack those one document per row).
     """
 
     def __init__(self, model: nn.Module, *, layer_ids: list[int], capture_final: bool) -> None:
@@ -191,6 +197,7 @@ class HiddenStateCapture:
             raise ValueError(f"layer_ids {layer_ids} out of range for a {num_layers}-layer target")
         self.layer_ids = list(layer_ids)
         self.capture_final = capture_final
+        self.gdn_kernels: GDNKernels | None = install_packed_gdn(model) if has_recurrent_layers(model.config) else None
         self.hidden_size = self.decoder.embed_tokens.weight.shape[1]
         self._buffer: torch.Tensor | None = None
         self._final: torch.Tensor | None = None
@@ -231,8 +238,20 @@ class HiddenStateCapture:
         *,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        host_position_ids: torch.Tensor | None = None,
+        gdn_summary: bool = False,
     ) -> CapturedStates:
+        """`host_position_ids`: a host copy of `position_ids`; hybrid targets read the document
+        boundaries from it (else from `position_ids`, which waits for the device). `gdn_summary`:
+        also record each GDN layer's mean output per document (for `validate_capture`)."""
         batch, seq_len = input_ids.shape
+        extra = {}
+        positions = host_position_ids if host_position_ids is not None else position_ids
+        if self.gdn_kernels is not None and position_ids is not None:
+            extra = packed_gdn_kwargs(positions, device=input_ids.device)
+        summary_handles, gdn_means = [], {}
+        if gdn_summary:
+            summary_handles = self._summarize_gdn(positions, (batch, seq_len), gdn_means)
         dtype = self.decoder.embed_tokens.weight.dtype
         self._buffer = torch.empty(
             batch, seq_len, len(self.layer_ids) * self.hidden_size, dtype=dtype, device=input_ids.device
@@ -241,17 +260,50 @@ class HiddenStateCapture:
         self._active = True
         try:
             self.decoder(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+                input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False,
+                **extra,
             )
         except _StopForward:
             pass
         finally:
             self._active = False
+            for handle in summary_handles:
+                handle.remove()
         captured = CapturedStates(
-            input_ids=input_ids, tapped_hidden=self._buffer, layer_ids=self.layer_ids, final_hidden=self._final
+            input_ids=input_ids, tapped_hidden=self._buffer, layer_ids=self.layer_ids, final_hidden=self._final,
+            gdn_document_means=gdn_means if gdn_summary else None,
         )
         self._buffer = self._final = None
         return captured
+
+    def _summarize_gdn(self, position_ids: torch.Tensor | None, shape: tuple[int, int], out: dict) -> list:
+        """Temporary hooks that store each GDN layer's mean output per real document (>= 2 tokens)."""
+        from dflash_core.model.anchors import document_ids_from_positions
+
+        if position_ids is None:
+            position_ids = torch.arange(shape[1]).expand(shape)
+        positions = position_ids.cpu()
+        documents = document_ids_from_positions(positions)
+        spans = []
+        for row, (row_docs, row_pos) in enumerate(zip(documents, positions)):
+            for doc in torch.unique(row_docs).tolist():
+                index = torch.nonzero(row_docs == doc).flatten()
+                real = bool((row_pos[index] == torch.arange(index.numel())).all())  # padding restarts at 0 each token
+                if index.numel() >= 2 and real:
+                    spans.append((row, int(index[0]), int(index[-1]) + 1))
+        handles = []
+        for index, layer in enumerate(self.decoder.layers):
+            mixer = getattr(layer, "linear_attn", None)
+            if mixer is None:
+                continue
+
+            def hook(module, args, output, index=index):
+                output = self._output_tensor(output).float()
+                out[index] = torch.stack([output[row, start:end].mean(dim=0) for row, start, end in spans]) if spans \
+                    else output.new_zeros(0, output.shape[-1])
+
+            handles.append(mixer.register_forward_hook(hook))
+        return handles
 
     def close(self) -> None:
         for handle in self._handles:
@@ -282,3 +334,19 @@ def validate_capture(
         variance = states.var().item()
         if not variance > min_variance:
             raise ValueError(f"{name}: captured states are constant (variance {variance:.3g}); all-zero capture?")
+    for layer, means in (captured.gdn_document_means or {}).items():
+        _check_gdn_layer(layer, means.float(), min_variance=min_variance)
+
+
+def _check_gdn_layer(layer: int, means: torch.Tensor, *, min_variance: float) -> None:
+    """A GDN layer's per-document mean outputs [documents, H]: finite, not all zero, and different
+    between the documents of a packed row (the field's all-zero-states failure on hybrid targets)."""
+    name = f"GDN (linear attention) layer {layer}"
+    if not torch.isfinite(means).all():
+        raise ValueError(f"{name}: output contains NaN or Inf")
+    if means.numel() and not means.abs().max().item() > 0:
+        raise ValueError(f"{name}: output is all zero; the GDN kernels returned nothing")
+    if means.shape[0] >= 2:
+        spread = means.var(dim=0).max().item()
+        if not spread > min_variance:
+            raise ValueError(f"{name}: output is the same for every document of the row (spread {spread:.3g})")
