@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from dflash_core.hybrid import GDNKernels, install_packed_gdn
 from dflash_core.model import DFlashConfig
 from dflash_core.model.dflash2 import config_from_dict, drafter_config, variant_of
 from dflash_core.model.init_from_target import init_from_target_layers
@@ -88,6 +90,14 @@ def _step_generator(seed: int, step: int, global_micro: int) -> torch.Generator:
     """Anchor sampling depends only on (seed, step, global micro-batch index): resume replays it
     exactly, and N ranks x 1 micro-batch sample like 1 rank x N micro-batches."""
     return torch.Generator().manual_seed(hash((seed, step, global_micro)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def record_target_kernels(run_dir: Path, kernels: GDNKernels) -> None:
+    """`target_kernels` in the run's provenance.json (written beside run.yaml, created if absent)."""
+    path = run_dir / "provenance.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    record["target_kernels"] = kernels.as_dict()
+    path.write_text(json.dumps(record, indent=2))
 
 
 def load_target_tokenizer(spec: str, *, models_dir: Path):
@@ -202,10 +212,14 @@ class Trainer:
                 warnings.warn(f"target keeps its attention implementation ({error}); packed rows cost more",
                               stacklevel=2)
         samples_per_batch = config.max_samples_per_batch
-        if has_recurrent_layers(self.target.config) and samples_per_batch != 1:
-            warnings.warn("the target has recurrent (linear-attention) layers, whose state would flow across "
-                          "packed documents: packing is off (max_samples_per_batch=1)", stacklevel=2)
+        # Hybrid targets pack exactly when dflash_core.hybrid can restart their GDN layers per document.
+        self.target_kernels = install_packed_gdn(self.target) if has_recurrent_layers(self.target.config) else None
+        if has_recurrent_layers(self.target.config) and self.target_kernels is None and samples_per_batch != 1:
+            warnings.warn("the target has recurrent (linear-attention) layers this trainer cannot restart per "
+                          "document: packing is off (max_samples_per_batch=1)", stacklevel=2)
             samples_per_batch = 1
+        if self.target_kernels is not None and self.dist.is_main:
+            print(f"target kernels: {self.target_kernels}", file=sys.stderr, flush=True)
         self.sampler = PackedBatchSampler(self.corpus.lengths, token_budget=config.token_budget, seed=config.seed,
                                           rank=self.dist.rank, world_size=self.dist.world_size,
                                           drop_samples_without_loss=~samples_with_loss(self.corpus),
@@ -256,7 +270,8 @@ class Trainer:
         if not self.dist.is_main:
             return None
         meta = {"config": self.config.model_dump(mode="json"), "drafter_config": self.drafter_config.to_dict(),
-                "producer": current_producer(flow_run_id=self.flow_run_id).model_dump()}
+                "producer": current_producer(flow_run_id=self.flow_run_id).model_dump(),
+                "target_kernels": self.target_kernels.as_dict() if self.target_kernels else None}
         path = ckpt.save_checkpoint(self.run_dir / "checkpoints", step=self.step,
                                     model_state=self.drafter.state_dict(), train_state=self._train_state(),
                                     meta=meta, keep_last=self.config.keep_last)
@@ -312,12 +327,15 @@ class Trainer:
                 return
             tensors = batch_tensors(collate(self.corpus, indices, token_budget=self.config.token_budget),
                                     self.target_device)
-            captured = capture_batch(self.capture, tensors)
+            captured = self.capture(tensors["input_ids"], position_ids=tensors["position_ids"],
+                                    host_position_ids=tensors["host_position_ids"], gdn_summary=True)
             validate_capture(captured, input_ids=tensors["input_ids"], hidden_size=self.drafter_config.hidden_size)
 
     def run(self, *, on_log=None) -> TrainResult:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main and self.target_kernels is not None:
+            record_target_kernels(self.run_dir, self.target_kernels)
         metrics_path = self.run_dir / "metrics.jsonl"
         previous = signal.signal(signal.SIGTERM, self._request_stop)
         batches = iter(self.sampler)
