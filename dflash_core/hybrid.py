@@ -16,7 +16,10 @@ call the original unchanged. With the segments:
 Why transformers logs "falling back to its reference PyTorch implementation" with fla installed:
 it looks for the conv in a separate package, `causal_conv1d` (Dao-AILab's CUDA build), which fla
 does not provide under that name; the delta rule does bind to fla. With fla on a GPU our wrapper
-calls fla's own conv instead, and `GDNKernels` says which kernels ran.
+calls fla's own conv instead, and `GDNKernels` says which kernels ran. transformers also binds the
+torch path for the delta rule, silently, when `import fla` fails or fla is not importable yet at the
+moment it first imports the model's module (the choice is made once, at that import);
+`install_packed_gdn` warns with the reason when that happens on a GPU.
 
 Documents: a new one starts where the position ids do not step by 1 (as
 `dflash_core.model.anchors.document_ids_from_positions`), except that a position-0 token right after
@@ -28,9 +31,11 @@ call per document, not one per padding token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -125,11 +130,22 @@ def _bound_kind(function: Any) -> str:
     return "torch"
 
 
+@functools.cache
 def _fla_conv() -> Any:
     try:
         return importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
     except Exception:  # fla absent, or no Triton / GPU to import it with
         return None
+
+
+def _why_not_fla() -> str:
+    """Why transformers' GDN recurrence is on its torch path although this is a GPU run."""
+    try:
+        importlib.import_module("fla.ops.gated_delta_rule")
+    except Exception as error:  # transformers swallows the same error when it imports the model module
+        return f"`import fla.ops.gated_delta_rule` fails here ({type(error).__name__}: {error})"
+    return ("fla imports now, but did not when transformers first imported the model's module: make fla "
+            "importable (PYTHONPATH / install) before the process loads the target")
 
 
 def _gdn_modules(model: nn.Module) -> list[Any]:
@@ -216,5 +232,7 @@ def install_packed_gdn(model: nn.Module) -> GDNKernels | None:
         source.causal_conv1d_fn = _packed_conv(conv)
     parameter = next(model.parameters(), None)
     on_gpu = parameter is not None and parameter.is_cuda
+    if on_gpu and bound["chunk_gated_delta_rule"] != "fla":
+        warnings.warn(f"GDN layers run transformers' torch path on a GPU (slow): {_why_not_fla()}", stacklevel=2)
     conv_kind = "fla" if on_gpu and _fla_conv() is not None else bound["causal_conv1d_fn"]
     return GDNKernels(recurrence=bound["chunk_gated_delta_rule"], conv=conv_kind, transformers_bound=bound)
