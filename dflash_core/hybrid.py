@@ -2,10 +2,11 @@
 short causal conv, so a packed row gives each document the states it gets alone.
 
 transformers' GDN layers (Qwen3.5/3.6, Qwen3-Next) call two module-level functions of their
-modeling module, `causal_conv1d_fn` and `torch_chunk_gated_delta_rule`, and forward any extra
-keyword of the decoder's call to both. `install_packed_gdn` wraps those two names (once per
-modeling module); the wrappers act only when the capture passes `SEGMENTS_KWARG`, and otherwise
-call the original unchanged. With the segments:
+modeling module, `causal_conv1d_fn` and `torch_chunk_gated_delta_rule`. `install_packed_gdn`
+wraps those two names (once per modeling module); the wrappers act only inside
+`packed_documents(position_ids)` (the capture's forward) and otherwise call the original unchanged.
+The segments travel in a context variable, not as a keyword of the decoder's call, so the target's
+compiled attention layers never see (and never recompile for) a per-batch object. Inside it:
 - the recurrence runs in flash-linear-attention with `cu_seqlens` over the flattened batch when
   transformers bound fla's kernel, else transformers' torch function once per document;
 - the conv runs in fla's Triton kernel with `cu_seqlens` when fla imports and the tensors are on a
@@ -30,19 +31,22 @@ call per document, not one per padding token.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
 import inspect
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-SEGMENTS_KWARG = "dflash_gdn_segments"
 _MARK = "_dflash_packed_original"
+_SEGMENTS: contextvars.ContextVar[PackedSegments | None] = contextvars.ContextVar("dflash_gdn_segments", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +112,14 @@ def packed_segments(position_ids_BT: torch.Tensor, *, device: torch.device | Non
     return PackedSegments(tuple(bounds), starts.flatten(), cu_cpu.to(device, non_blocking=True), cu_cpu)
 
 
-def packed_gdn_kwargs(position_ids_BT: torch.Tensor | None, *, device: torch.device | None = None) -> dict:
-    """The extra keyword a decoder call needs for exact packed GDN layers ({} without position ids)."""
-    if position_ids_BT is None:
-        return {}
-    return {SEGMENTS_KWARG: packed_segments(position_ids_BT, device=device)}
+@contextlib.contextmanager
+def packed_documents(position_ids_BT: torch.Tensor | None, *, device: torch.device | None = None) -> Iterator[None]:
+    """Within it, wrapped GDN layers restart at every document of these rows (no-op for None)."""
+    token = _SEGMENTS.set(None if position_ids_BT is None else packed_segments(position_ids_BT, device=device))
+    try:
+        yield
+    finally:
+        _SEGMENTS.reset(token)
 
 
 def _bound_kind(function: Any) -> str:
@@ -167,7 +174,7 @@ def _original(function: Any) -> Any:
 
 def _packed_rule(original: Any, *, varlen: bool) -> Any:
     def rule(query, key, value, **kwargs):
-        segments: PackedSegments | None = kwargs.pop(SEGMENTS_KWARG, None)
+        segments = _SEGMENTS.get()
         if segments is None:
             return original(query, key, value, **kwargs)
         if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
@@ -198,7 +205,7 @@ def _packed_rule(original: Any, *, varlen: bool) -> Any:
 
 def _packed_conv(original: Any) -> Any:
     def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
-        segments: PackedSegments | None = kwargs.pop(SEGMENTS_KWARG, None)
+        segments = _SEGMENTS.get()
         if segments is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         batch, channels, seq_len = hidden_states.shape  # [B, C, T]

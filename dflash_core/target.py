@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_core.hybrid import GDNKernels, install_packed_gdn, packed_gdn_kwargs
+from dflash_core.hybrid import GDNKernels, install_packed_gdn, packed_documents
 from dflash_core.model.drafter import TargetHeads
 
 TINY_FAMILIES = ("llama", "qwen3", "qwen3_5")
@@ -248,10 +248,8 @@ class HiddenStateCapture:
         boundaries from it (else from `position_ids`, which waits for the device). `gdn_summary`:
         also record each GDN layer's mean output per document (for `validate_capture`)."""
         batch, seq_len = input_ids.shape
-        extra = {}
         positions = host_position_ids if host_position_ids is not None else position_ids
-        if self.gdn_kernels is not None and position_ids is not None:
-            extra = packed_gdn_kwargs(positions, device=input_ids.device)
+        documents = packed_documents(positions if self.gdn_kernels is not None else None, device=input_ids.device)
         summary_handles, gdn_means = [], {}
         if gdn_summary:
             summary_handles = self._summarize_gdn(positions, (batch, seq_len), gdn_means)
@@ -262,10 +260,10 @@ class HiddenStateCapture:
         self._final = None
         self._active = True
         try:
-            self.decoder(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False,
-                **extra,
-            )
+            with documents:
+                self.decoder(
+                    input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+                )
         except _StopForward:
             pass
         finally:

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from dflash_core.hybrid import SEGMENTS_KWARG, _original, _packed_conv, packed_segments
+from dflash_core.hybrid import _original, _packed_conv, packed_documents
 from dflash_core.target import HiddenStateCapture, build_target, language_model, tiny_target_config
 
 pytestmark = [
@@ -68,8 +68,8 @@ def test_fla_conv_equals_the_torch_conv_per_document(hybrid):
     torch.manual_seed(0)
     x = torch.randn(1, 96, positions.shape[1], device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(96, 4, device="cuda", dtype=torch.bfloat16)
-    packed = _packed_conv(original)(x, weight, None, activation="silu",
-                                    **{SEGMENTS_KWARG: packed_segments(positions, device=torch.device("cuda"))})
+    with packed_documents(positions, device=torch.device("cuda")):
+        packed = _packed_conv(original)(x, weight, None, activation="silu")
     start = 0
     for length in _LENGTHS:
         want = original(x[..., start:start + length].contiguous(), weight, None, activation="silu")

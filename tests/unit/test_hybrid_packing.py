@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_core.hybrid import SEGMENTS_KWARG, _packed_conv, _packed_rule, packed_segments, segment_starts
+from dflash_core.hybrid import _packed_conv, _packed_rule, packed_documents, packed_segments, segment_starts
 from dflash_core.target import HiddenStateCapture, build_target, language_model, tiny_target_config, validate_capture
 
 _LENGTHS = [37, 5, 70, 1, 20]  # one-token document, then a document right after it
@@ -83,7 +83,8 @@ def test_conv_restarts_at_every_document():
     weight = torch.randn(6, 4)
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 0, 0]])
     x = torch.randn(1, 6, positions.shape[1])
-    packed = conv(x, weight, None, activation="silu", **{SEGMENTS_KWARG: packed_segments(positions)})
+    with packed_documents(positions):
+        packed = conv(x, weight, None, activation="silu")
     for start, end in [(0, 5), (5, 8), (8, 12)]:
         torch.testing.assert_close(packed[..., start:end], _reference_conv(x[..., start:end], weight, None, "silu"))
     leaky = _reference_conv(x, weight, None, "silu")
@@ -101,8 +102,8 @@ def test_recurrence_restarts_at_every_document():
     rule = _packed_rule(cumulative_rule, varlen=False)
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0]])
     value = torch.ones(1, 7, 2, 3)
-    out, _ = rule(value, value, value, g=torch.zeros(1, 7, 2), beta=torch.ones(1, 7, 2),
-                  **{SEGMENTS_KWARG: packed_segments(positions)})
+    with packed_documents(positions):
+        out, _ = rule(value, value, value, g=torch.zeros(1, 7, 2), beta=torch.ones(1, 7, 2))
     assert calls == [3, 2, 2]
     assert out[0, :, 0, 0].tolist() == [1, 2, 3, 1, 2, 1, 2]
 
