@@ -121,3 +121,15 @@ def test_bad_layer_ids_raise():
         HiddenStateCapture(target, layer_ids=[1, 8], capture_final=False)
     with pytest.raises(ValueError, match="ascending"):
         HiddenStateCapture(target, layer_ids=[3, 1], capture_final=False)
+
+
+def test_hybrid_captures_say_which_gdn_kernels_run_and_compile_leaves_gdn_layers_eager():
+    from dflash_core.target import compile_decoder_layers
+
+    assert HiddenStateCapture(_target("qwen3")[0], layer_ids=[1], capture_final=False).gdn_kernels is None
+    target, config = _target("qwen3_5")
+    kernels = HiddenStateCapture(target, layer_ids=[1], capture_final=False).gdn_kernels
+    assert (kernels.recurrence, kernels.conv) == ("torch", "torch")  # no fla on a CPU
+    compile_decoder_layers(target)  # lazy: nothing compiles until a layer runs
+    compiled = ["forward" in vars(layer) for layer in language_model(target).layers]
+    assert compiled == [kind == "full_attention" for kind in config.layer_types]
