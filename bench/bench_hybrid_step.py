@@ -13,7 +13,9 @@ H200 (torch 2.11, transformers 5.17, no network; fla from the carried wheelhouse
 infra/node-wheelhouse.sh), one command from the repo root with .carry/node/wheelhouse beside it:
   python3 -m pip install -q --no-index --no-deps --target /tmp/fla .carry/node/wheelhouse/*.whl && \
     PYTHONPATH=/tmp/fla python3 bench/bench_hybrid_step.py --json hybrid.json
-(without the PYTHONPATH the GDN layers run transformers' torch path: the same table, slower.)
+(without the PYTHONPATH the GDN layers run transformers' torch path: the same table, slower.) Each
+packing builds its own Trainer (27B target, compile, ~50 s of first-call Triton compilation); if one
+command is too long for a lease, run `--packing packed` and `--packing unpacked` separately.
 CPU smoke (tiny:qwen3_5 target, 512-token rows, < 1 min): .venv/bin/python bench/bench_hybrid_step.py --tiny
 """
 
@@ -161,16 +163,17 @@ def print_table(results: list[dict], *, args, command: str) -> None:
           f"{args.mean_tokens:,.0f}-token mean; GDN kernels: recurrence {kernels.get('recurrence')}, "
           f"conv {kernels.get('conv')}")
     header = (f"{'packing':<10}{'ms/step':>9}{'real tok/s':>12}{'real/row':>10}{'(min-max)':>13}{'docs/row':>9}"
-              f"{'peak GiB':>10}{'planner':>9}{'meas/plan':>10}")
+              f"{'peak GiB':>10}{'reserved':>9}{'planner':>9}{'peak/plan':>10}")
     print(header)
     print("-" * len(header))
     for r in results:
         print(f"{r['packing']:<10}{r['ms_per_step']:>9.1f}{r['real_tokens_per_s']:>12,.0f}"
               f"{r['real_fraction_mean']:>10.1%}{r['real_fraction_min']:>6.0%} - {r['real_fraction_max']:<4.0%}"
-              f"{r['documents_per_row']:>9.1f}{r['peak_gib']:>10.1f}{r['planner_gib']:>9.1f}"
+              f"{r['documents_per_row']:>9.1f}{r['peak_gib']:>10.1f}{r['reserved_gib']:>9.1f}{r['planner_gib']:>9.1f}"
               f"{r['peak_gib'] / r['planner_gib']:>10.2f}")
     print("real = non-padding tokens; ms/step = wall time between the trainer's per-step logs (host work included); "
-          "peak = torch.cuda.max_memory_allocated; planner = `dflash plan`'s colocated peak (4 GiB reserve included)")
+          "peak / reserved = torch.cuda.max_memory_allocated / _reserved; planner = `dflash plan`'s colocated peak "
+          "(its 4 GiB reserve included)")
     print(f"reproduce: {command}")
 
 
