@@ -145,6 +145,10 @@ def _fla_conv() -> Any:
         return None
 
 
+def _fla_conv_applies(hidden_states: torch.Tensor) -> bool:
+    return hidden_states.is_cuda  # fla's Triton kernels need a GPU
+
+
 def _why_not_fla() -> str:
     """Why transformers' GDN recurrence is on its torch path although this is a GPU run."""
     try:
@@ -209,7 +213,7 @@ def _packed_conv(original: Any) -> Any:
         if segments is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         batch, channels, seq_len = hidden_states.shape  # [B, C, T]
-        fla_conv = _fla_conv() if hidden_states.is_cuda else None
+        fla_conv = _fla_conv() if _fla_conv_applies(hidden_states) else None
         if fla_conv is not None:
             x_1NC = hidden_states.transpose(1, 2).reshape(1, batch * seq_len, channels)
             y_1NC, _ = fla_conv(x_1NC, weight, bias, activation=activation, cu_seqlens=segments.cu_seqlens,

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from dflash_core.hybrid import _packed_conv, _packed_rule, packed_documents, packed_segments, segment_starts
 from dflash_core.target import HiddenStateCapture, build_target, language_model, tiny_target_config, validate_capture
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 _LENGTHS = [37, 5, 70, 1, 20]  # one-token document, then a document right after it
 _PADDING = 11
 _LAYERS = [0, 2, 3, 4]  # GDN, GDN, full attention, GDN
@@ -106,6 +108,26 @@ def test_recurrence_restarts_at_every_document():
         out, _ = rule(value, value, value, g=torch.zeros(1, 7, 2), beta=torch.ones(1, 7, 2))
     assert calls == [3, 2, 2]
     assert out[0, :, 0, 0].tolist() == [1, 2, 3, 1, 2, 1, 2]
+
+
+def test_varlen_recurrence_gets_the_flattened_rows_and_their_cu_seqlens():
+    """The fla path: one call over the rows flattened to batch 1, `cu_seqlens` (and its host copy)
+    marking every document; a stand-in kernel that honours cu_seqlens as fla's does."""
+    seen = {}
+
+    def varlen_rule(query, key, value, *, g, beta, cu_seqlens, cu_seqlens_cpu, **kwargs):
+        seen.update(batch=query.shape[0], cu=cu_seqlens.tolist(), cu_cpu=cu_seqlens_cpu.tolist())
+        out = torch.cat([value[:, s:e].cumsum(dim=1) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])], dim=1)
+        return out + g[..., None], None
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0], [0, 1, 0, 1, 2, 3, 4]])
+    value = torch.arange(1, 15, dtype=torch.float).reshape(2, 7, 1, 1).expand(2, 7, 2, 3)
+    with packed_documents(positions):
+        out, _ = _packed_rule(varlen_rule, varlen=True)(value, value, value, g=torch.zeros(2, 7, 2),
+                                                         beta=torch.ones(2, 7, 2), cu_seqlens=None)
+    assert seen == {"batch": 1, "cu": [0, 3, 5, 7, 9, 14], "cu_cpu": [0, 3, 5, 7, 9, 14]}
+    assert out.shape == value.shape
+    assert out[:, :, 0, 0].tolist() == [[1, 3, 6, 4, 9, 6, 13], [8, 17, 10, 21, 33, 46, 60]]
 
 
 def test_validator_checks_gdn_outputs_per_document(hybrid):
