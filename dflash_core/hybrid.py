@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 _MARK = "_dflash_packed_original"
-_SEGMENTS: contextvars.ContextVar[PackedSegments | None] = contextvars.ContextVar("dflash_gdn_segments", default=None)
+_SEGMENTS: contextvars.ContextVar[PackedSegments | None] = contextvars.ContextVar("dflash_gdn_segments",
+                                                                                  default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,8 @@ class PackedSegments:
         if key not in self._gapped:
             segment = self.starts_flat.long().cumsum(0)
             index = torch.arange(segment.numel()) + gap * segment
-            self._gapped[key] = (index.to(device, non_blocking=True), segment.numel() + gap * int(segment[-1]))
+            length = segment.numel() + gap * int(segment[-1])
+            self._gapped[key] = (index.to(device, non_blocking=True), length)
         return self._gapped[key]
 
 
@@ -113,9 +115,11 @@ def packed_segments(position_ids_BT: torch.Tensor, *, device: torch.device | Non
 
 
 @contextlib.contextmanager
-def packed_documents(position_ids_BT: torch.Tensor | None, *, device: torch.device | None = None) -> Iterator[None]:
+def packed_documents(position_ids_BT: torch.Tensor | None, *,
+                     device: torch.device | None = None) -> Iterator[None]:
     """Within it, wrapped GDN layers restart at every document of these rows (no-op for None)."""
-    token = _SEGMENTS.set(None if position_ids_BT is None else packed_segments(position_ids_BT, device=device))
+    segments = None if position_ids_BT is None else packed_segments(position_ids_BT, device=device)
+    token = _SEGMENTS.set(segments)
     try:
         yield
     finally:
@@ -237,13 +241,14 @@ def install_packed_gdn(model: nn.Module) -> GDNKernels | None:
         return None
     bound = {}
     for source in sources:
-        rule, conv = (_original(getattr(source, name)) for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"))
+        rule, conv = _original(source.torch_chunk_gated_delta_rule), _original(source.causal_conv1d_fn)
         bound = {"chunk_gated_delta_rule": _bound_kind(rule), "causal_conv1d_fn": _bound_kind(conv)}
         source.torch_chunk_gated_delta_rule = _packed_rule(rule, varlen=bound["chunk_gated_delta_rule"] == "fla")
         source.causal_conv1d_fn = _packed_conv(conv)
     parameter = next(model.parameters(), None)
     on_gpu = parameter is not None and parameter.is_cuda
     if on_gpu and bound["chunk_gated_delta_rule"] != "fla":
-        warnings.warn(f"GDN layers run transformers' torch path on a GPU (slow): {_why_not_fla()}", stacklevel=2)
+        warnings.warn(f"GDN layers run transformers' torch path on a GPU (slow): {_why_not_fla()}",
+                      stacklevel=2)
     conv_kind = "fla" if on_gpu and _fla_conv() is not None else bound["causal_conv1d_fn"]
     return GDNKernels(recurrence=bound["chunk_gated_delta_rule"], conv=conv_kind, transformers_bound=bound)
