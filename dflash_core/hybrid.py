@@ -219,7 +219,8 @@ def _packed_conv(original: Any) -> Any:
         batch, channels, seq_len = hidden_states.shape  # [B, C, T]
         fla_conv = _fla_conv() if _fla_conv_applies(hidden_states) else None
         if fla_conv is not None:
-            x_1NC = hidden_states.transpose(1, 2).reshape(1, batch * seq_len, channels)
+            # transformers hands over [B, T, C] transposed: this is a view, no copy
+            x_1NC = hidden_states.transpose(1, 2).reshape(1, batch * seq_len, channels).contiguous()
             y_1NC, _ = fla_conv(x_1NC, weight, bias, activation=activation, cu_seqlens=segments.cu_seqlens,
                                 cu_seqlens_cpu=segments.cu_seqlens_cpu)
             return y_1NC.reshape(batch, seq_len, channels).transpose(1, 2)

@@ -66,7 +66,7 @@ def test_fla_conv_equals_the_torch_conv_per_document(hybrid):
     source = sys.modules[type(language_model(target).layers[0].linear_attn).__module__]
     original = _original(source.causal_conv1d_fn)
     torch.manual_seed(0)
-    x = torch.randn(1, 96, positions.shape[1], device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, positions.shape[1], 96, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # as transformers
     weight = torch.randn(96, 4, device="cuda", dtype=torch.bfloat16)
     with packed_documents(positions, device=torch.device("cuda")):
         packed = _packed_conv(original)(x, weight, None, activation="silu")
