@@ -8,8 +8,7 @@
 # Then on the node, from the repo root with .carry/node beside it (a second run shows `changed: nothing`):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dflash-ctl .carry/node/controller/*.whl
 #   PYTHONPATH=/tmp/dflash-ctl python3 -m dflash_core.nodes provision --local --work-dir /tmp/dflash-node \
-#     --system-site-packages --find-links "$PWD/.carry/node/wheelhouse" --no-index --no-deps \
-#     --gpu-extra --package fla-core==0.6.0 --package einops==0.8.1 \
+#     --system-site-packages --find-links "$PWD/.carry/node/wheelhouse" --no-index --no-deps --gpu-extra \
 #     --model-dir MODEL_DIR --no-upload --record-out node-record.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
