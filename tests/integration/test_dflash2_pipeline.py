@@ -80,8 +80,10 @@ def test_resume_continues_identically_and_refuses_the_other_variant(tmp_path):
     drop = ("tokens_per_s",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in _records(second)] == \
         [{k: v for k, v in r.items() if k not in drop} for r in _records(straight)]
+    as_dflash = tiny_config(tmp_path / "b", max_steps=4)
+    as_dflash.drafter = as_dflash.drafter.model_copy(update={"variant": "dflash"})
     with pytest.raises(ValueError, match="variant is 'dflash'"):  # the same run, as a DFlash one
-        Trainer(tiny_config(tmp_path / "b", max_steps=4)).resume()
+        Trainer(as_dflash).resume()
 
 
 def test_checkpoint_evaluates_on_the_selector_path_and_equals_greedy_decoding(trained):
