@@ -250,6 +250,6 @@ def install_packed_gdn(model: nn.Module) -> GDNKernels | None:
     on_gpu = parameter is not None and parameter.is_cuda
     if on_gpu and bound["chunk_gated_delta_rule"] != "fla":
         warnings.warn(f"GDN layers run transformers' torch path on a GPU (slow): {_why_not_fla()}",
-                      stacklevel=2)
+                      stacklevel=1)  # reported here, so once, though the trainer and the capture both install
     conv_kind = "fla" if on_gpu and _fla_conv() is not None else bound["causal_conv1d_fn"]
     return GDNKernels(recurrence=bound["chunk_gated_delta_rule"], conv=conv_kind, transformers_bound=bound)
