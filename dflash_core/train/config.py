@@ -144,7 +144,7 @@ class TrainConfig(BaseModel):
     output_dir: Path = Field(Path(".dflash/runs"), description="Local checkpoints and logs: <output_dir>/<run_name>.")
     token_budget: int = Field(8192, ge=16, description="Tokens per packed micro-batch per rank.")
     max_samples_per_batch: int | None = Field(
-        None, ge=1, description="1 disables packing (hybrid GDN targets leak state across packed documents).")
+        None, ge=1, description="1 disables packing (hybrid GDN targets pack exactly: their recurrence and conv restart per document).")
     max_steps: int = Field(1000, ge=1)
     seed: int = 0
     placement: Literal["colocated", "pair"] = Field(

@@ -43,8 +43,10 @@ def _host(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def capture_batch(capture: HiddenStateCapture, tensors: dict[str, torch.Tensor]) -> CapturedStates:
     """The target's forward over a packed row. No mask is passed: transformers finds the documents from
     the position ids (restarting at 0) and masks attention across them; with flex_attention on a GPU
-    that costs what unpacked rows cost (257 vs 260 ms at 4 x 2,048 on an H200), a dense mask 385 ms."""
-    return capture(tensors["input_ids"], position_ids=tensors["position_ids"])
+    that costs what unpacked rows cost (257 vs 260 ms at 4 x 2,048 on an H200), a dense mask 385 ms.
+    The host copy of the position ids spares hybrid targets a GPU sync to find their documents."""
+    return capture(tensors["input_ids"], position_ids=tensors["position_ids"],
+                   host_position_ids=tensors.get(HOST_PREFIX + "position_ids"))
 
 
 def drafter_step(drafter, *, tensors: dict[str, torch.Tensor], captured: CapturedStates, num_anchors: int,

@@ -146,14 +146,6 @@ def test_loss_falls_on_real_text(tmp_path) -> None:
     assert sum(losses[-2:]) < 0.85 * sum(losses[:2]), [round(x, 2) for x in losses]  # seen: 12.8 -> 10.4
 
 
-def test_hybrid_target_turns_packing_off(tmp_path) -> None:
-    with pytest.warns(UserWarning, match="packing is off"):
-        trainer = Trainer(tiny_config(tmp_path, target="tiny:qwen3_5", max_steps=2))
-    assert all(len(batch) == 1 for batch in trainer.sampler.epoch_batches(0))
-    trainer.run()
-    trainer.close()
-
-
 def test_logged_window_is_the_mean_of_its_steps(tmp_path) -> None:
     every_step = Trainer(tiny_config(tmp_path / "a", max_steps=6, log_every=1, checkpoint_every=100))
     per_step = [json.loads(x) for x in every_step.run().metrics_path.read_text().splitlines()]
