@@ -1,9 +1,10 @@
 """The main job on the embedded default: store check -> capacity plan (a report written to S3 with
 its manifest and verified) -> on-policy generation by the embedded SmolLM2 served with
 `transformers serve` -> tokenization with the quality gate -> a short online training run of a
-small drafter against SmolLM2. Evaluation and export join here as they land.
+small drafter against SmolLM2, which evaluates and exports it. Every stage is a run of its
+deployment (flows/deployments.py), so a failed stage can be retried alone from the UI.
 
-Run: `dflash demo` (starts the local services first) or `python -m flows.pipeline --params '{}'`.
+Run: `dflash demo` (starts the local services and the stage server first) or `dflash run pipeline`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from dflash_core.planner import PRESETS, PlanInputs
 from dflash_core.settings import load_settings
 from dflash_core.train.config import TrainConfig
 from flows.command_line import run_from_command_line
-from flows.generate import GenerateParams, PromptSourceParam, generate
-from flows.tokenize import TokenizeParams, tokenize
-from flows.train import TrainFlowParams, train
+from flows.deployments import run_stage
+from flows.generate import GenerateParams, PromptSourceParam
+from flows.tokenize import TokenizeParams
+from flows.train import TrainFlowParams
 from tasks.plan import plan_capacity
+from tasks.provenance import flow_version
 from tasks.store import check_store, publish_report
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
@@ -71,8 +74,9 @@ class PipelineParams(BaseModel):
                           generation_tokens_per_s=self.generation_tokens_per_s)
 
 
-@flow(name="dflash-pipeline", log_prints=True)
+@flow(name="dflash-pipeline", log_prints=True, version=flow_version())
 def pipeline(params: PipelineParams = PipelineParams()) -> dict:
+    """Plan here; each stage runs as a run of its own deployment (a subflow with its own Retry)."""
     settings = load_settings()
     bucket_uri = check_store(settings)
     capacity = plan_capacity(params.plan_inputs())
@@ -82,11 +86,11 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     result = {"report": manifest.uri, "sha256": manifest.sha256,
               "fits": [v.layout for v in capacity.layouts if v.fits]}
     if params.generation is not None:
-        result["generation"] = generate(params.generation)
+        result["generation"] = run_stage("generate", params.generation)
     if params.tokenization is not None:
-        result["tokenization"] = tokenize(params.tokenization)
+        result["tokenization"] = run_stage("tokenize", params.tokenization)
     if params.training is not None:
-        result["training"] = train(params.training)
+        result["training"] = run_stage("train", params.training)
     return result
 
 

@@ -14,3 +14,10 @@ def run_producer() -> Producer:
 
 def _or_none(value: object) -> str | None:
     return str(value) if value else None
+
+
+def flow_version() -> str | None:
+    """The version every flow and deployment carries: the git SHA of the checkout (None outside git)."""
+    from dflash_core.provenance import git_sha
+
+    return git_sha()

@@ -1,0 +1,89 @@
+"""Every stage a deployment, against the real Prefect and S3 servers and the real stage server
+(`python -m flows.serve`, as `dflash services up` starts it): the pipeline, started as a deployment
+run the way `dflash demo` starts it, runs its stages as separate deployment runs; a stage that fails
+for a fixable cause is retried alone (what the UI's Retry does), and a Retry of the pipeline then
+reuses that stage's result instead of running it again.
+
+Run: `.venv/bin/python -m pytest -q tests/integration/test_stage_deployments.py`
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from tests.integration.test_tokenize_flow import put_shards, shard
+from tests.unit.conftest_tokenize import MODEL_CACHE
+
+
+@pytest.fixture(scope="module")
+def stage_server(settings, s3_server, prefect_server):
+    from dflash_core.services import local
+    from dflash_core.services.stages import stage_service
+
+    service = stage_service(settings)
+    local.start(service)
+    yield service
+    local.shutdown(service)
+
+
+def _wait_final(client, flow_run_id, timeout_s: float = 240.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = client.read_flow_run(flow_run_id)
+        if run.state is not None and run.state.is_final():
+            return run
+        time.sleep(1)
+    raise TimeoutError(f"flow run {flow_run_id} did not finish in {timeout_s} s")
+
+
+def _children(client, parent_id):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    return client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+
+
+def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_server, store, env_settings):
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from dflash_core.embedded import embedded_tokenizer_dir
+    from dflash_core.tokenize import GateThresholds
+    from flows.deployments import deployment_for, retry_flow_run
+    from flows.pipeline import PipelineParams
+    from flows.tokenize import TokenizeParams
+
+    dataset = f"stages-{uuid.uuid4().hex[:8]}"
+    tokenization = TokenizeParams(dataset=dataset, run="run-a", tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
+                                  workers=1, gate=GateThresholds(max_skipped_fraction=0.1))
+    params = PipelineParams(generation=None, tokenization=tokenization, training=None)
+    with get_client(sync_client=True) as client:
+        # The pipeline as `dflash demo` starts it: a run of its deployment, on the stage server.
+        pipeline_run = run_deployment(deployment_for("pipeline"), parameters={"params": params.model_dump(mode="json")},
+                                      timeout=0, as_subflow=False)
+        pipeline_run = _wait_final(client, pipeline_run.id)
+        assert pipeline_run.state.is_failed()  # no completions yet: a fixable cause
+        [stage] = _children(client, pipeline_run.id)
+        tokenize_deployment = client.read_deployment_by_name("dflash-tokenize/tokenize-nightly")
+        assert stage.deployment_id == tokenize_deployment.id and stage.state.is_failed()
+        assert "no completion shards" in stage.state.message
+        assert pipeline_run.deployment_id is not None  # the pipeline itself has a Retry too
+
+        put_shards(store, env_settings, dataset, [shard(0), shard(1)])  # the fix
+        retry_flow_run(client, stage.id)  # the stage alone
+        stage = _wait_final(client, stage.id)
+        assert stage.state.is_completed(), stage.state
+        assert stage.run_count == 2
+        assert client.read_flow_run(pipeline_run.id).state.is_failed()  # untouched by the stage's retry
+
+        retry_flow_run(client, pipeline_run.id)
+        pipeline_run = _wait_final(client, pipeline_run.id)
+        assert pipeline_run.state.is_completed(), pipeline_run.state
+        [again] = _children(client, pipeline_run.id)
+        assert again.id == stage.id and again.run_count == 2  # reused, not run a third time
+        result = pipeline_run.state.result()
+        assert result["tokenization"]["quality_gate"] == "passed"
+        assert len(result["tokenization"]["outputs"]) == 2
