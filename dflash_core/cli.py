@@ -132,12 +132,13 @@ def planner_table(result: planner.Plan) -> Table:
 
 @services_app.command("up")
 def services_up() -> None:
-    """Start the local S3 server (SeaweedFS) and Prefect server; leave running ones alone."""
+    """Start the local S3 server (SeaweedFS), the Prefect server and the stage server that runs every
+    deployment (flows/serve.py); leave running ones alone."""
     from dflash_core.services import local
     from dflash_core.services.process import ServiceError
 
     settings = load_settings()
-    for service in local.all_services(settings):
+    for service in _services(settings):
         with console.status(f"starting {service.name} ..."):
             try:
                 status = local.start(service)
@@ -146,12 +147,19 @@ def services_up() -> None:
         console.print(f"[green]{status.name}[/] running (pid {status.pid}) at {status.url}")
 
 
+def _services(settings) -> list:
+    from dflash_core.services import local
+    from dflash_core.services.stages import stage_service
+
+    return [*local.all_services(settings), stage_service(settings)]
+
+
 @services_app.command("down")
 def services_down() -> None:
     """Stop the local services this tool started (and nothing else)."""
     from dflash_core.services import local
 
-    for service in local.all_services(load_settings()):
+    for service in reversed(_services(load_settings())):
         stopped = local.shutdown(service)
         console.print(f"{service.name}: {'stopped' if stopped else 'was not running'}")
 
@@ -162,7 +170,7 @@ def services_status() -> None:
     from dflash_core.services import local
 
     table = Table("service", "running", "healthy", "pid", "url", "log")
-    for service in local.all_services(load_settings()):
+    for service in _services(load_settings()):
         s = local.status(service)
         table.add_row(s.name, str(s.running), str(s.healthy), str(s.pid or "-"), s.url, s.log_path)
     console.print(table)
@@ -227,7 +235,7 @@ def deploy(
 
 @app.command()
 def demo() -> None:
-    """Run the main job on the embedded default: local services up, then the pipeline flow."""
+    """Run the main job on the embedded default: local services up, then the pipeline as a deployment run."""
     services_up()
     run_flow("pipeline")
 
@@ -237,11 +245,18 @@ def run_flow(
     flow: Annotated[str, typer.Argument(help="Flow module under flows/ (e.g. pipeline).")],
     params: Annotated[str, typer.Option(help="Flow parameters as JSON.")] = "{}",
 ) -> None:
-    """Run a flow against the configured Prefect server (a subprocess: `python -m flows.<flow>`)."""
-    from dflash_core.services.local import prefect_client_env
+    """Run a flow as a run of its deployment on the stage server (started if need be), so it and its
+    stages can be retried from the UI; waits and prints its result (`python -m flows.launch`)."""
+    from dflash_core.services import local
+    from dflash_core.services.stages import stage_service
 
-    env = {**os.environ, **prefect_client_env(load_settings())}
-    completed = subprocess.run([sys.executable, "-m", f"flows.{flow}", "--params", params], env=env)
+    settings = load_settings()
+    try:
+        local.start(stage_service(settings))
+    except local.ServiceError as error:
+        raise _fail(f"{error} (is the Prefect server up? `dflash services up`)") from None
+    env = {**os.environ, **local.prefect_client_env(settings)}
+    completed = subprocess.run([sys.executable, "-m", "flows.launch", flow, "--params", params], env=env)
     if completed.returncode != 0:
         raise typer.Exit(code=completed.returncode)
 

@@ -73,7 +73,7 @@ def run_stage(stage: str, params: BaseModel, *, timeout_s: float | None = None) 
         state = client.read_flow_run(run.id).state
         if state is not None and state.is_final() and not state.is_completed():
             retry_flow_run(client, run.id, message=f"retried by {current.flow_name} {current.name}")
-        state = _wait(client, run.id, timeout_s=timeout_s)
+        state = wait_final(client, run.id, timeout_s=timeout_s)
     if not state.is_completed():
         raise StageFailed(f"stage {stage} ({STAGES[stage]}, flow run {run.name} {run.id}) ended {state.name}: "
                           f"{state.message or ''}. Fix the cause, then press Retry on that flow run (or on this one).")
@@ -87,7 +87,8 @@ def retry_flow_run(client, flow_run_id, *, message: str = "Retry") -> None:
     client.set_flow_run_state(flow_run_id, AwaitingRetry(message=message), force=True)
 
 
-def _wait(client, flow_run_id, *, timeout_s: float | None):
+def wait_final(client, flow_run_id, *, timeout_s: float | None = None):
+    """The final state of a flow run, polled (a Retry between polls puts it back to Scheduled)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         state = client.read_flow_run(flow_run_id).state
