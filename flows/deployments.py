@@ -47,7 +47,6 @@ STAGES = {
     "tokenize": "dflash-tokenize/tokenize-nightly",
     "train": "dflash-train/train",
     "evaluate": "dflash-evaluate/evaluate",
-    "export": "dflash-export/export",
 }
 
 
@@ -55,17 +54,28 @@ class StageFailed(RuntimeError):
     """A stage's flow run ended failed or crashed; retry it from the UI (or rerun the pipeline)."""
 
 
+# The flow behind each stage, for a caller that is not itself a deployment run.
+STAGE_FLOWS = {"generate": "flows.generate:generate", "tokenize": "flows.tokenize:tokenize",
+               "train": "flows.train:train", "evaluate": "flows.evaluate:evaluate"}
+
+
 def run_stage(stage: str, params: BaseModel, *, timeout_s: float | None = None) -> Any:
     """Run `stage` as a deployment run, a subflow of the current flow run, and return its result.
 
     The run is keyed by (this flow run, stage): when this flow run is retried, a stage that already
     completed is not run again (its result is reused), and a failed one is retried in place (same
-    flow run, its finished tasks come back Cached) instead of starting a new one.
+    flow run, its finished tasks come back Cached) instead of starting a new one. A flow called
+    directly from Python (not a deployment run: a test, a notebook) runs the stage in-process.
     """
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.runtime import flow_run as current
 
+    if not current.deployment_id:
+        import importlib
+
+        module, name = STAGE_FLOWS[stage].split(":")
+        return getattr(importlib.import_module(module), name)(params)
     key = f"{current.id}:{stage}" if current.id else None
     run = run_deployment(STAGES[stage], parameters={"params": params.model_dump(mode="json")}, timeout=0,
                          idempotency_key=key, flow_run_name=_run_name(current.name, stage))

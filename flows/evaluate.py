@@ -1,7 +1,7 @@
 """Evaluate a drafter checkpoint: real draft/verify rounds against the target on held-out prompts,
 block and DDTree modes, compared token for token with the target's greedy decoding.
 
-checkpoint + prompts -> evaluator -> reports/evaluate/<run>/{report.json, acceptance.png} (manifests
+checkpoint + prompts -> evaluator -> reports/evaluate/<run>/<flow run>/{report.json, acceptance.png} (manifests
 whose inputs are the checkpoint files and the prompt file) + Prefect table, markdown and image.
 
 Run: `.venv/bin/python -m flows.evaluate --params '{"checkpoint": "checkpoints/run-1/step-000100", "prompts": "held-out.jsonl"}'`
@@ -13,12 +13,16 @@ from typing import Literal
 
 import torch
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from dflash_core.layout import ArtifactKind, artifact_key
+from dflash_core.lineage import read_manifest
 from dflash_core.settings import load_settings
 from flows.command_line import run_from_command_line
+from tasks.artifacts import artifact_record
 from tasks.evaluate import fetch_checkpoint, fetch_prompt_bytes, publish_evaluation, run_evaluation
+from tasks.provenance import flow_version
 
 
 class EvaluateParams(BaseModel):
@@ -28,7 +32,8 @@ class EvaluateParams(BaseModel):
                                      "(input_ids or text per line), local path or S3 key.")
     target: str = Field("embedded", description="`embedded`, `tiny:<family>` or a local model dir.")
     target_seed: int = Field(0, description="Seed of a `tiny:<family>` random target (must match training).")
-    run: str = Field("eval-1", description="Report name (reports/evaluate/<run>/).")
+    run: str = Field("eval-1", description="Report name: reports/evaluate/(run)/(flow run id)/, so a retry "
+                                           "never overwrites a failed attempt's evidence.")
     num_prompts: int = Field(16, gt=0)
     max_prompt_tokens: int = Field(1024, gt=0, description="Keep the last N tokens of longer prompts.")
     max_new_tokens: int = Field(128, gt=0)
@@ -87,7 +92,7 @@ def _modes_for(drafter, modes: list[str], *, logger) -> tuple[str, ...]:
     return kept
 
 
-@flow(name="dflash-evaluate", log_prints=True)
+@flow(name="dflash-evaluate", log_prints=True, version=flow_version())
 def evaluate(params: EvaluateParams) -> dict:
     """checkpoint + prompts -> speculative decoding rounds -> report with lineage."""
     logger = get_run_logger()
@@ -104,14 +109,18 @@ def evaluate(params: EvaluateParams) -> dict:
     logger.info("evaluating %s on %d prompts, modes %s", params.checkpoint, len(prompts), modes)
     report = run_evaluation(target=target, drafter=drafter, prompts=prompts, modes=modes,
                             max_new_tokens=params.max_new_tokens, eos_token_id=eos, tree_budget=params.tree_budget)
-    key_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "evaluate", params.run)
+    key_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "evaluate", params.run,
+                              str(flow_run.id or "local"))
     config = {**params.model_dump(mode="json"), "drafter_config": drafter.config.to_dict(), "num_prompts_used": len(prompts)}
     manifest = publish_evaluation(settings, report=report, key_prefix=key_prefix,
                                   inputs=[*checkpoint_refs, prompt_ref], config=config,
                                   work_dir=settings.work_path("evaluate", params.run))
     logger.info("\n%s", report["table"])
-    return {"report": manifest.uri, "summaries": [{k: v for k, v in s.items() if k != "responses"}
-                                                  for s in report["summaries"]]}
+    from dflash_core.storage import ObjectStore
+
+    plot = read_manifest(ObjectStore.from_settings(settings), f"{key_prefix}/acceptance.png")
+    return {"report": manifest.uri, "artifacts": [artifact_record(manifest), artifact_record(plot)],
+            "summaries": [{k: v for k, v in s.items() if k != "responses"} for s in report["summaries"]]}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Run: `dflash run train --params '{"config": {"target": "embedded", "data": ["tok
 from __future__ import annotations
 
 
+from pathlib import Path
 from typing import Literal
 
 from prefect import flow
@@ -18,7 +19,8 @@ from dflash_core.settings import load_settings
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.entry import Rendezvous
 from flows.command_line import run_from_command_line
-from flows.evaluate import EvaluateParams, evaluate
+from flows.deployments import run_stage
+from flows.evaluate import EvaluateParams
 from tasks.data_gate import check_training_data
 from tasks.export import export_checkpoint
 from tasks.train import plan_training, report_training, run_training
@@ -60,13 +62,26 @@ def train(params: TrainFlowParams) -> dict:
     report = report_training(settings, config, checkpoint=checkpoint)
     result = {"checkpoint": checkpoint, "metrics": report.uri, "run_dir": str(config.run_dir)}
     if params.evaluate:
-        result["evaluation"] = evaluate(EvaluateParams(
-            checkpoint=checkpoint, prompts=params.eval_prompts or _first_shard(settings, config.data[0]),
+        result["evaluation"] = run_stage("evaluate", EvaluateParams(
+            checkpoint=_stored_checkpoint(settings, config, checkpoint),
+            prompts=params.eval_prompts or _first_shard(settings, config.data[0]),
             target=config.target, target_seed=config.seed, run=config.run_name, num_prompts=params.eval_num_prompts,
             max_new_tokens=params.eval_max_new_tokens))
     if params.export_formats:
         result["exports"] = export_checkpoint(settings, config, checkpoint=checkpoint, formats=params.export_formats)
     return result
+
+
+def _stored_checkpoint(settings, config: TrainConfig, checkpoint: str) -> str:
+    """The S3 URI of the uploaded checkpoint (so evaluation's inputs are the stored files, and any host
+    can run it), else the local dir."""
+    from dflash_core.evaluate.inputs import CHECKPOINT_META_FILE
+    from dflash_core.layout import ArtifactKind, artifact_key
+    from dflash_core.storage import ObjectStore
+
+    store = ObjectStore.from_settings(settings)
+    key = f"{artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)}/{Path(checkpoint).name}"
+    return store.uri(key) if store.exists(f"{key}/{CHECKPOINT_META_FILE}") else checkpoint
 
 
 def _first_shard(settings, item: str) -> str:

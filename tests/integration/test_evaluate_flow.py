@@ -72,6 +72,14 @@ def test_evaluate_flow_reports_with_lineage(prefect_server, store, env_settings,
     assert all(i.sha256 for i in manifest.inputs)
     png_key = report["plot_uri"].split("/", 3)[3]
     assert store.get_bytes(png_key)[:8] == b"\x89PNG\r\n\x1a\n"
+    # Keyed by flow run (a retry never overwrites a failed attempt's evidence); the result lists the
+    # records of what the flow stored, and the flow's version is the git SHA.
+    assert report_key.endswith(f"/{state.state_details.flow_run_id}/report.json")
+    records = {r["uri"]: r for r in summary["artifacts"]}
+    assert set(records) == {summary["report"], report["plot_uri"]}
+    assert records[summary["report"]] == {"uri": summary["report"], "kind": "report", "sha256": manifest.sha256,
+                                          "manifest": summary["report"] + ".manifest.json"}
+    assert evaluate.version == manifest.producer.git_sha
 
 
 def test_evaluate_flow_rejects_a_missing_checkpoint(prefect_server, store, env_settings, prefix, tmp_path) -> None:
