@@ -69,9 +69,9 @@ def run_stage(stage: str, params: BaseModel, *, timeout_s: float | None = None) 
     """
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
-    from prefect.runtime import flow_run as current
+    from prefect.runtime import deployment, flow_run as current
 
-    if not current.deployment_id:
+    if not deployment.id:
         import importlib
 
         module, name = STAGE_FLOWS[stage].split(":")

@@ -21,8 +21,10 @@ from dflash_core.train.entry import Rendezvous
 from flows.command_line import run_from_command_line
 from flows.deployments import run_stage
 from flows.evaluate import EvaluateParams
+from tasks.artifacts import artifact_record, publish_stored, ui_key
 from tasks.data_gate import check_training_data
 from tasks.export import export_checkpoint
+from tasks.provenance import flow_version
 from tasks.train import plan_training, report_training, run_training
 
 
@@ -47,7 +49,7 @@ class TrainFlowParams(BaseModel):
         default_factory=lambda: ["native", "speculators"], description="Formats a format-incompatible drafter skips.")
 
 
-@flow(name="dflash-train", log_prints=True, persist_result=True)
+@flow(name="dflash-train", log_prints=True, persist_result=True, version=flow_version())
 def train(params: TrainFlowParams) -> dict:
     settings = load_settings()
     config = params.config.model_copy(update={"output_dir": params.config.output_dir.resolve()})
@@ -69,7 +71,22 @@ def train(params: TrainFlowParams) -> dict:
             max_new_tokens=params.eval_max_new_tokens))
     if params.export_formats:
         result["exports"] = export_checkpoint(settings, config, checkpoint=checkpoint, formats=params.export_formats)
+    result["artifacts"] = _evidence(settings, config, checkpoint=checkpoint, report=report,
+                                    exports=result.get("exports", {}))
     return result
+
+
+def _evidence(settings, config: TrainConfig, *, checkpoint: str, report, exports: dict[str, str]) -> list[dict]:
+    """Records of what this run stored; the checkpoint and each export also get a manifest artifact in the UI."""
+    records = [artifact_record(report)]
+    stored = _stored_checkpoint(settings, config, checkpoint)
+    if stored.startswith("s3://"):
+        records += publish_stored(settings, prefix=stored, key=ui_key("checkpoint", config.run_name),
+                                  title=f"checkpoint {config.run_name}/{Path(checkpoint).name}")
+    for name, prefix in exports.items():
+        records += publish_stored(settings, prefix=prefix, key=ui_key("export", config.run_name, name),
+                                  title=f"{name} export of {config.run_name}")
+    return records
 
 
 def _stored_checkpoint(settings, config: TrainConfig, checkpoint: str) -> str:

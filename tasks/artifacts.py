@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import re
 
+from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from dflash_core.layout import manifest_key
-from dflash_core.lineage import Manifest
+from dflash_core.layout import is_manifest_key, manifest_key
+from dflash_core.lineage import Manifest, read_manifest
+from dflash_core.settings import Settings
+from dflash_core.storage import ObjectStore
+from tasks.store import retry_transient
 
 _NOT_KEY = re.compile(r"[^a-z0-9-]+")
 
@@ -40,3 +44,18 @@ def manifest_markdown(manifest: Manifest, *, title: str) -> str:
 def manifest_artifact(manifest: Manifest, *, key: str, title: str) -> None:
     """The stored artifact's manifest (producer, git SHA, inputs with hashes) as a markdown artifact."""
     create_markdown_artifact(manifest_markdown(manifest, title=title), key=key, description=title)
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+def publish_stored(settings: Settings, *, prefix: str, key: str, title: str) -> list[dict[str, str]]:
+    """One markdown artifact with the manifest of every stored object under `prefix` (a checkpoint
+    step, an export), and their records."""
+    store = ObjectStore.from_settings(settings)
+    prefix = prefix.removeprefix(f"s3://{store.bucket}/").rstrip("/") + "/"
+    manifests = [read_manifest(store, info.key) for info in sorted(store.list(prefix), key=lambda i: i.key)
+                 if not is_manifest_key(info.key)]
+    if not manifests:
+        raise ValueError(f"nothing stored under {store.uri(prefix)}")
+    create_markdown_artifact(f"## {title}\n\n" + "\n\n".join(
+        manifest_markdown(m, title=m.key.rsplit("/", 1)[-1]) for m in manifests), key=key, description=title)
+    return [artifact_record(m) for m in manifests]
