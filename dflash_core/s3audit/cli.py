@@ -92,7 +92,8 @@ def audit_command(
                   + f"); {report.protected} nominated but referenced by live data")
     console.print(f"unmanifested {report.unmanifested:,} ({binary_bytes(report.unmanifested_bytes)}), manifests "
                   f"without object {len(report.orphan_manifests)}, objects differing from their manifest "
-                  f"{len(report.hash_problems)}, unreadable manifests {len(report.unreadable_manifests)}")
+                  f"{len(report.hash_problems)}, unreadable manifests {len(report.unreadable_manifests)}, incomplete "
+                  f"multipart uploads {len(report.incomplete_uploads)}")
     console.print("`dflash s3 cleanup` shows what a cleanup would delete; add --confirm to delete it.")
 
 

@@ -39,6 +39,9 @@ class AuditReport(BaseModel):
     dead_bytes: int
     dead_by_rule: list[dict[str, Any]]
     protected: int
+    incomplete_uploads: list[dict[str, Any]] = Field(
+        default_factory=list, description="Multipart uploads never completed nor aborted (their parts use space "
+        "without being objects): key, upload_id, initiated.")
 
 
 def audit(store: ObjectStore, prefixes: dict[ArtifactKind, str], *, prefix: str = "",
@@ -50,6 +53,8 @@ def audit(store: ObjectStore, prefixes: dict[ArtifactKind, str], *, prefix: str 
     plan = plan_cleanup(inventory, retention or Retention(), prefix=prefix, now=now)
     report = build_report(inventory, plan, prefix=prefix, now=now,
                           seconds=(datetime.now(UTC) - start).total_seconds())
+    report.incomplete_uploads = [{**u, "initiated": u["initiated"].isoformat() if u.get("initiated") else None}
+                                 for u in store.incomplete_uploads(prefix)]
     return inventory, report, plan
 
 
@@ -134,6 +139,8 @@ def audit_markdown(report: AuditReport, plan: CleanupPlan, *, max_rows: int = 25
         *[f"  - `{k}`: {v}" for k, v in list(report.unreadable_manifests.items())[:max_rows]],
         f"- artifacts made from an input that has changed since: {len(report.stale_inputs):,}",
         *[f"  - `{a}` <- `{i}`" for a, i in report.stale_inputs[:max_rows]],
+        f"- incomplete multipart uploads: {len(report.incomplete_uploads):,}",
+        *[f"  - `{u['key']}` (started {u['initiated']})" for u in report.incomplete_uploads[:max_rows]],
     ]
     if plan.protected:
         lines += ["", "## Nominated but kept (referenced by live data)", "",

@@ -21,7 +21,7 @@ import pytest
 from dflash_core.layout import DEFAULT_PREFIXES, ArtifactKind
 from dflash_core.lineage import InputRef, Manifest, input_ref, read_manifest, write_artifact
 from dflash_core.s3audit import (
-    CleanupNotConfirmed, Retention, audit, execute_cleanup, take_inventory, write_deletion_record,
+    CleanupNotConfirmed, Retention, audit, audit_markdown, execute_cleanup, take_inventory, write_deletion_record,
 )
 from dflash_core.s3audit.cleanup import delete_batch_s3
 from dflash_core.storage import ObjectStore
@@ -112,8 +112,13 @@ def _expected_dead(p: Planted) -> set[str]:
 
 def test_audit_finds_dead_prefix_unmanifested_objects_and_broken_manifests(store: ObjectStore) -> None:
     p = plant(store)
+    half_done = f"{p.root}/checkpoints/drafter/step-000600/model.safetensors"  # an upload that never completed
+    upload = store.client.create_multipart_upload(Bucket=store.bucket, Key=half_done)
     inventory, report, plan = audit(store, p.prefixes, prefix=p.root + "/", now=LATER,
                                     retention=Retention(keep_checkpoints=2))
+    assert [u["key"] for u in report.incomplete_uploads] == [half_done]
+    assert "incomplete multipart uploads: 1" in audit_markdown(report, plan)
+    store.client.abort_multipart_upload(Bucket=store.bucket, Key=half_done, UploadId=upload["UploadId"])
     assert report.unmanifested_keys == sorted([*p.hidden_states, p.stray])
     assert report.orphan_manifests == [p.orphan_manifest]
     assert set(report.hash_problems) == {p.mismatched}
