@@ -248,14 +248,14 @@ def run_flow(
     """Run a flow as a run of its deployment on the stage server (started if need be), so it and its
     stages can be retried from the UI; waits and prints its result (`python -m flows.launch`)."""
     from dflash_core.services import local
-    from dflash_core.services.stages import stage_service
+    from dflash_core.services.stages import result_store_env, stage_service
 
     settings = load_settings()
     try:
         local.start(stage_service(settings))
     except local.ServiceError as error:
         raise _fail(f"{error} (is the Prefect server up? `dflash services up`)") from None
-    env = {**os.environ, **local.prefect_client_env(settings)}
+    env = {**os.environ, **local.prefect_client_env(settings), **result_store_env(settings)}
     completed = subprocess.run([sys.executable, "-m", "flows.launch", flow, "--params", params], env=env)
     if completed.returncode != 0:
         raise typer.Exit(code=completed.returncode)

@@ -11,7 +11,9 @@ from prefect import serve
 from prefect.client.schemas.schedules import CronSchedule
 from prefect.flows import load_flow_from_entrypoint
 
+from dflash_core.settings import load_settings
 from flows.deployments import REPO_DIR, deployment_specs
+from flows.results import save_result_storage
 from tasks.provenance import flow_version
 
 
@@ -28,4 +30,5 @@ def runner_deployments() -> list:
 
 
 if __name__ == "__main__":
+    save_result_storage(load_settings())
     serve(*runner_deployments(), print_starting_message=False)

@@ -20,6 +20,8 @@ from dflash_core.settings import Settings
 REPO_DIR = Path(__file__).resolve().parents[2]
 STAGES_READY_TIMEOUT_S = 180.0  # imports every flow (torch, transformers) on a busy 2-core machine
 RUNNER_POLL_S = 2  # how soon a new or retried run starts (Prefect's default is 10 s)
+RESULTS_BLOCK = "s3-bucket/dflash-results"  # saved by flows/results.py when the stage server starts
+RESULTS_FOLDER = "prefect-results"
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -33,9 +35,19 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def result_store_env(settings: Settings) -> dict[str, str]:
+    """What a process needs to write and read Prefect results in our bucket: the block, and the S3
+    keys in the environment (the block itself holds none)."""
+    return {
+        "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": RESULTS_BLOCK,
+        "AWS_ACCESS_KEY_ID": settings.s3_access_key_id.get_secret_value(),
+        "AWS_SECRET_ACCESS_KEY": settings.s3_secret_access_key.get_secret_value(),
+    }
+
+
 def stage_server_env(settings: Settings) -> dict[str, str]:
     return {
-        **settings_env(settings), **prefect_client_env(settings),
+        **settings_env(settings), **prefect_client_env(settings), **result_store_env(settings),
         "PREFECT_RUNNER_POLL_FREQUENCY": str(RUNNER_POLL_S),
         # Persisted results: a Retry resumes at the failed task (finished ones come back Cached), and
         # a stage's result reaches the pipeline that started it.

@@ -2,7 +2,8 @@
 (`python -m flows.serve`, as `dflash services up` starts it): the pipeline, started as a deployment
 run the way `dflash demo` starts it, runs its stages as separate deployment runs; a stage that fails
 for a fixable cause is retried alone (what the UI's Retry does), and a Retry of the pipeline then
-reuses that stage's result instead of running it again.
+reuses that stage's result instead of running it again. Results live in the bucket: the same stage
+run again from another process, with another local result dir, is all cache hits.
 
 Run: `.venv/bin/python -m pytest -q tests/integration/test_stage_deployments.py`
 """
@@ -46,8 +47,10 @@ def _children(client, parent_id):
         parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
 
 
-def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_server, store, env_settings):
+def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_server, store, env_settings,
+                                                                          monkeypatch, tmp_path):
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.deployments import run_deployment
 
     from dflash_core.embedded import embedded_tokenizer_dir
@@ -56,6 +59,10 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
     from flows.pipeline import PipelineParams
     from flows.tokenize import TokenizeParams
 
+    from dflash_core.services.stages import result_store_env
+
+    for name, value in result_store_env(env_settings).items():  # S3 keys to read results from the bucket
+        monkeypatch.setenv(name, value)
     dataset = f"stages-{uuid.uuid4().hex[:8]}"
     tokenization = TokenizeParams(dataset=dataset, run="run-a", tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
                                   workers=1, gate=GateThresholds(max_skipped_fraction=0.1))
@@ -87,3 +94,19 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
         result = pipeline_run.state.result()
         assert result["tokenization"]["quality_gate"] == "passed"
         assert len(result["tokenization"]["outputs"]) == 2
+
+        # Another process (this one), another local result dir: every shard comes back Cached from S3.
+        assert any(i.key.startswith("prefect-results/") for i in store.list("prefect-results/"))
+        from prefect.settings import (PREFECT_LOCAL_STORAGE_PATH, PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK,
+                                      temporary_settings)
+
+        from dflash_core.services.stages import RESULTS_BLOCK
+        from flows.tokenize import tokenize
+
+        with temporary_settings(updates={PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK: RESULTS_BLOCK,
+                                         PREFECT_LOCAL_STORAGE_PATH: tmp_path / "results"}):
+            rerun = tokenize(tokenization, return_state=True)
+        assert rerun.is_completed(), rerun
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[rerun.state_details.flow_run_id])))
+        shard_runs = [t for t in task_runs if t.name.startswith("tokenize ")]
+        assert len(shard_runs) == 2 and {t.state.name for t in shard_runs} == {"Cached"}
