@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from dflash_core.data.prompts import PromptSource
+from dflash_core.data.prompts import DEFAULT_MAX_PROMPT_CHARS, PromptSource, TurnPolicy
 from dflash_core.layout import ArtifactKind, artifact_key, shard_name
 from dflash_core.serving import launcher
 from dflash_core.serving.canary import CanaryThresholds
@@ -33,6 +33,11 @@ class PromptSourceParam(BaseModel):
     path: str = Field(description="Local .json / .jsonl / .parquet file (ShareGPT or OpenAI messages).")
     name: str = Field(description="Source name recorded on every prompt.")
     weight: float = Field(1.0, gt=0, description="Share of the mix, relative to the other sources.")
+    turns: TurnPolicy = Field(
+        "first_user_turn", description="Multi-turn conversations: first_user_turn keeps the system and first user "
+        "turn; regenerate_turns asks every user turn in order with the target's own answers as context.")
+    max_chars: int = Field(DEFAULT_MAX_PROMPT_CHARS, gt=0,
+                           description="Prompts longer than this (all kept turns) are rejected as too_long.")
 
 
 class GenerateParams(BaseModel):
@@ -74,7 +79,7 @@ def generate(params: GenerateParams = GenerateParams()) -> dict:
     store = ObjectStore.from_settings(settings)
     store.check()
     if params.prompt_sources:
-        sources = [PromptSource(Path(s.path), s.name, s.weight) for s in params.prompt_sources]
+        sources = [PromptSource(Path(s.path), s.name, s.weight, turns=s.turns, max_chars=s.max_chars) for s in params.prompt_sources]
         prompt_keys = import_prompt_set(settings, sources=sources, dataset=params.dataset,
                                         version=params.prompts_version, total=params.total_prompts,
                                         shard_size=params.shard_size, seed=params.seed)

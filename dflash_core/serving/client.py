@@ -20,7 +20,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from dflash_core.data.completion import CompletionRecord, GenerationMeta, ToolCall
-from dflash_core.data.prompts import PromptRecord
+from dflash_core.data.prompts import PromptRecord, regenerate_completion
 
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 _FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter"}
@@ -155,9 +155,41 @@ async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
         raise _Transient(f"response is not JSON: {response.text[:200]}") from error
 
 
+class _TurnFailed(Exception):
+    def __init__(self, failed: FailedPrompt):
+        super().__init__(failed.error)
+        self.failed = failed
+
+
 async def complete_one(client: httpx.AsyncClient, pool: EndpointPool, prompt: PromptRecord, *, model: str,
                        server: str, sampling: SamplingParams, config: ClientConfig,
                        api_key: str | None = None) -> CompletionRecord | FailedPrompt:
+    """One prompt's record. A prompt with follow-up user turns (import policy `regenerate_turns`) is
+    answered turn by turn with the target's own answers as context; a failed turn fails the prompt,
+    naming the turn."""
+    kwargs = dict(model=model, server=server, sampling=sampling, config=config, api_key=api_key)
+    if not prompt.followups:
+        return await _complete_request(client, pool, prompt, **kwargs)
+    turn = 0
+
+    async def ask(messages) -> CompletionRecord:
+        nonlocal turn
+        turn += 1
+        result = await _complete_request(client, pool, prompt.model_copy(update={"messages": messages}), **kwargs)
+        if isinstance(result, FailedPrompt):
+            raise _TurnFailed(result.model_copy(update={
+                "error": f"turn {turn} of {1 + len(prompt.followups)}: {result.error}"}))
+        return result
+
+    try:
+        return await regenerate_completion(prompt, ask)
+    except _TurnFailed as failed:
+        return failed.failed
+
+
+async def _complete_request(client: httpx.AsyncClient, pool: EndpointPool, prompt: PromptRecord, *, model: str,
+                            server: str, sampling: SamplingParams, config: ClientConfig,
+                            api_key: str | None = None) -> CompletionRecord | FailedPrompt:
     body = request_body(prompt, model=model, sampling=sampling)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     error = "no attempt made"
