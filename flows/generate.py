@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from dflash_core.data.prompts import DEFAULT_MAX_PROMPT_CHARS, PromptSource, TurnPolicy
 from dflash_core.layout import ArtifactKind, artifact_key, shard_name
+from dflash_core.nodes import Node
 from dflash_core.serving import launcher
 from dflash_core.serving.canary import CanaryThresholds
 from dflash_core.serving.client import ClientConfig, SamplingParams
@@ -23,6 +24,7 @@ from dflash_core.serving.profiles import EngineProfile, TransformersProfile
 from dflash_core.settings import load_settings
 from dflash_core.storage import ObjectStore
 from flows.command_line import run_from_command_line
+from flows.nodes import preserve_on_failure
 from tasks.generate import (
     generate_completion_shard, import_prompt_set, launch_servers, new_progress, report_failures, run_canary,
     stop_servers,
@@ -50,6 +52,9 @@ class GenerateParams(BaseModel):
     shard_size: int = Field(512, gt=0, description="Prompts per shard.")
     seed: int = 0
     engine: EngineProfile | None = Field(None, description="Server profile; None: transformers serve on the embedded model.")
+    node: Node | None = Field(None, description=(
+        "The node this runs on (from the inventory): preserved (logs, configs, inventory to S3; nothing deleted) "
+        "when the flow fails, crashes or is cancelled."))
     num_instances: int = Field(1, gt=0, description="Data-parallel server instances (one per GPU).")
     base_port: int = Field(8100, gt=1023, lt=65000)
     devices: list[str] | None = Field(None, description="CUDA device per instance, e.g. ['0','1'].")
@@ -72,8 +77,8 @@ def _stop_on_exit(flow_obj, flow_run_obj, state) -> None:
     launcher.stop_recorded(_run_dir(load_settings(), params.run))
 
 
-@flow(name="dflash-generate", log_prints=True, on_failure=[_stop_on_exit], on_cancellation=[_stop_on_exit],
-      on_crashed=[_stop_on_exit])
+@flow(name="dflash-generate", log_prints=True, on_failure=[_stop_on_exit, preserve_on_failure],
+      on_cancellation=[_stop_on_exit, preserve_on_failure], on_crashed=[_stop_on_exit, preserve_on_failure])
 def generate(params: GenerateParams = GenerateParams()) -> dict:
     settings = load_settings()
     store = ObjectStore.from_settings(settings)

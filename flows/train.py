@@ -15,12 +15,14 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
+from dflash_core.nodes import Node
 from dflash_core.settings import load_settings
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.entry import Rendezvous
 from flows.command_line import run_from_command_line
 from flows.deployments import run_stage
 from flows.evaluate import EvaluateParams
+from flows.nodes import preserve_on_failure
 from tasks.artifacts import artifact_record, publish_stored, ui_key
 from tasks.data_gate import check_training_data
 from tasks.export import export_checkpoint
@@ -47,9 +49,13 @@ class TrainFlowParams(BaseModel):
     eval_max_new_tokens: int = Field(32, gt=0)
     export_formats: list[Literal["native", "speculators"]] = Field(
         default_factory=lambda: ["native", "speculators"], description="Formats a format-incompatible drafter skips.")
+    node: Node | None = Field(None, description=(
+        "The node this runs on (from the inventory): preserved (logs, configs, inventory to S3; nothing deleted) "
+        "when the flow fails, crashes or is cancelled."))
 
 
-@flow(name="dflash-train", log_prints=True, persist_result=True, version=flow_version())
+@flow(name="dflash-train", log_prints=True, persist_result=True, version=flow_version(),
+      on_failure=[preserve_on_failure], on_cancellation=[preserve_on_failure], on_crashed=[preserve_on_failure])
 def train(params: TrainFlowParams) -> dict:
     settings = load_settings()
     config = params.config.model_copy(update={"output_dir": params.config.output_dir.resolve()})

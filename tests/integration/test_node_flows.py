@@ -44,3 +44,16 @@ def test_provision_flow_then_a_failing_run_preserves_its_node(prefect_server, st
     prefix = f"node-backups/{node.name}/"
     keys = {info.key.rsplit("/", 1)[-1] for info in store.list(prefix)}
     assert {"logs.tar.gz", "NOTE.md", "inventory.json", "node-record.json"} <= keys
+
+
+def test_generate_and_train_flows_preserve_their_node_on_failure() -> None:
+    """The real stage flows carry the hook the probe above exercises, and take a `node` parameter."""
+    from flows.generate import GenerateParams, generate
+    from flows.nodes import preserve_on_failure
+    from flows.train import TrainFlowParams, train
+
+    for stage in (generate, train):
+        for hooks in (stage.on_failure_hooks, stage.on_cancellation_hooks, stage.on_crashed_hooks):
+            assert preserve_on_failure in hooks, stage.name
+    assert GenerateParams.model_fields["node"].default is None
+    assert TrainFlowParams.model_fields["node"].default is None
