@@ -25,6 +25,7 @@ from flows.deployments import run_stage
 from flows.generate import GenerateParams, PromptSourceParam
 from flows.tokenize import TokenizeParams
 from flows.train import TrainFlowParams
+from tasks.artifacts import artifact_record
 from tasks.plan import plan_capacity
 from tasks.provenance import flow_version
 from tasks.store import check_store, publish_report
@@ -79,19 +80,29 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     """Plan here; each stage runs as a run of its own deployment (a subflow with its own Retry)."""
     settings = load_settings()
     bucket_uri = check_store(settings)
-    capacity = plan_capacity(params.plan_inputs())
+    capacity = plan_capacity(params.plan_inputs(), name=params.target_preset)
     manifest = publish_report(settings, name="plan", run_id=str(flow_run.id or "local"),
                               report=capacity.model_dump(mode="json"), config=params.model_dump())
     print(f"bucket {bucket_uri} ok; plan report at {manifest.uri} (sha256 {manifest.sha256[:12]})")
     result = {"report": manifest.uri, "sha256": manifest.sha256,
-              "fits": [v.layout for v in capacity.layouts if v.fits]}
+              "fits": [v.layout for v in capacity.layouts if v.fits], "artifacts": [artifact_record(manifest)]}
     if params.generation is not None:
         result["generation"] = run_stage("generate", params.generation)
     if params.tokenization is not None:
         result["tokenization"] = run_stage("tokenize", params.tokenization)
     if params.training is not None:
         result["training"] = run_stage("train", params.training)
+        result["artifacts"] += stored_records(result["training"])
     return result
+
+
+def stored_records(stage_result: dict) -> list[dict]:
+    """The artifact records a stage's result lists, its own stages' included (train's evaluation)."""
+    records = list(stage_result.get("artifacts", []))
+    for value in stage_result.values():
+        if isinstance(value, dict):
+            records += stored_records(value)
+    return records
 
 
 

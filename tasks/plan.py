@@ -7,6 +7,7 @@ from prefect.artifacts import create_table_artifact
 
 from dflash_core.planner import Plan, PlanInputs, plan
 from dflash_core.units import binary_bytes, decimal_bytes
+from tasks.artifacts import ui_key
 
 
 class NoLayoutFits(RuntimeError):
@@ -14,8 +15,8 @@ class NoLayoutFits(RuntimeError):
 
 
 @task
-def plan_capacity(inputs: PlanInputs, *, require_fit: bool = True) -> Plan:
-    """Run the planner, attach its table, and refuse a run no layout can hold."""
+def plan_capacity(inputs: PlanInputs, *, require_fit: bool = True, name: str = "") -> Plan:
+    """Run the planner, attach its table (key `capacity-plan-<name>`), and refuse a run no layout can hold."""
     result = plan(inputs)
     rows = [
         {"quantity": "offline hidden states (all tokens)", "value": binary_bytes(result.offline_bytes),
@@ -30,7 +31,8 @@ def plan_capacity(inputs: PlanInputs, *, require_fit: bool = True) -> Plan:
          "decimal": f"{'fits' if v.fits else 'does not fit' if v.fits is False else 'unknown'}: {v.note}"}
         for v in result.layouts
     ]
-    create_table_artifact(rows, key="capacity-plan", description="dflash plan (binary units; TB = 10^12)")
+    create_table_artifact(rows, key=ui_key("capacity-plan", name),
+                          description=f"dflash plan {name} (binary units; TB = 10^12)")
     if require_fit and not any(v.fits for v in result.layouts):
         notes = "; ".join(f"{v.layout}: {v.note}" for v in result.layouts)
         raise NoLayoutFits(f"no GPU layout fits this run ({notes})")

@@ -34,7 +34,10 @@ def test_pipeline_flow_writes_verified_report_and_artifacts(prefect_server, stor
             return await client.read_artifacts()
 
     keys = {artifact.key for artifact in asyncio.run(artifacts())}
-    assert {"capacity-plan", "plan-report"} <= keys
+    assert {"capacity-plan-smollm2-135m", "plan-report"} <= keys
+    assert result["artifacts"] == [{"uri": manifest.uri, "kind": "report", "sha256": manifest.sha256,
+                                    "manifest": manifest.uri + ".manifest.json"}]
+    assert manifest.producer.git_sha == pipeline.version
 
 
 def test_pipeline_refuses_a_layout_that_does_not_fit(prefect_server, env_settings):
