@@ -7,8 +7,6 @@ Run: `python -m flows.nodes provision --params '{"node": {"name": "gpu-1", "host
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from dflash_core.nodes.preserve import preserve
 from dflash_core.settings import Settings, load_settings
 from dflash_core.storage import ObjectStore
 from dflash_core.units import binary_bytes
+from flows.command_line import run_chosen_from_command_line
 from tasks.nodes import preserve_node, provision_node, register_node_record
 from tasks.store import check_store
 
@@ -132,9 +131,4 @@ def _artifact_key(name: str) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Run the dflash-provision or dflash-preserve flow.")
-    parser.add_argument("which", choices=["provision", "preserve"])
-    parser.add_argument("--params", default="{}", help="ProvisionParams / PreserveParams as JSON")
-    args = parser.parse_args()
-    chosen, model = (provision, ProvisionParams) if args.which == "provision" else (preserve_flow, PreserveParams)
-    print(json.dumps(chosen(model.model_validate_json(args.params)), indent=2, default=str))
+    run_chosen_from_command_line({"provision": (provision, ProvisionParams), "preserve": (preserve_flow, PreserveParams)})

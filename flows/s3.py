@@ -8,9 +8,7 @@ Run: `python -m flows.s3 audit --params '{"prefix": ""}'`
 
 from __future__ import annotations
 
-import argparse
 import getpass
-import json
 import platform
 from datetime import UTC, datetime
 
@@ -22,6 +20,7 @@ from pydantic import BaseModel, Field
 from dflash_core.s3audit import Retention, bytes_by_kind_png, kind_table_rows
 from dflash_core.settings import load_settings
 from dflash_core.units import binary_bytes
+from flows.command_line import run_chosen_from_command_line
 from tasks.s3 import audit_bucket, cleanup_bucket, load_plan, publish_audit, record_deletions
 from tasks.store import check_store, png_artifact
 
@@ -105,9 +104,4 @@ def s3_cleanup(params: S3CleanupParams = S3CleanupParams()) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Run the dflash-s3-audit or dflash-s3-cleanup flow.")
-    parser.add_argument("which", choices=["audit", "cleanup"])
-    parser.add_argument("--params", default="{}", help="S3AuditParams / S3CleanupParams as JSON")
-    args = parser.parse_args()
-    chosen, model = (s3_audit, S3AuditParams) if args.which == "audit" else (s3_cleanup, S3CleanupParams)
-    print(json.dumps(chosen(model.model_validate_json(args.params)), indent=2, default=str))
+    run_chosen_from_command_line({"audit": (s3_audit, S3AuditParams), "cleanup": (s3_cleanup, S3CleanupParams)})
