@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from dflash_core.layout import is_manifest_key
@@ -13,11 +14,15 @@ from dflash_core.train.checkpoint import META_FILE, _FILES
 
 
 def upload_checkpoint(store: ObjectStore, path: Path, *, key_prefix: str, inputs: list[InputRef],
-                      config: dict, producer: Producer | None = None) -> list[Manifest]:
-    """Upload one checkpoint dir to `<key_prefix>/<step dir>/`; meta.json goes last so a reader that
-    sees it sees a complete checkpoint."""
+                      config: dict, producer: Producer | None = None,
+                      unchanged: Callable[[str], bool] | None = None) -> list[Manifest]:
+    """Upload one checkpoint dir to `<key_prefix>/<step dir>/`, each file with its manifest; meta.json
+    goes last so a reader that sees it sees a complete checkpoint. Files for which `unchanged(name)`
+    holds (already in S3, verified) are skipped; returns the manifests written."""
     manifests = []
     for name in sorted(_FILES, key=lambda n: n == META_FILE):
+        if unchanged is not None and unchanged(name):
+            continue
         manifests.append(write_artifact(store, f"{key_prefix}/{path.name}/{name}", path / name,
                                         kind=ArtifactKind.CHECKPOINT, inputs=inputs, config=config,
                                         producer=producer))

@@ -24,13 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_core.layout import ArtifactKind, manifest_key
-from dflash_core.lineage import InputRef, read_manifest, write_artifact
+from dflash_core.layout import manifest_key
+from dflash_core.lineage import InputRef, read_manifest
 from dflash_core.provenance import Producer
 from dflash_core.storage import (
     ChecksumMismatch, ObjectNotFound, ObjectStore, StoreConfigError, StoreError, StoreUnavailable, sha256_file,
 )
-from dflash_core.train.checkpoint import META_FILE, _FILES, complete_checkpoints
+from dflash_core.train.checkpoint import _FILES, complete_checkpoints
+from dflash_core.train.remote import upload_checkpoint
 
 DEFAULT_OUTAGE_LIMIT_S = 300.0  # below entry's process-group timeout: other ranks wait while rank 0 finishes
 _RECONCILE = "reconcile"
@@ -201,19 +202,17 @@ class CheckpointUploader:
     def _sync(self, path: Path, remote: RemoteStep | None) -> bool:
         """Make S3's copy of local checkpoint `path` complete and identical (meta.json last); True when
         anything had to be uploaded."""
-        changed = False
         prefix = f"{self.key_prefix}/{path.name}"
-        for name in sorted(_FILES, key=lambda n: n == META_FILE):
-            local_sha = self._sha256(path / name)
-            if remote is not None and name in remote.files and manifest_key(name) in remote.files \
-                    and self._matches(f"{prefix}/{name}", local_sha):
-                continue
-            write_artifact(self.store, f"{prefix}/{name}", path / name, kind=ArtifactKind.CHECKPOINT,
-                           inputs=self.inputs, config=self.config, producer=self.producer)
-            changed = True
-        if changed:
+
+        def unchanged(name: str) -> bool:
+            return (remote is not None and name in remote.files and manifest_key(name) in remote.files
+                    and self._matches(f"{prefix}/{name}", self._sha256(path / name)))
+
+        written = upload_checkpoint(self.store, path, key_prefix=self.key_prefix, inputs=self.inputs,
+                                    config=self.config, producer=self.producer, unchanged=unchanged)
+        if written:
             self.uploaded.append(step_of(path.name))
-        return changed
+        return bool(written)
 
     def _matches(self, key: str, sha256: str) -> bool:
         try:
