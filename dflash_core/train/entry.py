@@ -316,10 +316,12 @@ def _announce_sigterm(dist_info: Distributed, checkpoints: Path, *, pg_timeout_s
 
 def _console_logger(config: TrainConfig):
     def log(record: dict) -> None:
-        accuracy = record.get("accuracy_per_position", [])
+        # The window's means (over the last log_every steps), not one noisy step.
+        means = record.get("window") or record
+        accuracy = means.get("accuracy_per_position", [])
         head = " ".join(f"{a:.2f}" for a in (accuracy[:4] if isinstance(accuracy, list) else [accuracy]))
-        print(f"step {record['step']:>6}/{config.max_steps} loss {record['loss']:.4f} "
-              f"tau {record['acceptance_length']:.3f} acc[1..] {head} lr {record['lr']:.2e} "
+        print(f"step {record['step']:>6}/{config.max_steps} loss {means['loss']:.4f} "
+              f"tau {means['acceptance_length']:.3f} acc[1..] {head} lr {record['lr']:.2e} "
               f"{record['tokens_per_s']:,.0f} tok/s", flush=True)
     return log
 
