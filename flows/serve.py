@@ -7,6 +7,8 @@ Run: `python -m flows.serve` (repo root, PREFECT_API_URL pointing at the server)
 
 from __future__ import annotations
 
+import os
+
 from prefect import serve
 from prefect.client.schemas.schedules import CronSchedule
 from prefect.flows import load_flow_from_entrypoint
@@ -30,5 +32,6 @@ def runner_deployments() -> list:
 
 
 if __name__ == "__main__":
+    os.chdir(REPO_DIR)  # entrypoints relative to the repo (flows/train.py:train), as a worker's are
     save_result_storage(load_settings())
     serve(*runner_deployments(), print_starting_message=False)

@@ -37,9 +37,10 @@ from tasks.tokenize import summary_frames, tokenize_completion_shard
 
 
 class TokenizeParams(BaseModel):
-    dataset: str = Field("demo", description="Dataset name in S3 keys (completions/<dataset>/<run>/).")
+    dataset: str = Field("demo", description="Dataset name in S3 keys (completions/(dataset)/(run)/).")
     run: str = Field("smollm2", description="Completion run to tokenize.")
-    output_run: str | None = Field(None, description="Tokenized run name (tokenized/<dataset>/<output_run>/); default: run.")
+    output_run: str | None = Field(None, description="Tokenized run name (tokenized/(dataset)/(output_run)/); "
+                                                     "default: run.")
     tokenizer_dir: str | None = Field(None, description="Local tokenizer/model dir of the target; None: the embedded SmolLM2.")
     chat_template: str | None = Field(None, description="Replace the tokenizer's chat template (rarely needed).")
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
