@@ -21,3 +21,13 @@ if [ "$(id -u)" = 0 ] && [ ! -x /usr/sbin/sshd ] && command -v apt-get >/dev/nul
     || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends openssh-server >/dev/null 2>&1; } \
     || echo "setup.sh: could not install openssh-server; the SSH backend tests will skip" >&2
 fi
+# The browser test drives the Prefect UI with Debian's chromium and its driver (about a minute the first
+# time); installed the same way, and the test skips and says why where they are missing.
+if [ "$(id -u)" = 0 ] && ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null \
+    && [ -f /etc/debian_version ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 \
+         && apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null 2>&1; } \
+    || echo "setup.sh: could not install chromium; the browser test will skip" >&2
+fi
