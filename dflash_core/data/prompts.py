@@ -18,14 +18,12 @@ before it, or a bare "continue") is rejected as `needs_context`.
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
-import mmap
 import random
 import re
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from dflash_core.data.completion import CompletionRecord, Message
+from dflash_core.data.prompt_files import BadPrompt, iter_raw
 
 PROMPT_SCHEMA_VERSION = 1
 USER_ROLES = {"user", "human"}
@@ -71,16 +70,6 @@ class PromptRecord(BaseModel):
         return hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-class BadPrompt(ValueError):
-    """A record that cannot be a prompt; `raw` keeps its bytes when it could not even be parsed."""
-
-    def __init__(self, reason: str, detail: str, raw: bytes | None = None):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-        self.raw = raw
-
-
 @dataclass
 class PromptSource:
     path: Path
@@ -117,138 +106,6 @@ class ImportReport:
     def to_dict(self) -> dict[str, Any]:
         return {"read": self.read, "accepted": self.accepted, "rejected": dict(self.rejected),
                 "per_source": dict(self.per_source), "renamed_ids": self.renamed_ids}
-
-
-def iter_raw(path: Path, *, max_bytes: int | None = None) -> Iterator[tuple[int, Any]]:
-    """(index, record) for every record in a .json (array), .jsonl/.ndjson or .parquet file, streamed.
-    A record that cannot be parsed comes back as a `BadPrompt` and reading goes on; a file cut short
-    ends with a `BadPrompt("truncated")`. A record over `max_bytes` is not parsed (`too_long`)."""
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        yield from _iter_jsonl(path, max_bytes=max_bytes)
-    elif suffix == ".json":
-        yield from _iter_json_array(path, max_bytes=max_bytes)
-    elif suffix == ".parquet":
-        yield from _iter_parquet(path)
-    else:
-        raise ValueError(f"{path}: unknown prompt file type {suffix!r}; use .json, .jsonl, .ndjson or .parquet")
-
-
-def _parse(text: bytes, *, where: str, max_bytes: int | None) -> Any:
-    """One JSON record, or a `BadPrompt` saying why it is unusable."""
-    if max_bytes is not None and len(text) > max_bytes:
-        return BadPrompt("too_long", f"{where} is {len(text):,} bytes, over the {max_bytes:,}-byte limit")
-    try:
-        return json.loads(text)
-    except UnicodeDecodeError as error:
-        return BadPrompt("malformed", f"{where}: byte {error.start} is not valid UTF-8")
-    except ValueError as error:
-        return BadPrompt("malformed", f"{where}: {error}")
-    except RecursionError:
-        return BadPrompt("malformed", f"{where}: nested deeper than the JSON parser allows")
-
-
-def _iter_jsonl(path: Path, *, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
-    with open(path, "rb") as handle:
-        for index, line in enumerate(handle):
-            if index == 0:
-                line = line.removeprefix(codecs.BOM_UTF8)
-            if not line.strip():
-                continue
-            record = _parse(line, where=f"line {index + 1}", max_bytes=max_bytes)
-            if isinstance(record, BadPrompt) and record.reason == "malformed" and not line.endswith(b"\n"):
-                record = BadPrompt("truncated", f"the last line ({index + 1}) is cut short: {record.detail}")
-            if isinstance(record, BadPrompt):
-                record.raw = line
-            yield index, record
-
-
-# Outside strings the scanner stops at whole strings (one match, escapes included) and at brackets and
-# commas; a lone quote means a string that never closes.
-_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]|"', re.DOTALL)
-_SPACE = b" \t\r\n"
-
-
-def _iter_json_array(path: Path, *, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
-    """Elements of a top-level JSON array, each parsed on its own: a bad element is reported and the
-    scanner goes on with the next one (found by bracket depth outside strings)."""
-    with open(path, "rb") as handle:
-        if not path.stat().st_size:
-            raise ValueError(f"{path}: the file is empty; expected a JSON array of records")
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            yield from _scan_array(data, path=path, max_bytes=max_bytes)
-
-
-def _scan_array(data, *, path: Path, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
-    size = len(data)
-    pos = 3 if data[:3] == codecs.BOM_UTF8 else 0
-    while pos < size and data[pos] in _SPACE:
-        pos += 1
-    first = data[pos:pos + 1]
-    if first != b"[":
-        raise ValueError(_shape_error(path, data, pos))
-    pos += 1
-    index, depth, start = 0, 0, pos
-
-    def element(end: int):
-        raw = bytes(data[start:end].strip(_SPACE))
-        if not raw:
-            return BadPrompt("malformed", f"record {index} is empty (two commas in a row or a trailing comma)", raw)
-        record = _parse(raw, where=f"record {index}", max_bytes=max_bytes)
-        if isinstance(record, BadPrompt):
-            record.raw = raw
-        return record
-
-    while True:
-        match = _JSON_TOKEN.search(data, pos)
-        if match is None or match.group() == b'"':
-            tail = data[start:].strip(_SPACE)
-            where = f"inside record {index}" if tail else f"after record {index - 1}, before the array closes"
-            yield index, BadPrompt("truncated", f"{path.name} ends {where}", bytes(tail))
-            return
-        token, pos = match.group(), match.end()
-        if token in (b"[", b"{"):
-            depth += 1
-        elif token in (b"]", b"}"):
-            if depth:
-                depth -= 1
-            elif token == b"]":  # the array itself closes
-                if index or data[start:match.start()].strip(_SPACE):
-                    yield index, element(match.start())
-                rest = data[pos:pos + 200].strip(_SPACE)
-                if rest:
-                    yield index + 1, BadPrompt("malformed", f"{path.name}: data after the array ends: {rest[:60]!r}",
-                                               bytes(rest))
-                return
-        elif token == b"," and not depth:
-            yield index, element(match.start())
-            index, start = index + 1, pos
-
-
-def _shape_error(path: Path, data, pos: int) -> str:
-    first = data[pos:pos + 1]
-    if first == b"{":
-        key = re.match(rb'\{\s*"([^"\\]{1,60})"\s*:\s*\[', data[pos:pos + 4096])
-        hint = f" (its first key, {key.group(1).decode(errors='replace')!r}, holds a list)" if key else ""
-        return (f"{path}: the top level is a JSON object{hint}, not an array of records; write the records as "
-                f"a JSON array or as JSONL, e.g. `jq -c '.data[]' {path.name} > {path.stem}.jsonl`")
-    return f"{path}: not a JSON array of records (the file starts with {first!r}); use a JSON array or JSONL"
-
-
-def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    index = 0
-    try:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                yield index, row
-                index += 1
-    except (pa.ArrowException, OSError) as error:
-        if not index:
-            raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
-        yield index, BadPrompt("truncated", f"{path.name}: unreadable after record {index - 1} ({error})")
 
 
 def normalize(raw: Any, *, source: str, index: int, turns: TurnPolicy = "first_user_turn",
