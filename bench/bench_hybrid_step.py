@@ -149,12 +149,21 @@ def run_one(args, *, packed: bool, corpus: TokenizedCorpus, cuda: bool) -> dict:
     real = [min(int(sum(min(trainer.corpus.lengths[i], args.token_budget) for i in batch)), args.token_budget)
             for batch in batches]
     stamps, records = [], []
+    profiler = step_profiler(args, cuda=cuda)
 
     def on_log(record: dict) -> None:
         stamps.append(time.perf_counter())
         records.append(record)
+        if profiler is not None:
+            profiler.step()
 
-    trainer.run(on_log=on_log)
+    if profiler is None:
+        trainer.run(on_log=on_log)
+    else:
+        with profiler:
+            trainer.run(on_log=on_log)
+        print_profile(profiler, cuda=cuda, steps=args.steps, label="packed" if packed else "unpacked",
+                      rows=args.profile_rows)
     step_ms = [1e3 * (b - a) for a, b in zip(stamps[args.warmup - 1:], stamps[args.warmup:])]
     timed_real = real[args.warmup:]
     result = {
@@ -181,6 +190,25 @@ def run_one(args, *, packed: bool, corpus: TokenizedCorpus, cuda: bool) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def step_profiler(args, *, cuda: bool):
+    """torch.profiler over the timed steps only (the warmup steps, compilation included, are skipped)."""
+    if not args.profile:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    schedule = torch.profiler.schedule(wait=args.warmup, warmup=0, active=args.steps, repeat=1)
+    return torch.profiler.profile(activities=activities, schedule=schedule)
+
+
+def print_profile(profiler, *, cuda: bool, steps: int, label: str, rows: int) -> None:
+    """The top ops by self device time (self CPU time without CUDA), per step."""
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    events = profiler.key_averages()
+    total = sum(getattr(e, key.replace("cuda", "device"), getattr(e, key, 0)) for e in events) / steps / 1e3
+    print(f"profile ({label}): top {rows} ops by {key.replace('_total', '')} per step "
+          f"(sum of all ops {total:,.1f} ms/step)")
+    print(events.table(sort_by=key, row_limit=rows, max_name_column_width=70))
 
 
 def print_table(results: list[dict], *, args, command: str) -> None:
@@ -219,6 +247,9 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true", help="leave the drafter and attention layers eager")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler over the timed steps: print the top ops by self device time")
+    parser.add_argument("--profile-rows", type=int, default=30)
     parser.add_argument("--refresh-lengths", action="store_true", help="print the ShareGPT length table and exit")
     parser.add_argument("--fill-only", action="store_true",
                         help="no model: how full the sampler's rows are over 20,000 samples, packed and unpacked")
