@@ -1,7 +1,8 @@
 """Acceptance ablation on the embedded target: which recipe drafts best at an equal budget.
 
 Trains the drafter on the embedded SmolLM2-135M target under each recipe variant (the library
-default, then one change each: mask token, tapped layers, loss weighting/type, optimizer) and
+default, then one change each: mask token, tapped layers, loss weighting/type, optimizer, the
+training-only regularizers: feature noise, dropout, label smoothing) and
 speculators 0.9's DFlashDraftModel on the same data, batches and budget, several seeds each;
 evaluates every drafter with our evaluator (real draft/verify rounds against the target, greedy,
 checked token for token against the target's own greedy decoding) on held-out prompts; prints an
@@ -127,10 +128,15 @@ class Variant:
     force_mask_token_id: int | None = None  # bypasses the trainer's end-token refusal, to measure it
 
 
+def _default(**changes) -> dict:
+    """The default row's DrafterSettings changes plus `changes`."""
+    return {"num_anchors": 512, **changes}
+
+
 def variants() -> dict[str, Variant]:
     items = [
         Variant("default", "the library's default recipe (DFlash 2, D-PACE, 512 anchors per 2,048 tokens)",
-                drafter={"num_anchors": 512}),
+                drafter=_default()),
         Variant("dflash", "the DFlash drafter (D-PACE), the default before DFlash 2 measured better",
                 drafter={"variant": "dflash"}),
         Variant("mask=eos", "mask token = pad = <|im_end|> (EOS), the old default (refused now; forced)",
@@ -168,6 +174,18 @@ def variants() -> dict[str, Variant]:
         Variant("dflash2+dpace+anchors=512+wd=0.1", "that, with AdamW weight decay 0.1 (against overfitting)",
                 drafter={"variant": "dflash2", "loss_weighting": "dpace", "num_anchors": 512},
                 optim={"weight_decay": 0.1}),
+        # Training-only levers on top of the default (each off in the library until measured here).
+        Variant("default+taps=3", "the default reading 3 tapped target layers instead of 2", drafter=_default(
+            num_tapped_layers=3)),
+        Variant("default+noise=0.05", "the default, Gaussian noise of 0.05 x RMS on the tapped states (EAGLE-style)",
+                drafter=_default(feature_noise=0.05)),
+        Variant("default+noise=0.2", "the default, feature noise 0.2 x RMS", drafter=_default(feature_noise=0.2)),
+        Variant("default+dropout=0.1", "the default, dropout 0.1 on every drafter sublayer's output",
+                drafter=_default(dropout=0.1)),
+        Variant("default+smooth=0.1", "the default, label smoothing 0.1 of the LM-head cross-entropy",
+                drafter=_default(label_smoothing=0.1)),
+        Variant("default+noise=0.2+dropout=0.1", "the default, feature noise 0.2 and dropout 0.1",
+                drafter=_default(feature_noise=0.2, dropout=0.1)),
         Variant("speculators", "speculators 0.9 DFlashDraftModel, its defaults (D-PACE+CE, taps, pad mask)",
                 kind="speculators"),
         Variant("speculators+mask", "speculators with our mask token", kind="speculators",
@@ -440,6 +458,7 @@ def run_ours(job: Job, variant: Variant) -> dict:
     with _forced_mask_token(variant.force_mask_token_id), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = Trainer(config, models_dir=Path(_WORKER["models_dir"]), corpus=_corpus())
+    check_recipe_applied(config, trainer.drafter_config)
     logged: list[tuple[int, float]] = []  # (step, time) of each record: steady-state steps/s between them
     _sync()
     start = time.perf_counter()
@@ -456,6 +475,18 @@ def run_ours(job: Job, variant: Variant) -> dict:
     return {"train_s": train_s, "steps_per_s": _steady_rate(logged, job.steps, train_s), "train_loss": window["loss"],
             "train_tau": window["acceptance_length_empirical"], "mask_token_id": drafter_config.mask_token_id,
             "target_layer_ids": drafter_config.target_layer_ids, **evaluate_drafter(drafter)}
+
+
+def check_recipe_applied(config, drafter_config) -> None:
+    """The drafter the Trainer built carries the run's training-only settings: a variant whose lever the
+    trainer dropped would silently measure the default."""
+    from dflash_core.train.config import REGULARIZATION_FIELDS
+
+    wanted = {name: getattr(config.drafter, name) for name in REGULARIZATION_FIELDS}
+    built = {name: getattr(drafter_config, name, None) for name in REGULARIZATION_FIELDS}
+    if built != wanted:
+        raise RuntimeError(f"the Trainer built a drafter with {built}, the run asks for {wanted}: drafter_config_for "
+                           "must apply DrafterSettings.drafter_training_fields() to the drafter config")
 
 
 def _steady_rate(marks: list[tuple[int, float]], steps: int, total_s: float) -> float:

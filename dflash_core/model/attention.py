@@ -156,9 +156,17 @@ class DFlashDecoderLayer(nn.Module):
         block_rope: tuple[torch.Tensor, torch.Tensor],
         context_kv: tuple[torch.Tensor, torch.Tensor],
         attend: AttendFn,
+        branch_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`branch_masks` (training dropout): scaled keep-masks [B, Q, H] for the attention and the MLP
+        output, each multiplied in before its residual add."""
         attn_out = self.self_attn(
             self.input_layernorm(block_BQH), block_rope=block_rope, context_kv=context_kv, attend=attend
         )
-        hidden = block_BQH + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = block_BQH + drop(attn_out, branch_masks, 0)
+        return hidden + drop(self.mlp(self.post_attention_layernorm(hidden)), branch_masks, 1)
+
+
+def drop(branch_BQH: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor] | None, index: int) -> torch.Tensor:
+    """A sublayer's output times its dropout keep-mask (unchanged without masks)."""
+    return branch_BQH if masks is None else branch_BQH * masks[index].to(branch_BQH.dtype)

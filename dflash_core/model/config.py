@@ -97,6 +97,13 @@ class DFlashConfig:
     loss_type: str = "ce"
     loss_weighting: str = "exp_decay"
     dpace_alpha: float = 0.5
+    # Training-only regularization, 0 = off; `forward` applies it in training mode, drafting never
+    # does and exports do not carry it: feature_noise (Gaussian noise on the tapped target states,
+    # std = feature_noise x each state's RMS), dropout (on every sublayer's output before its
+    # residual add), label_smoothing (of the LM-head cross-entropy).
+    feature_noise: float = 0.0
+    dropout: float = 0.0
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         if self.layer_types is None:
@@ -120,6 +127,14 @@ class DFlashConfig:
             raise ValueError(f"rotary dim {self.rotary_dim} must be even")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of a {self.vocab_size}-row embedding")
+        if self.feature_noise < 0:
+            raise ValueError(f"feature_noise must be >= 0, got {self.feature_noise}")
+        for name in ("dropout", "label_smoothing"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.label_smoothing and self.loss_type != "ce":
+            raise ValueError(f"label_smoothing smooths the cross-entropy's labels: it needs loss_type 'ce', "
+                             f"got {self.loss_type!r}")
         if self.loss_gamma is None:
             if self.block_size not in DEFAULT_LOSS_GAMMA:
                 raise ValueError(
@@ -131,6 +146,11 @@ class DFlashConfig:
     @property
     def num_tapped_layers(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def stochastic_training(self) -> bool:
+        """Whether a training pass draws random numbers (feature noise or dropout)."""
+        return self.feature_noise > 0 or self.dropout > 0
 
     @property
     def rotary_dim(self) -> int:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.model.anchors import BlockPlan
-from dflash_core.model.attention import DFlashDecoderLayer
+from dflash_core.model.attention import DFlashDecoderLayer, drop
 from dflash_core.model.config import DFlashConfig
 from dflash_core.model.dflash2_loss import dflash2_objective, selector_metrics, transform_logits
 from dflash_core.model.drafter import ContextCache, DFlashDraftModel, DraftOutput, TargetHeads
@@ -218,13 +218,14 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = GroupedDynamicCausalConv(**conv)
         self.mlp_conv = GroupedDynamicCausalConv(**conv)
 
-    def forward(self, block_BQH: torch.Tensor, **attention_kwargs: Any) -> torch.Tensor:
+    def forward(self, block_BQH: torch.Tensor, *, branch_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+                **attention_kwargs: Any) -> torch.Tensor:
         # Block K/V come from the convolved input, as in the reference (k_proj of the conv output).
         attn_in, attn_delta = self.attention_conv.prepare(self.input_layernorm(block_BQH))
         attn_out = self.self_attn(attn_in, **attention_kwargs)
-        hidden = block_BQH + self.attention_conv.finish(attn_out, attn_delta)
+        hidden = block_BQH + drop(self.attention_conv.finish(attn_out, attn_delta), branch_masks, 0)
         mlp_in, mlp_delta = self.mlp_conv.prepare(self.post_attention_layernorm(hidden))
-        return hidden + self.mlp_conv.finish(self.mlp(mlp_in), mlp_delta)
+        return hidden + drop(self.mlp_conv.finish(self.mlp(mlp_in), mlp_delta), branch_masks, 1)
 
 
 # -- the selector ------------------------------------------------------------------------------
@@ -335,13 +336,15 @@ class DFlash2DraftModel(DFlashDraftModel):
         teacher_hidden: torch.Tensor | None = None,
         attention_backend: str = "auto",
         loss_chunk_size: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> tuple[DraftOutput, torch.Tensor, dict[str, torch.Tensor]]:
         """One training pass: DFlash's loss on the unary logits plus alpha x the selector's K-way
         cross-entropy (teacher-forced predecessors, the label injected when the top-K lacks it).
         Same inputs as `DFlashDraftModel.forward`; metrics add the selector's."""
         cfg = self.config
         hidden = self._block_states(
-            input_ids=input_ids, target_hidden=target_hidden, plan=plan, attention_backend=attention_backend
+            input_ids=input_ids, target_hidden=target_hidden, plan=plan, attention_backend=attention_backend,
+            generator=generator,
         )
         drafted = hidden[:, :, 1:]
         labels = self._labels(input_ids_BT=input_ids, plan=plan, teacher_hidden_BTH=teacher_hidden)
@@ -362,6 +365,7 @@ class DFlash2DraftModel(DFlashDraftModel):
             chunk_size=loss_chunk_size or default_chunk_size(vocab_size=lm_head_weight.shape[0]),
             dpace_alpha=cfg.dpace_alpha if dpace else None,
             num_slots=cfg.block_size - 1,
+            label_smoothing=cfg.label_smoothing,
         )
         metrics = selector_metrics(objective, valid_BAK=plan.label_valid, anchor_valid_BA=plan.anchor_valid)
         return DraftOutput(hidden_BAKH=drafted, labels_BAK=labels), objective.loss, metrics

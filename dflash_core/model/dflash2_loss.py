@@ -50,11 +50,13 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, token_weights_N, top_k, multiplier, softcap, chunk_size,
-                dpace_alpha, num_slots):
+                dpace_alpha, num_slots, label_smoothing):
         num_rows = hidden_NH.shape[0]
         device = hidden_NH.device
         compute_dtype = weight_VH.dtype
         nll_rows = torch.empty(num_rows, dtype=torch.float32, device=device)
+        # With label smoothing the loss differs from the label's NLL, which D-PACE still reads.
+        loss_rows = torch.empty(num_rows, dtype=torch.float32, device=device) if label_smoothing > 0 else nll_rows
         correct = torch.empty(num_rows, dtype=torch.bool, device=device)
         contains = torch.empty(num_rows, dtype=torch.bool, device=device)
         candidate_ids = torch.empty(num_rows, top_k, dtype=torch.long, device=device)
@@ -69,6 +71,9 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
             log_norm = torch.logsumexp(logits, dim=-1)
             label_logit = logits.gather(1, labels[:, None]).squeeze(1)
             nll_rows[rows] = log_norm - label_logit
+            if label_smoothing > 0:
+                loss_rows[rows] = ((1.0 - label_smoothing) * nll_rows[rows]
+                                   + label_smoothing * (log_norm - logits.mean(dim=-1)))
             correct[rows] = logits.argmax(dim=-1) == labels
             values, ids = logits.topk(top_k, dim=-1)  # sorted: the last is the weakest
             has_label = (ids == labels[:, None]).any(dim=-1)
@@ -77,7 +82,9 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
             candidate_ids[rows], candidate_logits[rows], contains[rows] = ids, values, has_label
             if needs_grad:
                 grad = torch.exp(logits - log_norm[:, None])
-                grad.scatter_add_(1, labels[:, None], torch.full_like(label_logit[:, None], -1.0))
+                if label_smoothing > 0:  # softmax - (1 - s) * onehot - s / V
+                    grad = grad - label_smoothing / logits.shape[-1]
+                grad.scatter_add_(1, labels[:, None], torch.full_like(label_logit[:, None], label_smoothing - 1.0))
                 grad = grad * _transform_slope(logits, multiplier=multiplier, softcap=softcap)
                 grad_hidden[rows] = (grad.to(compute_dtype) @ weight_VH).to(hidden_NH.dtype)
         scale = slot_scale(nll_rows, token_weights_N, dpace_alpha=dpace_alpha, num_slots=num_slots)
@@ -88,7 +95,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
         ctx.chunk_size = chunk_size
         ctx.hidden_dtype = hidden_NH.dtype
         ctx.mark_non_differentiable(correct, candidate_ids, contains, scale)
-        return (scale * nll_rows).sum(), correct, candidate_ids, candidate_logits, contains, scale
+        return (scale * loss_rows).sum(), correct, candidate_ids, candidate_logits, contains, scale
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct, _grad_ids, grad_candidate_logits, _grad_contains, _grad_scale):
@@ -104,7 +111,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
                 rows_of_head = weight_VH[candidate_ids[rows]]  # [chunk, K, H]
                 grad_rows = torch.einsum("nk,nkh->nh", grad_raw[rows].to(weight_VH.dtype), rows_of_head)
                 grad_hidden[rows] += grad_rows.to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None, None, None
 
 
 def slot_scale(nll_N: torch.Tensor, token_weights_N: torch.Tensor, *, dpace_alpha: float | None,
@@ -154,11 +161,14 @@ def dflash2_objective(
     chunk_size: int = 2048,
     dpace_alpha: float | None = None,
     num_slots: int = 0,
+    label_smoothing: float = 0.0,
 ) -> DFlash2Objective:
     """Both losses over N drafted slots. `selector` is a `CandidateSelector` (top_k, context,
     transition_scores); `predecessor_ids_N` the token before each slot on an accepted path.
     `token_weights_N`: fixed slot weights (0: no loss), or with `dpace_alpha` only the 0/1 validity,
-    the slots then weighted by D-PACE within blocks of `num_slots`."""
+    the slots then weighted by D-PACE within blocks of `num_slots`. `label_smoothing` s smooths the
+    unary cross-entropy ((1 - s) * CE + s * mean over the vocabulary of -log q); the selector's
+    K-way loss keeps hard labels."""
     if lm_head_weight.requires_grad:
         raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
     if chunk_size < 1:
@@ -176,6 +186,7 @@ def dflash2_objective(
             chunk_size,
             dpace_alpha,
             num_slots,
+            float(label_smoothing),
         )
     )
     context = selector.context(hidden_NH, predecessor_ids_N)

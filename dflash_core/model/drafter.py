@@ -22,6 +22,7 @@ from dflash_core.model.loss import chunked_lm_head_loss, compile_loss_kernel, de
 from dflash_core.model.loss import position_weights
 from dflash_core.model.loss import teacher_token_ids
 from dflash_core.model.masks import create_flex_block_mask, dense_mask, drafting_mask, flex_attend, sdpa_attend
+from dflash_core.model.regularize import dropout_masks, noisy_features
 from dflash_core.model.metrics import block_metrics
 
 
@@ -143,11 +144,13 @@ class DFlashDraftModel(nn.Module):
         with torch.no_grad():
             return self.target_heads.embed_tokens(block_ids)
 
-    def _run_layers(self, block_BQH, *, block_rope, context_kv_per_layer, attend_by_type) -> torch.Tensor:
+    def _run_layers(self, block_BQH, *, block_rope, context_kv_per_layer, attend_by_type,
+                    branch_masks_per_layer=None) -> torch.Tensor:
         hidden = block_BQH
-        for layer, context_kv in zip(self.layers, context_kv_per_layer):
+        for index, (layer, context_kv) in enumerate(zip(self.layers, context_kv_per_layer)):
+            extra = {} if branch_masks_per_layer is None else {"branch_masks": branch_masks_per_layer[index]}
             hidden = layer(
-                hidden, block_rope=block_rope, context_kv=context_kv, attend=attend_by_type[layer.layer_type]
+                hidden, block_rope=block_rope, context_kv=context_kv, attend=attend_by_type[layer.layer_type], **extra
             )
         return self.norm(hidden)
 
@@ -196,9 +199,11 @@ class DFlashDraftModel(nn.Module):
         return torch.where(plan.label_valid, labels, torch.zeros_like(labels))
 
     def _block_states(
-        self, *, input_ids: torch.Tensor, target_hidden: torch.Tensor, plan: BlockPlan, attention_backend: str
+        self, *, input_ids: torch.Tensor, target_hidden: torch.Tensor, plan: BlockPlan, attention_backend: str,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Drafter states of every slot of every planned block: [B, A, block_size, H] (after the final norm)."""
+        """Drafter states of every slot of every planned block: [B, A, block_size, H] (after the final norm).
+        In training mode the config's feature noise and dropout apply, drawn from `generator`."""
         cfg = self.config
         batch, seq_len = input_ids.shape
         block = cfg.block_size
@@ -207,6 +212,10 @@ class DFlashDraftModel(nn.Module):
         if target_hidden.shape[:2] != (batch, seq_len):
             raise ValueError(f"target_hidden {tuple(target_hidden.shape)} does not match input_ids {tuple(input_ids.shape)}")
         num_anchors = plan.num_anchors
+        regularize = self.training
+        if regularize and cfg.feature_noise > 0:
+            target_hidden = noisy_features(target_hidden, num_layers=cfg.num_tapped_layers, scale=cfg.feature_noise,
+                                           generator=generator)
         context = self.fuse_target_features(target_hidden)
 
         block_ids = torch.full((batch, num_anchors, block), cfg.mask_token_id, device=input_ids.device)
@@ -216,11 +225,16 @@ class DFlashDraftModel(nn.Module):
         block_pos = (anchor_pos[..., None] + torch.arange(block, device=input_ids.device)).view(batch, -1)
         context_rope = self.rotary_emb(plan.position_ids)
         context_kv = [layer.self_attn.key_value(context, context_rope) for layer in self.layers]
+        masks = None
+        if regularize and cfg.dropout > 0:
+            masks = dropout_masks(shape=tuple(block_hidden.shape), rate=cfg.dropout, num_layers=len(self.layers),
+                                  generator=generator, device=block_hidden.device)
         hidden = self._run_layers(
             block_hidden,
             block_rope=self.rotary_emb(block_pos),
             context_kv_per_layer=context_kv,
             attend_by_type=self._training_attend_fns(plan, attention_backend),
+            branch_masks_per_layer=masks,
         )
         return hidden.view(batch, num_anchors, block, -1)
 
@@ -233,18 +247,21 @@ class DFlashDraftModel(nn.Module):
         teacher_hidden: torch.Tensor | None = None,
         attention_backend: str = "auto",
         loss_chunk_size: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> tuple[DraftOutput, torch.Tensor, dict[str, torch.Tensor]]:
         """One training pass over the plan's blocks.
 
         input_ids [B, T]; target_hidden [B, T, L*H] (tapped layers, concatenated in
         target_layer_ids order); teacher_hidden [B, T, H]: the target's last layer output before
         its final norm, to learn the target's argmax (loss_type "ce") or distribution ("kl");
-        None learns the data tokens.
+        None learns the data tokens. `generator` (on the drafter's device; None: torch's default)
+        draws the feature noise and dropout, which apply only in training mode.
         """
         cfg = self.config
         block = cfg.block_size
         drafted = self._block_states(
-            input_ids=input_ids, target_hidden=target_hidden, plan=plan, attention_backend=attention_backend
+            input_ids=input_ids, target_hidden=target_hidden, plan=plan, attention_backend=attention_backend,
+            generator=generator,
         )[:, :, 1:]
 
         valid = plan.label_valid
@@ -262,6 +279,7 @@ class DFlashDraftModel(nn.Module):
             dpace_alpha=cfg.dpace_alpha if dpace else None,
             num_slots=block - 1,
             chunk_size=loss_chunk_size or default_chunk_size(vocab_size=lm_head_weight.shape[0]),
+            label_smoothing=cfg.label_smoothing,
         )
         labels = torch.where(valid, out.labels.view_as(valid), torch.zeros_like(valid, dtype=torch.long))
         metrics = block_metrics(

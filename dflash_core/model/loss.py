@@ -86,6 +86,21 @@ def _ce_rows(logits, labels, *, with_grad: bool):
     return ce, correct, grad_logits.to(logits.dtype)
 
 
+def _smoothed_ce_rows(logits, labels, *, smoothing: float, with_grad: bool):
+    """Per row: label-smoothed cross-entropy (1 - s) * nll + s * mean_v(-log q_v), the label's NLL,
+    correctness, and d(loss)/d(logits) = softmax - (1 - s) * onehot - s / V."""
+    logits32 = logits.float()
+    log_norm = torch.logsumexp(logits32, dim=-1)
+    nll = log_norm - logits32.gather(1, labels[:, None]).squeeze(1)
+    loss = (1.0 - smoothing) * nll + smoothing * (log_norm - logits32.mean(dim=-1))
+    correct = logits32.argmax(dim=-1) == labels
+    if not with_grad:
+        return loss, nll, correct, None
+    grad_logits = torch.exp(logits32 - log_norm[:, None]) - smoothing / logits32.shape[-1]
+    grad_logits.scatter_add_(1, labels[:, None], torch.full_like(nll[:, None], smoothing - 1.0))
+    return loss, nll, correct, grad_logits.to(logits.dtype)
+
+
 def _kl_rows(logits, teacher_logits, *, with_grad: bool):
     """Per row: KL(teacher || drafter), the NLL of the teacher's argmax, correctness, the teacher's
     argmax, and d(kl)/d(logits) = softmax(drafter) - softmax(teacher)."""
@@ -102,13 +117,15 @@ def _kl_rows(logits, teacher_logits, *, with_grad: bool):
 
 
 _ce_kernel = _ce_rows
+_smoothed_ce_kernel = _smoothed_ce_rows
 _kl_kernel = _kl_rows
 
 
 def compile_loss_kernel(enabled: bool = True) -> None:
     """Use torch.compile'd per-chunk loss kernels (GPU); eager when disabled."""
-    global _ce_kernel, _kl_kernel
+    global _ce_kernel, _smoothed_ce_kernel, _kl_kernel
     _ce_kernel = torch.compile(_ce_rows, dynamic=False) if enabled else _ce_rows
+    _smoothed_ce_kernel = torch.compile(_smoothed_ce_rows, dynamic=False) if enabled else _smoothed_ce_rows
     _kl_kernel = torch.compile(_kl_rows, dynamic=False) if enabled else _kl_rows
 
 
@@ -130,12 +147,13 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, teacher_NH, token_weights_N, valid_N, chunk_size,
-                dpace_alpha, num_slots):
+                dpace_alpha, num_slots, label_smoothing):
         compute_dtype = weight_VH.dtype
         num_rows = hidden_NH.shape[0]
         device = hidden_NH.device
         loss_rows = torch.empty(num_rows, dtype=torch.float32, device=device)
-        nll_rows = torch.empty(num_rows, dtype=torch.float32, device=device) if teacher_NH is not None else loss_rows
+        separate_nll = teacher_NH is not None or label_smoothing > 0  # D-PACE reads the label's NLL
+        nll_rows = torch.empty(num_rows, dtype=torch.float32, device=device) if separate_nll else loss_rows
         correct = torch.empty(num_rows, dtype=torch.bool, device=device)
         labels_out = labels_N.clone() if teacher_NH is None else torch.empty(num_rows, dtype=torch.long, device=device)
         needs_grad = ctx.needs_input_grad[0]
@@ -143,7 +161,10 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         for start in range(0, num_rows, chunk_size):
             end = start + chunk_size
             logits = hidden_NH[start:end].to(compute_dtype) @ weight_VH.T
-            if teacher_NH is None:
+            if teacher_NH is None and label_smoothing > 0:
+                loss_rows[start:end], nll_rows[start:end], correct[start:end], grad_logits = _smoothed_ce_kernel(
+                    logits, labels_N[start:end], smoothing=label_smoothing, with_grad=needs_grad)
+            elif teacher_NH is None:
                 loss_rows[start:end], correct[start:end], grad_logits = _ce_kernel(
                     logits, labels_N[start:end], with_grad=needs_grad)
             else:
@@ -170,7 +191,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_correct, grad_labels, grad_weights):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None, None
 
 
 def chunked_lm_head_loss(
@@ -184,6 +205,7 @@ def chunked_lm_head_loss(
     dpace_alpha: float | None = None,
     num_slots: int | None = None,
     chunk_size: int = 2048,
+    label_smoothing: float = 0.0,
 ) -> LMHeadLoss:
     """The drafter's loss over logits = hidden @ lm_head_weight.T, a chunk of rows at a time.
 
@@ -193,6 +215,8 @@ def chunked_lm_head_loss(
     Weighting, one of: `token_weights_N` (loss = sum(w * l) / sum(w) over valid rows) or
     `dpace_alpha` with `num_slots` (rows grouped as blocks of num_slots; loss = sum(w * l) /
     num_valid, as speculators). The LM head weight gets no gradient (it is the target's, frozen).
+    `label_smoothing` s (cross-entropy only): each row's loss is (1 - s) * CE + s * the mean over the
+    vocabulary of -log q; D-PACE still weighs slots by the label's own NLL.
     """
     if lm_head_weight.requires_grad:
         raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
@@ -200,6 +224,10 @@ def chunked_lm_head_loss(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if (labels_N is None) == (teacher_hidden_NH is None):
         raise ValueError("pass exactly one of labels_N (cross-entropy) and teacher_hidden_NH (KL)")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if label_smoothing and teacher_hidden_NH is not None:
+        raise ValueError("label_smoothing applies to cross-entropy labels, not to the KL loss")
     if (token_weights_N is None) == (dpace_alpha is None):
         raise ValueError("pass exactly one of token_weights_N (fixed weights) and dpace_alpha (D-PACE)")
     num_rows = hidden_NH.shape[0]
@@ -208,7 +236,8 @@ def chunked_lm_head_loss(
     valid = valid_N.to(torch.float32)
     weights = token_weights_N.float() if token_weights_N is not None else None
     loss, correct, labels, applied = _ChunkedLMHeadLoss.apply(
-        hidden_NH, lm_head_weight, labels_N, teacher_hidden_NH, weights, valid, chunk_size, dpace_alpha, num_slots)
+        hidden_NH, lm_head_weight, labels_N, teacher_hidden_NH, weights, valid, chunk_size, dpace_alpha, num_slots,
+        float(label_smoothing))
     return LMHeadLoss(loss=loss, correct=correct, labels=labels, weights=applied)
 
 

@@ -14,6 +14,8 @@ from dflash_core.model.config import tapped_layer_ids
 from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
 
 _DFLASH2 = {field.name: field.default for field in dataclasses.fields(DFlash2Config) if field.name in DFLASH2_FIELDS}
+# Training-only regularizers (DrafterSettings and DFlashConfig fields of the same names; 0 = off).
+REGULARIZATION_FIELDS = ("feature_noise", "dropout", "label_smoothing")
 
 class DrafterSettings(BaseModel):
     num_layers: int = Field(5, ge=1, description="Drafter decoder layers.")
@@ -22,8 +24,12 @@ class DrafterSettings(BaseModel):
     loss_target: Literal["teacher", "data"] = Field(
         "teacher", description="Learn the target's argmax (teacher) or the data tokens.")
     loss_gamma: float | None = Field(None, gt=0, description="Position-weight decay; None: 7 for B=16, 4 for B=8.")
-    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
-    sliding_window: int | None = Field(None, gt=0)
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = Field(
+        None, description="Attention kind of each drafter layer, one entry per layer (e.g. four sliding_attention "
+        "then one full_attention, as Qwen3.6-27B's drafter). None: every layer full_attention.")
+    sliding_window: int | None = Field(
+        None, gt=0, description="Window in tokens of the sliding_attention layers (2048 in released drafters); "
+        "required when layer_types has one, ignored otherwise.")
     mask_token_id: int | None = Field(
         None, ge=0, description="None: a row no text uses (past the tokenizer's vocabulary, else an unused special "
         "token); an end-of-turn/EOS token is refused.")
@@ -39,7 +45,21 @@ class DrafterSettings(BaseModel):
     loss_weighting: Literal["exp_decay", "dpace"] | None = Field(
         None, description="Slot weights: exp(-(k-1)/loss_gamma), or D-PACE (speculators' DFlash default). None: "
         "dpace (measured best for both variants: bench/bench_acceptance.py).")
-    dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing.")
+    dpace_alpha: float = Field(
+        0.5, gt=0, le=1, description="D-PACE confidence smoothing: a slot's confidence is (1 - alpha) x its "
+        "probability of the label + alpha (0.5: speculators' default).")
+    feature_noise: float = Field(
+        0.0, ge=0, description="Training only: Gaussian noise added to each tapped target state, std = this x that "
+        "state's RMS (per token and tapped layer); EAGLE-style regularization against overfitting. 0: off (default, "
+        "until measured). Never applied when drafting, evaluating or exporting; drawn from the run's seed.")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Training only: dropout rate on every drafter sublayer's output (attention and "
+        "MLP, before the residual add). 0: off (default, until measured). Never applied when drafting, evaluating "
+        "or exporting; drawn from the run's seed.")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=1, description="Training only: label smoothing s of the LM-head cross-entropy, loss = (1 - s) "
+        "x CE + s x the mean over the vocabulary of -log q (D-PACE still weighs by the label's probability; DFlash "
+        "2's selector keeps hard labels). 0: off (default, until measured). Needs loss_type ce.")
     init: Literal["random", "target"] = Field(
         "random", description="random: small normal weights. target: copy the target's last decoder layers (where "
         "name and shape agree) and pass the last tapped layer through fc (measured: lower acceptance than random on "
@@ -100,12 +120,20 @@ class DrafterSettings(BaseModel):
                 raise ValueError(f"target_layer_ids must be distinct, ascending and >= 0, got {ids}")
         if self.loss_type == "kl" and self.loss_target != "teacher":
             raise ValueError("loss_type=kl learns the target's distribution: it needs loss_target=teacher")
+        if self.label_smoothing and self.loss_type != "ce":
+            raise ValueError("label_smoothing smooths cross-entropy labels: it needs loss_type=ce")
         return self
 
     @property
     def resolved_loss_weighting(self) -> str:
         """`loss_weighting`, or the variant's default when it is None (the drafter config records it)."""
         return self.loss_weighting or "dpace"
+
+    def drafter_training_fields(self) -> dict[str, Any]:
+        """The training-only settings the drafter config carries (loss and regularization): the trainer
+        applies them with `dataclasses.replace(base_config, **settings.drafter_training_fields())`."""
+        return {"loss_type": self.loss_type, "loss_weighting": self.resolved_loss_weighting,
+                "dpace_alpha": self.dpace_alpha, **{name: getattr(self, name) for name in REGULARIZATION_FIELDS}}
 
     def dflash2_fields(self) -> dict[str, Any]:
         """The DFlash 2 settings, as `dflash_core.model.dflash2.drafter_config` takes them."""
@@ -125,44 +153,56 @@ class DrafterSettings(BaseModel):
 
 
 class OptimSettings(BaseModel):
-    lr: float = Field(6e-4, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decays to lr * this.")
-    warmup_steps: int = Field(100, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = Field(1.0, gt=0)
+    lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate, reached after warmup_steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decays to lr * this by max_steps.")
+    warmup_steps: int = Field(100, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (0: none).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW beta1 and beta2.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the drafter's global gradient norm to this before each "
+                             "optimizer step.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step, per rank.")
 
 
 class TrainConfig(BaseModel):
-    run_name: str = Field("drafter", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    target: str = Field(description="Target model dir, or `embedded` (SmolLM2-135M), or `tiny:<family>`.")
+    run_name: str = Field("drafter", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                          description="Name of the run: its folder under output_dir and its S3 checkpoint prefix (letters, "
+                          "digits, '.', '_', '-').")
+    target: str = Field(description="Target model dir, or `embedded` (SmolLM2-135M), or `tiny:FAMILY` "
+                        "(a tiny random model for tests).")
     data: list[str] = Field(min_length=1, description="Tokenized Arrow shards: local paths or S3 keys/prefixes.")
     allow_failed_quality_gate: bool = Field(
         False, description="Train on shards whose quality gate failed or is unknown (refused by default); "
         "recorded here, so in run.yaml and every checkpoint manifest.")
-    output_dir: Path = Field(Path(".dflash/runs"), description="Local checkpoints and logs: <output_dir>/<run_name>.")
+    output_dir: Path = Field(Path(".dflash/runs"), description="Local checkpoints and logs go to "
+                             "output_dir/run_name.")
     token_budget: int = Field(8192, ge=16, description="Tokens per packed micro-batch per rank.")
     max_samples_per_batch: int | None = Field(
         None, ge=1, description="1 disables packing (hybrid GDN targets pack exactly: their recurrence and conv restart per document).")
-    max_steps: int = Field(1000, ge=1)
-    seed: int = 0
+    max_steps: int = Field(1000, ge=1, description="Optimizer steps of the run (the cosine schedule ends here).")
+    seed: int = Field(0, description="Seeds the drafter's init, batch order, anchors and training noise; a rerun "
+                      "with the same seed repeats the run.")
     placement: Literal["colocated", "pair"] = Field(
         "colocated", description="Target and drafter on one device, or the target on its own device.")
-    target_device: str | None = Field(None, description="None: cuda:<local rank> if available, else cpu.")
+    target_device: str | None = Field(None, description="None: cuda:LOCAL_RANK if available, else cpu.")
     drafter_device: str | None = Field(None, description="With placement=pair: the drafter's device.")
     pair_overlap: bool = Field(
         False, description="With placement=pair: queue the next batch's target forward and transfer before the "
         "drafter trains on this one (same losses; bench/bench_multi_gpu.py: 27.4K vs 23.5K tokens/s).")
-    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+    attention_backend: Literal["auto", "flex", "sdpa"] = Field(
+        "auto", description="Drafter attention in training: flex (flex_attention block mask, GPU), sdpa (dense "
+        "mask, CPU or debugging); auto: flex on GPU, sdpa on CPU.")
     compile: bool = Field(False, description="torch.compile the drafter layers and the target's decoder layers (GPU).")
-    checkpoint_every: int = Field(200, ge=1)
-    keep_last: int = Field(3, ge=1)
+    checkpoint_every: int = Field(200, ge=1, description="Save a checkpoint every this many steps (and at the "
+                                  "end).")
+    keep_last: int = Field(3, ge=1, description="Local checkpoints kept; older ones are deleted.")
     upload_checkpoints: bool = Field(True, description="Copy each checkpoint to S3 with manifests.")
-    log_every: int = Field(10, ge=1)
+    log_every: int = Field(10, ge=1, description="Steps per metrics record (means over the window since the "
+                           "last one).")
     validate_capture_batches: int = Field(2, ge=0, description="Batches whose capture is checked before training.")
-    drafter: DrafterSettings = Field(default_factory=DrafterSettings)
-    optim: OptimSettings = Field(default_factory=OptimSettings)
+    drafter: DrafterSettings = Field(default_factory=DrafterSettings,
+                                     description="The drafter's shape, loss and training recipe.")
+    optim: OptimSettings = Field(default_factory=OptimSettings,
+                                 description="AdamW, learning-rate schedule and gradient settings.")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

@@ -65,12 +65,25 @@ def drafter_step(drafter, *, tensors: dict[str, torch.Tensor], captured: Capture
     if input_ids.device != device:  # pair layout: from the host, not through the target's GPU stream
         input_ids = _host(tensors, "input_ids")
     input_ids = input_ids.to(device, non_blocking=True)
+    noise = regularization_generator(drafter, generator=generator, device=device)
+    extra = {} if noise is None else {"generator": noise}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     with autocast:
         _, loss, metrics = drafter(input_ids=input_ids, target_hidden=tapped, plan=plan, teacher_hidden=final,
-                                   attention_backend=attention_backend)
+                                   attention_backend=attention_backend, **extra)
     (loss * loss_scale).backward()
     return metrics
+
+
+def regularization_generator(drafter, *, generator: torch.Generator, device: torch.device) -> torch.Generator | None:
+    """A generator on `device` for the drafter's feature noise and dropout, seeded from the step's
+    (anchor) generator after the plan drew from it, so (seed, step, micro-batch) fixes them; None, and
+    the step generator untouched, when the drafter's config draws nothing."""
+    config = getattr(drafter, "module", drafter).config  # DDP wraps the drafter
+    if not getattr(config, "stochastic_training", False):
+        return None
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _pinned(plan: BlockPlan) -> BlockPlan:
