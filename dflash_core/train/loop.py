@@ -3,6 +3,11 @@
 Rank 0 logs (console progress bar, JSONL metrics) and writes checkpoints, which a background thread
 uploads to S3 (dflash_core.train.uploader: an S3 outage does not stop training); every rank restores
 the same step, sampler position and RNG state, so a resumed run continues bit-for-bit (on CPU).
+
+Nothing in a step waits for the device: batches are packed ahead on a background thread
+(dflash_core.train.prefetch) and copied asynchronously, metrics stay on the device until a log step,
+and ranks agree on a stop request every `stop_check_every` steps, so the host queues step n+1 while
+the GPU still runs step n. `StepTiming` says where the main thread's time went.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from dflash_core.hybrid import GDNKernels, install_packed_gdn
 from dflash_core.model import DFlashConfig
@@ -37,6 +43,7 @@ from dflash_core.train.data import (
     PackedBatchSampler, TokenizedCorpus, collate, load_corpus, read_shard_table, samples_with_loss,
 )
 from dflash_core.train.inputs import fetch_shards, load_target_model
+from dflash_core.train.prefetch import BatchPrefetcher, InlineBatches, batch_preparer
 from dflash_core.train.step import batch_tensors, capture_batch, drafter_step
 
 if TYPE_CHECKING:  # the object store needs boto3: imported only where a store is used
@@ -61,6 +68,19 @@ class Distributed:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+@dataclass
+class StepTiming:
+    """Main-thread seconds of one optimizer step. prepare: getting its batches ready (the wait on the
+    prefetch queue and the queued copies; packing itself when prefetch is off); dispatch: queuing its
+    target forward, drafter step and optimizer (a full CUDA launch queue makes this wait on the GPU
+    too); wait: blocked on the device for the metrics of a log step. When prepare + dispatch stay well
+    under the step time the host is off the critical path."""
+
+    prepare_s: float = 0.0
+    dispatch_s: float = 0.0
+    wait_s: float = 0.0
 
 
 @dataclass
@@ -154,6 +174,24 @@ def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedC
     return drafter_config(d.variant, base, **(d.dflash2_fields() if d.variant == "dflash2" else {}))
 
 
+def _to_host(metrics: dict) -> dict:
+    """{name: float, or a list for a vector} in one copy per device (one sync, not one per metric);
+    values that are not tensors pass through."""
+    host = dict(metrics)
+    by_device: dict[torch.device, list[str]] = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(name)
+    for names in by_device.values():
+        flat = torch.cat([metrics[name].detach().reshape(-1).double() for name in names]).tolist()
+        start = 0
+        for name in names:
+            count = metrics[name].numel()
+            host[name] = flat[start:start + count] if count > 1 else flat[start]
+            start += count
+    return host
+
+
 class MetricsWindow:
     """Running sums of the per-step metric tensors on their device (no host sync until `pop`)."""
 
@@ -181,9 +219,18 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
                  checkpoint_prefix: str | None = None, dist_info: Distributed | None = None,
                  flow_run_id: str | None = None, corpus: TokenizedCorpus | None = None,
-                 s3_outage_limit_s: float | None = None):
+                 s3_outage_limit_s: float | None = None, prefetch_batches: int = 2, stop_check_every: int = 10):
         """`corpus` given (benchmarks, tests) replaces reading `config.data`; `s3_outage_limit_s`: how long
-        checkpoint uploads may keep failing before the run fails (None: the uploader's default)."""
+        checkpoint uploads may keep failing before the run fails (None: the uploader's default);
+        `prefetch_batches`: micro-batches packed ahead on a background thread (0: packed on the main
+        thread when needed; the same batches either way); `stop_check_every`: with several ranks, the
+        steps between their agreements on a stop request (each one is a collective and a host sync)."""
+        if prefetch_batches < 0:
+            raise ValueError(f"prefetch_batches must be >= 0, got {prefetch_batches}")
+        if stop_check_every < 1:
+            raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
+        self.prefetch_batches = prefetch_batches
+        self.stop_check_every = stop_check_every
         self.config = config
         self.store = store
         self.dist = dist_info or Distributed.from_env()
@@ -259,12 +306,14 @@ class Trainer:
                                                 min_ratio=o.min_lr_ratio))
         self.step = 0
         self._stop_requested = False
+        self._consumed_sampler_state: dict | None = None  # while batches are prefetched: the trained-on position
 
     # ---- state ---------------------------------------------------------------------------------
 
     def _train_state(self) -> dict:
+        sampler = self._consumed_sampler_state or self.sampler.state_dict()
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "sampler": self.sampler.state_dict(), "rng": ckpt.capture_rng_state(), "step": self.step}
+                "sampler": dict(sampler), "rng": ckpt.capture_rng_state(), "step": self.step}
 
     def save(self) -> Path | None:
         if not self.dist.is_main:
@@ -312,6 +361,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
+        self._consumed_sampler_state = None
         ckpt.restore_rng_state(state["rng"])
         self.step = state["step"]
         return True
@@ -331,14 +381,17 @@ class Trainer:
                                     host_position_ids=tensors["host_position_ids"], gdn_summary=True)
             validate_capture(captured, input_ids=tensors["input_ids"], hidden_size=self.drafter_config.hidden_size)
 
-    def run(self, *, on_log=None) -> TrainResult:
+    def run(self, *, on_log=None, on_step=None) -> TrainResult:
+        """Train to `config.max_steps`. `on_log(record)` after each logged record (rank 0);
+        `on_step(step=, metrics=, timing=)` after every optimizer step: the metrics still on the device
+        (reading them syncs), `timing` a StepTiming."""
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main and self.target_kernels is not None:
             record_target_kernels(self.run_dir, self.target_kernels)
         metrics_path = self.run_dir / "metrics.jsonl"
         previous = signal.signal(signal.SIGTERM, self._request_stop)
-        batches = iter(self.sampler)
+        batches = self._open_batches()
         last_checkpoint = None
         saved_step = -1
         started = time.perf_counter()
@@ -349,19 +402,26 @@ class Trainer:
             while self.step < config.max_steps and not self._stop_agreed():
                 if self.uploader is not None:
                     self.uploader.raise_if_failed()
+                self._timing = StepTiming()
                 metrics, tokens = self._optimizer_step(batches)
                 self.step += 1
                 tokens_since_log += tokens
                 if self.dist.is_main:
                     window.add(metrics)
                 if self.dist.is_main and (self.step % config.log_every == 0 or self.step == config.max_steps):
+                    waited = time.perf_counter()
+                    window_means = _to_host(window.pop())  # the one device->host sync of the window
+                    self._timing.wait_s = time.perf_counter() - waited
                     elapsed = time.perf_counter() - started
-                    record = self._log_record(metrics, tokens_since_log / max(elapsed, 1e-9), window=window.pop())
+                    record = self._log_record(_to_host(metrics), tokens_since_log / max(elapsed, 1e-9),
+                                              window=window_means)
                     with open(metrics_path, "a") as handle:
                         handle.write(json.dumps(record) + "\n")
                     if on_log is not None:
                         on_log(record)
                     started, tokens_since_log = time.perf_counter(), 0
+                if on_step is not None:
+                    on_step(step=self.step, metrics=metrics, timing=self._timing)
                 if self.step % config.checkpoint_every == 0 or self.step == config.max_steps:
                     last_checkpoint = self.save() or last_checkpoint
                     saved_step = self.step
@@ -372,6 +432,7 @@ class Trainer:
                 self._barrier()
         finally:
             signal.signal(signal.SIGTERM, previous)
+            self._close_batches(batches)
         if self.dist.is_main:  # a rerun of a finished run saves nothing: its result is the latest checkpoint
             last_checkpoint = last_checkpoint or ckpt.latest_checkpoint(self.run_dir / "checkpoints")
         if self.uploader is not None:
@@ -383,14 +444,21 @@ class Trainer:
         accum = config.optim.grad_accum
         summed: dict[str, torch.Tensor] = {}
         tokens = 0
+        timing = self._timing
+        started = time.perf_counter()
         for micro in range(accum):
-            batch = collate(self.corpus, next(batches), token_budget=config.token_budget)
-            tokens += batch.num_real_tokens * self.dist.world_size
-            tensors = batch_tensors(batch, self.target_device)
-            captured = capture_batch(self.capture, tensors)
+            with record_function("dflash.prepare_batch"):
+                prepared = batches.next()
+                tensors = prepared.to_device(self.target_device)
+            self._consumed_sampler_state = prepared.sampler_state
+            ready = time.perf_counter()
+            timing.prepare_s += ready - started
+            tokens += prepared.batch.num_real_tokens * self.dist.world_size
+            with record_function("dflash.target_forward"):
+                captured = capture_batch(self.capture, tensors)
             sync = micro == accum - 1 or self.dist.world_size == 1
             context = self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else nullcontext()
-            with context:
+            with context, record_function("dflash.drafter_step"):
                 metrics = drafter_step(
                     self.model, tensors=tensors, captured=captured, num_anchors=config.drafter.num_anchors,
                     block_size=self.drafter_config.block_size, teacher=self.teacher,
@@ -398,23 +466,45 @@ class Trainer:
                     device=self.drafter_device, attention_backend=config.attention_backend, loss_scale=1 / accum)
             for name, value in metrics.items():
                 summed[name] = summed.get(name, 0) + value.detach().float() / accum
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), config.optim.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            timing.dispatch_s += started - ready
+        with record_function("dflash.optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), config.optim.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         summed["grad_norm"] = grad_norm.detach()
+        timing.dispatch_s += time.perf_counter() - started
         return summed, tokens
+
+    def _open_batches(self):
+        """The batch source of the plain step: prefetched on a thread or packed inline. A subclass with
+        its own `_optimizer_step` (the pair layout's PairOverlapSteps) draws from the sampler itself."""
+        if type(self)._optimizer_step is not Trainer._optimizer_step:
+            return iter(self.sampler)
+        pin = self.target_device.type == "cuda"
+        prepare = batch_preparer(self.corpus, self.sampler, token_budget=self.config.token_budget, pin=pin)
+        if not self.prefetch_batches:
+            return InlineBatches(prepare)
+        return BatchPrefetcher(prepare, depth=self.prefetch_batches, device=self.target_device)
+
+    def _close_batches(self, batches) -> None:
+        """Stop the prefetch thread, then rewind the sampler to the last batch trained on: the batches
+        queued but not used are drawn again by the next run()."""
+        if isinstance(batches, (BatchPrefetcher, InlineBatches)):
+            batches.close()
+            if self._consumed_sampler_state is not None:
+                self.sampler.load_state_dict(self._consumed_sampler_state)
+            self._consumed_sampler_state = None
 
     def _log_record(self, metrics: dict[str, torch.Tensor], tokens_per_s: float, *,
                     window: dict[str, torch.Tensor] | None = None) -> dict:
         """The last step's metrics at the top level; `window`: their means over the steps since the last
         record (`window.steps` of them), which is what to read: one step's accuracy is noisy."""
         record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": round(tokens_per_s, 1)}
-        for name, value in metrics.items():
-            record[name] = value.tolist() if value.numel() > 1 else float(value)
+        record.update(_to_host(metrics))
         if window:
-            record["window"] = {name: value.tolist() if value.numel() > 1 else float(value)
-                                for name, value in window.items()}
+            record["window"] = _to_host(window)
             record["window"]["steps"] = int(record["window"]["steps"])
         if self.drafter_device.type == "cuda":
             record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.drafter_device) / 2**30
@@ -428,6 +518,8 @@ class Trainer:
         that left the loop alone would leave the others waiting in their next all-reduce."""
         if self.dist.world_size == 1 or not dist.is_initialized():
             return self._stop_requested
+        if self.step % self.stop_check_every:  # every rank skips the same steps: no collective, no sync
+            return False
         flag = torch.tensor([float(self._stop_requested)], device=self.drafter_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
