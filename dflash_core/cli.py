@@ -256,9 +256,32 @@ def run_flow(
     except local.ServiceError as error:
         raise _fail(f"{error} (is the Prefect server up? `dflash services up`)") from None
     env = {**os.environ, **local.prefect_client_env(settings), **result_store_env(settings)}
-    completed = subprocess.run([sys.executable, "-m", "flows.launch", flow, "--params", params], env=env)
-    if completed.returncode != 0:
-        raise typer.Exit(code=completed.returncode)
+    process = subprocess.Popen([sys.executable, "-m", "flows.launch", flow, "--params", params], env=env,
+                               stdout=subprocess.PIPE, text=True, bufsize=1)
+    lines = []
+    for line in process.stdout:  # echoed as it comes, kept for the summary
+        sys.stdout.write(line)
+        lines.append(line)
+    returncode = process.wait()
+    if flow == "pipeline":
+        _print_summary(settings, lines)
+    if returncode != 0:
+        raise typer.Exit(code=returncode)
+
+
+def _print_summary(settings, launch_output: list[str]) -> None:
+    """The pipeline's summary (dflash_core/run_summary.py): stages, tau and speedup, artifacts, UI links."""
+    from dflash_core import run_summary
+
+    flow_run_id, result = run_summary.parse_launch_output(launch_output)
+    if flow_run_id is None:
+        return
+    try:
+        stages = run_summary.read_stage_runs(settings.prefect_api_url, flow_run_id)
+    except Exception as error:  # noqa: BLE001 - the run is over; a summary that cannot be read is not a failure
+        Console(stderr=True).print(f"[yellow]no stage summary: {error}[/]")
+        stages = []
+    console.print(run_summary.summary(result, stages, title="dflash pipeline"))
 
 
 if __name__ == "__main__":

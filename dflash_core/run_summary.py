@@ -1,0 +1,220 @@
+"""The summary `dflash demo` and `dflash run pipeline` end with: each stage's flow run (state,
+duration, what it made, its page in the Prefect UI), the drafter's acceptance length and speedup,
+and where every artifact lives.
+
+Stage runs are read from the Prefect server's REST API (plain HTTP: this package never imports
+Prefect); the rest comes from the pipeline's return value. `read_stage_runs` does the I/O,
+`summary` only arranges what it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+
+from dflash_core.lineage import flow_run_url
+
+# Which part of the pipeline's result each stage's flow returned.
+STAGE_RESULTS = {"generate": ("generation",), "tokenize": ("tokenization",), "train": ("training",),
+                 "evaluate": ("training", "evaluation")}
+_FLOW_RUN_LINK = re.compile(r"/runs/flow-run/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """One flow run of a pipeline: the pipeline itself (depth 0) or a stage it started."""
+
+    stage: str
+    name: str
+    id: str
+    state: str
+    seconds: float | None
+    url: str | None
+    depth: int = 0
+
+
+def read_stage_runs(api_url: str, flow_run_id: str, *, timeout_s: float = 10.0) -> list[StageRun]:
+    """The flow run and every flow run it started (stages, and theirs), depth first, in start order."""
+    import httpx
+
+    api = api_url.rstrip("/")
+    with httpx.Client(timeout=timeout_s) as client:
+        def post(path: str, body: dict) -> list[dict]:
+            response = client.post(f"{api}{path}", json=body)
+            response.raise_for_status()
+            return response.json()
+
+        root = client.get(f"{api}/flow_runs/{flow_run_id}")
+        root.raise_for_status()
+        runs: list[tuple[dict, int]] = []
+
+        def visit(run: dict, depth: int) -> None:
+            runs.append((run, depth))
+            children = post("/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run["id"]]}},
+                                                  "sort": "START_TIME_ASC"})
+            for child in children:
+                visit(child, depth + 1)
+
+        visit(root.json(), 0)
+        flows = post("/flows/filter", {"flows": {"id": {"any_": sorted({run["flow_id"] for run, _ in runs})}}})
+    flow_names = {flow["id"]: flow["name"] for flow in flows}
+    return [StageRun(stage=flow_names.get(run["flow_id"], "?").removeprefix("dflash-"), name=run["name"],
+                     id=run["id"], state=run.get("state_name") or "?", seconds=_seconds(run),
+                     url=flow_run_url(api_url, run["id"]), depth=depth)
+            for run, depth in runs]
+
+
+def _seconds(run: dict) -> float | None:
+    if run.get("total_run_time"):
+        return float(run["total_run_time"])
+    if run.get("start_time") and run.get("end_time"):
+        start, end = (datetime.fromisoformat(run[k].replace("Z", "+00:00")) for k in ("start_time", "end_time"))
+        return (end - start).total_seconds()
+    return None
+
+
+def parse_launch_output(lines: list[str]) -> tuple[str | None, dict | None]:
+    """(flow run id, result) from what `python -m flows.launch` printed: the first flow-run link, and
+    the JSON result it prints last (None for either when it is not there, e.g. after a failure)."""
+    flow_run_id = next((m.group(1) for line in lines if (m := _FLOW_RUN_LINK.search(line))), None)
+    starts = [i for i, line in enumerate(lines) if line.rstrip("\n") == "{"]
+    result = None
+    if starts:
+        try:
+            result = json.loads("".join(lines[starts[-1]:]))
+        except ValueError:
+            result = None
+    return flow_run_id, result if isinstance(result, dict) else None
+
+
+def summary(result: dict | None, stages: list[StageRun], *, title: str = "dflash pipeline") -> Group:
+    """Three tables: stages, the drafter's acceptance, artifacts."""
+    result = result or {}
+    return Group(stage_table(result, stages, title=title), drafter_table(result), artifact_table(result))
+
+
+def stage_table(result: dict, stages: list[StageRun], *, title: str) -> Table:
+    table = Table(title=f"{title}: stages", title_justify="left")
+    for column in ("stage", "state", "duration", "made", "flow run (Prefect UI)"):
+        table.add_column(column, justify="right" if column == "duration" else "left", overflow="fold")
+    for run in stages:
+        state = {"Completed": f"[green]{run.state}[/]", "Cached": f"[green]{run.state}[/]"}.get(
+            run.state, f"[red]{run.state}[/]" if run.state in ("Failed", "Crashed", "Cancelled") else run.state)
+        label = ("  " * run.depth) + ("pipeline" if run.depth == 0 else run.stage)
+        table.add_row(label, state, _duration(run.seconds), _made(run, result), f"{run.name}\n{run.url or ''}")
+    if not stages:
+        table.add_row("?", "?", "-", "the Prefect server did not list this run's stages", "")
+    return table
+
+
+def drafter_table(result: dict) -> Table:
+    table = Table(title="drafter: speculative decoding against the target", title_justify="left")
+    for column in ("mode", "responses", "tau (acceptance length)", "speedup", "tokens/s", "matches target"):
+        table.add_column(column, justify="left" if column in ("mode", "matches target") else "right")
+    for s in _stage_result(result, "evaluate").get("summaries", []):
+        table.add_row(str(s.get("mode")), str(s.get("num_responses", "-")), _number(s.get("tau"), "{:.3f}"),
+                      _number(s.get("speedup"), "{:.2f}x"), _number(s.get("tokens_per_s"), "{:.1f}"),
+                      str(s.get("all_match_target", "-")))
+    if not table.row_count:
+        table.add_row("-", "-", "-", "-", "-", "no evaluation in this run")
+    return table
+
+
+def artifact_table(result: dict) -> Table:
+    """Each stored artifact, files of one directory (a checkpoint, an export) folded into one row."""
+    table = Table(title="artifacts (each with a .manifest.json beside it)", title_justify="left")
+    table.add_column("kind")
+    table.add_column("where", overflow="fold")
+    table.add_column("files", justify="right")
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for record in _records(result):
+        uri = record["uri"]
+        folder = uri.rsplit("/", 1)[0] + "/"
+        groups[(record.get("kind", "?"), folder if record.get("kind") in ("checkpoint", "export") else uri)].append(record)
+    bucket = _bucket(result)
+    for kind, keys in (("completions", _stage_result(result, "generate").get("shards")),
+                       ("tokenized", _stage_result(result, "tokenize").get("outputs"))):
+        if keys and bucket and not any(k == kind for k, _ in groups):
+            folder = f"s3://{bucket}/{_common_prefix(keys)}"
+            groups[(kind, folder)] = [{"uri": f"s3://{bucket}/{key}"} for key in keys]
+    for (kind, where), records in groups.items():
+        table.add_row(kind, where, str(len(records)))
+    if not table.row_count:
+        table.add_row("-", "nothing stored", "0")
+    return table
+
+
+def _stage_result(result: dict, stage: str) -> dict:
+    value: Any = result
+    for key in STAGE_RESULTS.get(stage, ()):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def _made(run: StageRun, result: dict) -> str:
+    """One line on what a stage made, from its part of the pipeline's result."""
+    if run.depth == 0:
+        return f"plan report {result['report']}" if result.get("report") else ""
+    part = _stage_result(result, run.stage)
+    if not part:
+        return ""
+    if run.stage == "generate":
+        if part.get("completed") is None:
+            return f"{len(part.get('shards', []))} shards, all generated before (no server started)"
+        return f"{part.get('completed')} completions ({part.get('failed', 0)} failed) in {len(part.get('shards', []))} shards"
+    if run.stage == "tokenize":
+        samples = (part.get("overall") or {}).get("samples")
+        return f"{samples if samples is not None else '?'} samples, quality gate {part.get('quality_gate', '?')}"
+    if run.stage == "train":
+        return f"checkpoint {part.get('checkpoint')}" + (f"; exports {', '.join(part['exports'])}"
+                                                         if part.get("exports") else "")
+    if run.stage == "evaluate":
+        return "; ".join(f"{s.get('mode')}: tau {_number(s.get('tau'), '{:.3f}')}" for s in part.get("summaries", []))
+    return ""
+
+
+def _records(result: Any) -> list[dict]:
+    """Every artifact record in the result, nested stages included, each URI once."""
+    found: dict[str, dict] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for record in value.get("artifacts", []) if isinstance(value.get("artifacts"), list) else []:
+                if isinstance(record, dict) and record.get("uri"):
+                    found.setdefault(record["uri"], record)
+            for child in value.values():
+                walk(child)
+        elif isinstance(value, list):
+            for child in value:
+                walk(child)
+
+    walk(result)
+    return list(found.values())
+
+
+def _bucket(result: dict) -> str | None:
+    uri = result.get("report") or next((r["uri"] for r in _records(result)), None)
+    return uri.removeprefix("s3://").split("/", 1)[0] if isinstance(uri, str) and uri.startswith("s3://") else None
+
+
+def _common_prefix(keys: list[str]) -> str:
+    folders = {key.rsplit("/", 1)[0] for key in keys}
+    return f"{folders.pop()}/" if len(folders) == 1 else ""
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}m {rest:02d}s" if minutes else f"{seconds:.1f}s"
+
+
+def _number(value: Any, form: str) -> str:
+    return form.format(value) if isinstance(value, (int, float)) else "-"

@@ -1,0 +1,87 @@
+"""The summary `dflash demo` ends with, rendered from a real pipeline result: a pipeline run (plan +
+tokenize) on the real Prefect and S3 servers, its stage runs read back over the REST API, and what
+`python -m flows.launch` prints parsed the way `dflash run` parses it. The drafter rows come from a
+result shaped like the evaluate flow's return.
+
+Run: `.venv/bin/python -m pytest -q tests/integration/test_run_summary.py`
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from rich.console import Console
+
+from dflash_core import run_summary
+from tests.integration.test_tokenize_flow import put_shards, shard
+from tests.unit.conftest_tokenize import MODEL_CACHE
+
+
+def _text(renderable) -> str:
+    console = Console(record=True, width=260, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_the_summary_renders_from_a_real_pipeline_run(prefect_server, store, env_settings):
+    from dflash_core.embedded import embedded_tokenizer_dir
+    from dflash_core.tokenize import GateThresholds
+    from flows.pipeline import PipelineParams, pipeline
+    from flows.tokenize import TokenizeParams
+
+    dataset = f"summary-{uuid.uuid4().hex[:8]}"
+    put_shards(store, env_settings, dataset, [shard(0), shard(1)])
+    tokenization = TokenizeParams(dataset=dataset, run="run-a", tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
+                                  workers=1, gate=GateThresholds(max_skipped_fraction=0.1))
+    state = pipeline(PipelineParams(generation=None, tokenization=tokenization, training=None), return_state=True)
+    assert state.is_completed(), state
+    flow_run_id = str(state.state_details.flow_run_id)
+    # What flows.launch prints: the link first, logs, then the result as indented JSON.
+    printed = [f"dflash-pipeline/embedded-demo: flow run x http://127.0.0.1:4200/runs/flow-run/{flow_run_id}\n",
+               "12:00:00                     pipeline | {not json\n",
+               *json.dumps(state.result(), indent=2, default=str).splitlines(keepends=True)]
+    parsed_id, result = run_summary.parse_launch_output(printed)
+    assert parsed_id == flow_run_id and result["report"] == state.result()["report"]
+
+    stages = run_summary.read_stage_runs(env_settings.prefect_api_url, flow_run_id)
+    assert [(s.stage, s.depth, s.state) for s in stages] == [("pipeline", 0, "Completed"), ("tokenize", 1, "Completed")]
+    assert all(s.seconds and s.seconds > 0 for s in stages)
+    assert stages[1].url == f"{env_settings.prefect_api_url.removesuffix('/api')}/runs/flow-run/{stages[1].id}"
+
+    text = _text(run_summary.summary(result, stages))
+    assert "tokenize" in text and "Completed" in text
+    assert "12 samples, quality gate passed" in text
+    assert result["report"] in text and stages[1].url in text and stages[0].url in text
+    assert f"s3://{store.bucket}/tokenized/{dataset}/run-a/" in text  # where the tokenized shards live
+    assert "no evaluation in this run" in text
+
+
+def test_a_failed_launch_still_names_the_run():
+    lines = ["dflash-pipeline/embedded-demo: flow run x http://h/runs/flow-run/0b7c6a5e-1f2d-4c3b-9a8e-7d6c5b4a3f21\n",
+             "dflash-pipeline/embedded-demo: Failed: stage tokenize ...\n"]
+    assert run_summary.parse_launch_output(lines) == ("0b7c6a5e-1f2d-4c3b-9a8e-7d6c5b4a3f21", None)
+    text = _text(run_summary.summary(None, [run_summary.StageRun("pipeline", "x", "id", "Failed", 3.0, "http://u", 0)]))
+    assert "Failed" in text and "http://u" in text and "nothing stored" in text
+
+
+def test_tau_speedup_and_folded_checkpoint_files():
+    ckpt = "s3://b/checkpoints/demo-drafter/step-000020"
+    training = {
+        "checkpoint": "/w/demo-drafter/step-000020", "exports": {"native": "s3://b/exports/demo-drafter/native"},
+        "artifacts": [{"uri": f"{ckpt}/model.safetensors", "kind": "checkpoint", "sha256": "a" * 64},
+                      {"uri": f"{ckpt}/meta.json", "kind": "checkpoint", "sha256": "b" * 64},
+                      {"uri": "s3://b/reports/train/demo-drafter/metrics.json", "kind": "report", "sha256": "c" * 64}],
+        "evaluation": {"report": "s3://b/reports/evaluate/x/report.json",
+                       "summaries": [{"mode": "block", "num_responses": 8, "tau": 1.2345, "speedup": 0.61,
+                                      "tokens_per_s": 9.87, "all_match_target": True}]},
+    }
+    stages = [run_summary.StageRun("pipeline", "p", "1", "Completed", 200.0, "u0", 0),
+              run_summary.StageRun("train", "p-train", "2", "Completed", 95.0, "u1", 1),
+              run_summary.StageRun("evaluate", "p-evaluate", "3", "Completed", 30.0, "u2", 2)]
+    text = _text(run_summary.summary({"report": "s3://b/reports/plan/p.json", "training": training}, stages))
+    assert "1.234" in text and "0.61x" in text and "True" in text
+    assert "block: tau 1.234" in text and "checkpoint /w/demo-drafter/step-000020; exports native" in text
+    assert f"{ckpt}/" in text and "3m 20s" in text and "1m 35s" in text
+    rows = [line for line in text.splitlines() if ckpt in line]
+    assert len(rows) == 1 and rows[0].rstrip(" │").endswith("2"), "a checkpoint's files fold into one row"
