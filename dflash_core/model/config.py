@@ -19,6 +19,10 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 _LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
+# Training-only regularizers (0 = off): applied by `forward` in training mode, never when drafting.
+# They are not part of what a drafter is, so `to_dict` (checkpoint meta, exports) leaves them out.
+REGULARIZATION_FIELDS = ("feature_noise", "dropout", "label_smoothing")
+
 # Position-weight decay of the loss, per block size, as the DFlash paper sets it.
 DEFAULT_LOSS_GAMMA = {16: 7.0, 8: 4.0}
 
@@ -212,7 +216,9 @@ class DFlashConfig:
         return DFlashDraftModel(self, device=device)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field but the training-only regularizers (the run's TrainConfig records those), so a
+        drafter trained with them exports and reads back exactly as one trained without."""
+        return {name: value for name, value in dataclasses.asdict(self).items() if name not in REGULARIZATION_FIELDS}
 
 
 def _default_mask_token_id(text_config: Any) -> int:

@@ -10,12 +10,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, model_validator
 
-from dflash_core.model.config import tapped_layer_ids
+from dflash_core.model.config import REGULARIZATION_FIELDS, tapped_layer_ids
 from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
 
 _DFLASH2 = {field.name: field.default for field in dataclasses.fields(DFlash2Config) if field.name in DFLASH2_FIELDS}
-# Training-only regularizers (DrafterSettings and DFlashConfig fields of the same names; 0 = off).
-REGULARIZATION_FIELDS = ("feature_noise", "dropout", "label_smoothing")
 
 class DrafterSettings(BaseModel):
     num_layers: int = Field(5, ge=1, description="Drafter decoder layers.")
