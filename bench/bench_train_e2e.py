@@ -1,20 +1,42 @@
-"""The real training loop end to end (dflash_core.train.loop.Trainer): packing, anchor plans, the
-target forward over packed rows (flex_attention, documents from position ids), the drafter step,
-AdamW, metrics, on synthetic tokenized data and a random-weight target of a real shape.
+"""The real training loop end to end (dflash_core.train.loop.Trainer): packing (on the prefetch
+thread), anchor plans, the target forward over packed rows (flex_attention, documents from position
+ids), the drafter step, AdamW, metrics, on synthetic tokenized data and a random-weight target of a
+real shape.
 
 This times what a run does, host work included, where bench_train_step.py times the GPU step alone.
+ms/step is the median of the per-step times on the GPU's timeline (CUDA events recorded after each
+step's work is queued, so a GPU left idle by the host counts); metrics are synced every --log-every
+steps, as in a run. The host columns say whether the host is on the critical path: prep = main-thread
+ms getting the batch (the prefetch queue's wait and the copies' launch), dispatch = ms queuing the
+step, wait = ms blocked on the GPU (the log step's metric sync), all per step.
 
-H200:      python3 bench/bench_train_e2e.py                 (random:qwen3-8b, 8,192-token rows)
-           python3 bench/bench_train_e2e.py --variant dflash2   (the same step for a DFlash 2 drafter)
-CPU smoke: .venv/bin/python bench/bench_train_e2e.py --tiny [--variant dflash2]
+H200 (torch 2.11, transformers 5.17, triton 3.6, no pydantic on the image: the Trainer's config
+needs the wheels in .carry/node, `bash infra/node-wheelhouse.sh` fills it; device tool:
+carry=[".carry/node"]; a wheel is a zip, so no pip):
+  python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl')]" \
+    && export PYTHONPATH=/tmp/pylib \
+    && python3 bench/bench_train_e2e.py --json $OUT/e2e.json --profile --profile-out $OUT/e2e_trace.json.gz
+  python3 bench/bench_train_e2e.py --variant dflash2        (the same step for a DFlash 2 drafter)
+  python3 bench/bench_train_e2e.py --prefetch 0 --log-every 1   (the old loop: inline packing, a sync a step)
+CPU smoke: .venv/bin/python bench/bench_train_e2e.py --tiny [--variant dflash2] [--profile]
+
+--profile: after the timed steps, one profiler warm-up step, then --profile-steps steps under
+torch.profiler (CPU + CUDA activities; CPU alone without CUDA), between two syncs. Prints the top 25
+ops by self device time (self CPU time on CPU), then from the trace: the GPU's busy share of the
+profiled wall time (kernels + copies; ~100% means the host is off the critical path), each phase's
+span on the GPU and kernel time in it (dflash.prepare_batch / target_forward / drafter_step /
+optimizer, the Trainer's profiler ranges), and the top kernels. Writes the chrome trace to
+--profile-out (.json.gz compresses it; default: $OUT/train_e2e_trace.json.gz when $OUT is set, else
+the run's output dir) and the tables beside it (.txt). --sync-debug counts synchronizing CUDA calls
+during the timed steps (torch.cuda.set_sync_debug_mode): expect only the log steps' metric copies.
 
 `--variant dflash2` trains a DFlash 2 drafter (conv around every sublayer, candidate selector with the
 published defaults: kernel 2, group 16, rank 256, top-K 16) at the same shape; its row adds the
 selector's own acceptance length next to the unary argmax's.
 
-Measured on one H200 (torch 2.11, transformers 5.17), Qwen3-8B-shaped random target, 4 samples of
-2,048 tokens packed per row, 512 anchors per row, B=16, 5 layers, teacher = target argmax, metrics
-synced every step (log_every=1):
+Measured on one H200 before the prefetch thread and windowed metric syncs (torch 2.11, transformers
+5.17), Qwen3-8B-shaped random target, 4 samples of 2,048 tokens packed per row, 512 anchors per row,
+B=16, 5 layers, teacher = target argmax, metrics synced every step (log_every=1):
   compile drafter + target layers:  376 ms/step, 21.8K tokens/s, peak 38.6 GiB
   compile drafter only:             431 ms/step, 19.0K tokens/s, peak 38.6 GiB
 (field: ~462 ms, 17.7K tokens/s; the GPU-only step in bench_train_step.py: 349 ms, 23.4K.)
@@ -23,10 +45,16 @@ synced every step (log_every=1):
 from __future__ import annotations
 
 import argparse
+import bisect
+import gzip
+import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+import warnings
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -38,17 +66,163 @@ from dflash_core.train.config import TrainConfig  # noqa: E402
 from dflash_core.train.data import TokenizedCorpus  # noqa: E402
 from dflash_core.train.loop import Trainer  # noqa: E402
 
+PHASES = ("dflash.prepare_batch", "dflash.target_forward", "dflash.drafter_step", "dflash.optimizer")
+
 
 def synthetic_corpus(*, num_samples: int, length: int, vocab: int, seed: int = 0) -> TokenizedCorpus:
-    """Samples of `length` random tokens; the first eighth is prompt (no loss)."""
+    """Samples of `length` random tokens; the first eighth is prompt (no loss). The last embedding row
+    never occurs, so the trainer can always pick it as the mask token."""
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(1, vocab, size=num_samples * length, dtype=np.uint32)
+    tokens = rng.integers(1, vocab - 1, size=num_samples * length, dtype=np.uint32)
     mask = np.tile(np.r_[np.zeros(length // 8, np.uint8), np.ones(length - length // 8, np.uint8)], num_samples)
     offsets = np.arange(num_samples + 1, dtype=np.int64) * length
     return TokenizedCorpus(tokens=tokens, loss_mask=mask, offsets=offsets, names=("synthetic",))
 
 
-def main() -> None:
+class StepClock:
+    """A mark after each step's work is queued: a CUDA event on the GPU (read after the run, so no
+    sync in the loop), host time on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.marks: dict[int, object] = {}
+
+    def mark(self, step: int) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[step] = event
+        else:
+            self.marks[step] = time.perf_counter()
+
+    def step_ms(self, first: int, last: int) -> list[float]:
+        """ms of steps first+1..last, each from the previous step's mark to its own."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [self.marks[s - 1].elapsed_time(self.marks[s]) for s in range(first + 1, last + 1)]
+        return [1e3 * (self.marks[s] - self.marks[s - 1]) for s in range(first + 1, last + 1)]
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def trace_summary(path: Path, *, steps: int, wall_ms: float) -> dict:
+    """From a chrome trace: the GPU's busy time (kernels, copies, memsets; overlaps counted once); per
+    Trainer phase its host time and the device time of the work it launched (a kernel belongs to the
+    phase whose range holds its launch call), plus its span on the GPU where kineto records one;
+    the top kernels."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as handle:
+        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    busy_us = _union_us([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in device])
+    launched_at = {e["args"]["correlation"]: float(e["ts"]) for e in events
+                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ranges = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]) for e in events
+                    if e.get("cat") == "user_annotation" and e.get("name") in PHASES)
+    starts = [start for start, _, _ in ranges]
+    phases = {name: {"host_ms": 0.0, "device_ms": 0.0, "gpu_span_ms": 0.0} for name in PHASES}
+    for start, end, name in ranges:
+        phases[name]["host_ms"] += (end - start) / 1e3 / steps
+    for e in events:
+        if e.get("cat") == "gpu_user_annotation" and e.get("name") in PHASES:
+            phases[e["name"]]["gpu_span_ms"] += float(e.get("dur", 0)) / 1e3 / steps
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in device:
+        duration = float(e.get("dur", 0))
+        by_kernel[e["name"]][0] += duration
+        by_kernel[e["name"]][1] += 1
+        launch = launched_at.get(e.get("args", {}).get("correlation"))
+        index = bisect.bisect_right(starts, launch) - 1 if launch is not None else -1
+        if index >= 0 and launch <= ranges[index][1]:
+            phases[ranges[index][2]]["device_ms"] += duration / 1e3 / steps
+    top = sorted(by_kernel.items(), key=lambda item: -item[1][0])[:25]
+    return {
+        "steps": steps, "wall_ms_per_step": wall_ms / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
+        "gpu_busy_share": busy_us / 1e3 / wall_ms if wall_ms else float("nan"),
+        "phases": phases,
+        "top_kernels": [{"name": name, "ms_per_step": total / 1e3 / steps, "calls_per_step": count / steps,
+                         "share_of_busy": total / busy_us if busy_us else float("nan")}
+                        for name, (total, count) in top],
+    }
+
+
+def format_trace_summary(summary: dict) -> str:
+    lines = [f"profiled {summary['steps']} steps: wall {summary['wall_ms_per_step']:.1f} ms/step"]
+    if summary["gpu_busy_ms_per_step"]:
+        lines[0] += (f", GPU busy {summary['gpu_busy_ms_per_step']:.1f} ms/step "
+                     f"({summary['gpu_busy_share']:.1%} of wall; the rest the GPU waited on the host)")
+    lines.append(f"{'phase (per step)':<24}{'host ms':>9}{'device ms':>11}{'GPU span ms':>13}")
+    for name, row in summary["phases"].items():
+        lines.append(f"{name:<24}{row['host_ms']:>9.1f}{row['device_ms']:>11.1f}{row['gpu_span_ms']:>13.1f}")
+    if summary["top_kernels"]:
+        lines.append(f"{'ms/step':>8}{'% busy':>8}{'calls':>7}  kernel")
+        for row in summary["top_kernels"]:
+            lines.append(f"{row['ms_per_step']:>8.2f}{row['share_of_busy']:>8.1%}{row['calls_per_step']:>7.0f}  "
+                         f"{row['name'][:110]}")
+    return "\n".join(lines)
+
+
+class StepProfiler:
+    """torch.profiler over the steps after `start_after`: one warm-up step, then `steps` active ones,
+    with a device sync on each side of the active window (its wall time is the window's)."""
+
+    def __init__(self, *, start_after: int, steps: int, cuda: bool, out: Path) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.start_after, self.steps, self.cuda, self.out = start_after, steps, cuda, out
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.profiler = profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                                on_trace_ready=self._ready)
+        self.table = ""
+        self.summary: dict | None = None
+        self._window_start = 0.0
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def on_step(self, step: int) -> None:
+        if step == self.start_after:
+            self._sync()
+            self.profiler.start()  # the next step is the profiler's warm-up
+        elif step == self.start_after + 1:
+            self._sync()
+            self.profiler.step()  # warm-up -> active
+            self._window_start = time.perf_counter()
+        elif step == self.start_after + 1 + self.steps:
+            self._sync()
+            self.wall_ms = 1e3 * (time.perf_counter() - self._window_start)
+            self.profiler.step()  # active window done: _ready runs
+        elif self.start_after + 1 < step < self.start_after + 1 + self.steps:
+            self.profiler.step()
+
+    def _ready(self, profiler) -> None:
+        sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        self.table = profiler.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=80)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(self.out))
+        self.summary = trace_summary(self.out, steps=self.steps, wall_ms=self.wall_ms)
+        self.out.with_name(self.out.name.split(".")[0] + ".txt").write_text(
+            self.table + "\n" + format_trace_summary(self.summary) + "\n")
+
+    def stop(self) -> None:
+        if self.profiler.profiler is not None:
+            self.profiler.stop()
+
+
+def default_profile_out(output_dir: Path) -> Path:
+    out = os.environ.get("OUT")
+    return (Path(out) if out else output_dir) / "train_e2e_trace.json.gz"
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny:qwen3 target, short rows)")
     parser.add_argument("--target", default="random:qwen3-8b")
@@ -59,52 +233,121 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--teacher", choices=["teacher", "data"], default="teacher")
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--log-every", type=int, default=10, help="metrics synced every N steps (a run's default)")
+    parser.add_argument("--prefetch", type=int, default=2, help="batches packed ahead on a thread (0: inline)")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--variant", choices=["dflash", "dflash2"], default="dflash",
                         help="drafter variant (drafter.variant in the run config)")
-    args = parser.parse_args()
+    parser.add_argument("--profile", action="store_true", help="profile steps after the timed ones (see above)")
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--profile-out", type=Path, help="chrome trace path (.json or .json.gz)")
+    parser.add_argument("--sync-debug", action="store_true", help="count synchronizing CUDA calls in the timed steps")
+    parser.add_argument("--json", type=Path, help="write the result row here")
+    args = parser.parse_args(argv)
     if args.tiny:
         args.target, args.token_budget, args.sample_len, args.anchors = "tiny:qwen3", 256, 64, 16
         args.layers, args.block_size, args.warmup, args.steps = 1, 8, 1, 3
+        args.log_every, args.profile_steps = min(args.log_every, 2), min(args.profile_steps, 2)
     cuda = torch.cuda.is_available() and not args.tiny
     vocab = 151936 if args.target == "random:qwen3-8b" else 256
-    corpus = synthetic_corpus(num_samples=(args.warmup + args.steps + 2) * args.token_budget // args.sample_len,
+    extra = 1 + args.profile_steps if args.profile else 0
+    max_steps = args.warmup + args.steps + extra
+    corpus = synthetic_corpus(num_samples=(max_steps + 2) * args.token_budget // args.sample_len,
                               length=args.sample_len, vocab=vocab)
+    output_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     config = TrainConfig(
-        run_name="bench-e2e", target=args.target, data=["synthetic"], output_dir=Path(tempfile.mkdtemp()),
-        token_budget=args.token_budget, max_steps=args.warmup + args.steps, log_every=1, upload_checkpoints=False,
-        compile=cuda and not args.no_compile, validate_capture_batches=1,
+        run_name="bench-e2e", target=args.target, data=["synthetic"], output_dir=output_dir,
+        token_budget=args.token_budget, max_steps=max_steps, log_every=args.log_every, upload_checkpoints=False,
+        checkpoint_every=max_steps + 1, compile=cuda and not args.no_compile, validate_capture_batches=1,
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
                  "loss_target": args.teacher, "variant": args.variant},
     )
     started = time.perf_counter()
-    trainer = Trainer(config, corpus=corpus)
+    trainer = Trainer(config, corpus=corpus, prefetch_batches=args.prefetch)
     trainer.save = lambda: None  # time training, not checkpoint writes
     setup_s = time.perf_counter() - started
     trainer.validate_capture()
-    stamps: list[float] = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    timed_first, timed_last = args.warmup, args.warmup + args.steps  # steps timed_first+1 .. timed_last
+    clock = StepClock(cuda)
+    timings = {}
     records: list[dict] = []
+    profile_out = args.profile_out or default_profile_out(output_dir)
+    profiler = StepProfiler(start_after=timed_last, steps=args.profile_steps, cuda=cuda, out=profile_out) \
+        if args.profile else None
+    window_wall = {}
 
-    def on_log(record: dict) -> None:
-        stamps.append(time.perf_counter())
-        records.append(record)
+    def on_step(*, step: int, metrics, timing) -> None:
+        clock.mark(step)
+        timings[step] = timing
+        if step in (timed_first, timed_last):
+            if cuda:
+                torch.cuda.synchronize()
+            window_wall[step] = time.perf_counter()
+            if args.sync_debug and cuda:
+                torch.cuda.set_sync_debug_mode("warn" if step == timed_first else 0)
+        if profiler is not None:
+            profiler.on_step(step)
 
-    trainer.run(on_log=on_log)
-    step_ms = [1e3 * (b - a) for a, b in zip(stamps[args.warmup - 1:], stamps[args.warmup:])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.run(on_log=records.append, on_step=on_step)
+        finally:
+            if profiler is not None:
+                profiler.stop()
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    for w in caught:
+        if "synchroniz" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    step_ms = clock.step_ms(timed_first, timed_last)
     median_ms = statistics.median(step_ms)
+    wall_ms = 1e3 * (window_wall[timed_last] - window_wall[timed_first]) / args.steps
+    timed = [timings[s] for s in range(timed_first + 1, timed_last + 1)]
+    host = {name: 1e3 * sum(getattr(t, f"{name}_s") for t in timed) / len(timed)
+            for name in ("prepare", "dispatch", "wait")}
     real_tokens = args.token_budget  # every row is full: samples tile the budget exactly
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    selector_tau = records[-1].get("selector_acceptance_length", float("nan"))  # DFlash 2 only
+    last = records[-1]
+    selector_tau = last.get("selector_acceptance_length", float("nan"))  # DFlash 2 only
+    row = {
+        "target": args.target, "variant": args.variant, "tokens_per_row": args.token_budget, "anchors": args.anchors,
+        "ms_per_step": median_ms, "wall_ms_per_step": wall_ms, "tokens_per_s": real_tokens / median_ms * 1e3,
+        "peak_gib": peak, "host_prepare_ms": host["prepare"], "host_dispatch_ms": host["dispatch"],
+        "host_wait_ms": host["wait"], "loss": last["loss"], "acceptance_length": last["acceptance_length"],
+        "selector_acceptance_length": selector_tau, "setup_s": setup_s, "per_step_ms": step_ms,
+        "sync_debug_warnings": syncs if args.sync_debug and cuda else None,
+        "drafter_parameters": sum(p.numel() for p in trainer.drafter.parameters()),
+        "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
+        "compile": config.compile, "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+    }
     print(f"{'target':<18}{'variant':<9}{'tokens/row':>11}{'anchors':>8}{'ms/step':>9}{'tokens/s':>10}"
-          f"{'peak GiB':>9}{'loss':>8}{'tau':>7}{'sel tau':>8}{'setup s':>8}")
+          f"{'peak GiB':>9}{'prep ms':>8}{'disp ms':>8}{'wait ms':>8}{'loss':>8}{'tau':>7}{'sel tau':>8}{'setup s':>8}")
     print(f"{args.target:<18}{args.variant:<9}{args.token_budget:>11}{args.anchors:>8}{median_ms:>9.1f}"
-          f"{real_tokens / median_ms * 1e3:>10,.0f}{peak:>9.1f}{records[-1]['loss']:>8.3f}"
-          f"{records[-1]['acceptance_length']:>7.3f}{selector_tau:>8.3f}{setup_s:>8.1f}")
-    print(f"drafter parameters: {sum(p.numel() for p in trainer.drafter.parameters()):,}")
+          f"{row['tokens_per_s']:>10,.0f}{peak:>9.1f}{host['prepare']:>8.2f}{host['dispatch']:>8.1f}{host['wait']:>8.1f}"
+          f"{last['loss']:>8.3f}{last['acceptance_length']:>7.3f}{selector_tau:>8.3f}{setup_s:>8.1f}")
+    print(f"drafter parameters: {row['drafter_parameters']:,}; prefetch {args.prefetch}, metrics synced every "
+          f"{args.log_every} steps; wall {wall_ms:.1f} ms/step over the timed window")
     print(f"per-step ms after warmup: {[round(x) for x in step_ms]}")
-    print("reproduce: python3 bench/bench_train_e2e.py " + " ".join(sys.argv[1:]))
+    if args.sync_debug and cuda:
+        print(f"synchronizing CUDA calls in {args.steps} timed steps: {syncs}")
+    if profiler is not None and profiler.summary is not None:
+        print(profiler.table)
+        print(format_trace_summary(profiler.summary))
+        print(f"chrome trace: {profile_out}")
+        row["profile"] = {**profiler.summary, "trace": str(profile_out)}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(row, indent=2))
+    print("reproduce: python3 bench/bench_train_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv))
     trainer.close()
+    return row
 
 
 if __name__ == "__main__":
