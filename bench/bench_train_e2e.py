@@ -284,11 +284,13 @@ def main(argv: list[str] | None = None) -> dict:
         clock.mark(step)
         timings[step] = timing
         if step in (timed_first, timed_last):
+            if args.sync_debug and cuda and step == timed_last:
+                torch.cuda.set_sync_debug_mode(0)  # before the bench's own sync
             if cuda:
                 torch.cuda.synchronize()
             window_wall[step] = time.perf_counter()
-            if args.sync_debug and cuda:
-                torch.cuda.set_sync_debug_mode("warn" if step == timed_first else 0)
+            if args.sync_debug and cuda and step == timed_first:
+                torch.cuda.set_sync_debug_mode("warn")
         if profiler is not None:
             profiler.on_step(step)
 
