@@ -1,10 +1,11 @@
-"""Every flow of infra/prefect.yaml as a deployment, and how one flow starts another: as a deployment
-run, so each stage is its own flow run with a Retry in the UI and a failed stage can be retried alone.
+"""Registering the deployments of flows/deployment_table.py, and how one flow starts another: as a
+deployment run, so each stage is its own flow run with a Retry in the UI and a failed stage can be
+retried alone.
 
-infra/prefect.yaml is the one list of deployments (names, descriptions, default parameters,
-schedules). Two ways to run them, with the same names: `dflash deploy` + a worker of the `dflash`
-pool, or `python -m flows.serve` (what `dflash demo` and `dflash run` start), which serves them all
-from one process. Whichever registered last runs them.
+`register_deployments` is the one way deployments reach the server: the stage server calls it at
+start, `dflash deploy` calls it. Every deployment goes to the `dflash` process work pool with a pull
+step that enters $DFLASH_REPO_DIR, so registering twice (or from two hosts) changes nothing and any
+worker of the pool runs any of them.
 """
 
 from __future__ import annotations
@@ -12,51 +13,87 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
-import yaml
 from pydantic import BaseModel
 
+from flows.deployment_table import DEPLOYMENTS, STAGE_MODULES, WORK_POOL, DeploymentSpec, spec_for
+
 REPO_DIR = Path(__file__).resolve().parent.parent
-PREFECT_YAML = REPO_DIR / "infra" / "prefect.yaml"
 STAGE_POLL_S = 1.0
-
-
-def deployment_specs(path: Path = PREFECT_YAML) -> list[dict[str, Any]]:
-    """The `deployments:` entries of infra/prefect.yaml (anchors resolved)."""
-    return yaml.safe_load(path.read_text())["deployments"]
+REPO_DIR_VARIABLE = "DFLASH_REPO_DIR"
+PULL_STEPS = [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $" + REPO_DIR_VARIABLE + " }}"}}]
+# Persist results so a Retry from the UI resumes at the failed task (finished ones come back Cached).
+JOB_ENV = {"PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true", "DO_NOT_TRACK": "1"}
 
 
 def flow_name(entrypoint: str) -> str:
     """The Prefect flow name behind an entrypoint such as `flows/train.py:train`."""
+    return _load_flow(entrypoint).name
+
+
+def _load_flow(entrypoint: str):
     from prefect.flows import load_flow_from_entrypoint
 
-    return load_flow_from_entrypoint(str(REPO_DIR / entrypoint)).name
+    return load_flow_from_entrypoint(str(REPO_DIR / entrypoint))
 
 
 def deployment_for(module: str) -> str:
     """`flow name/deployment name` of the first deployment whose entrypoint is flows/<module>.py."""
-    for spec in deployment_specs():
-        if spec["entrypoint"].split(":")[0] == f"flows/{module}.py":
-            return f"{flow_name(spec['entrypoint'])}/{spec['name']}"
-    raise ValueError(f"no deployment in {PREFECT_YAML.name} runs flows/{module}.py")
+    spec = spec_for(module)
+    return f"{flow_name(spec.entrypoint)}/{spec.name}"
 
 
-# The deployment each pipeline stage runs as (flow name/deployment name in infra/prefect.yaml).
-STAGES = {
-    "generate": "dflash-generate/generate",
-    "tokenize": "dflash-tokenize/tokenize-nightly",
-    "train": "dflash-train/train",
-    "evaluate": "dflash-evaluate/evaluate",
-}
+def register_deployments(*, work_pool: str = WORK_POOL) -> dict[str, UUID]:
+    """Create the process work pool if missing and create or update every deployment of the table in
+    it; `flow name/deployment name` -> deployment id."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        _ensure_process_pool(client, work_pool)
+        return {name: deployment_id for name, deployment_id in
+                (_register(client, spec, work_pool=work_pool) for spec in DEPLOYMENTS)}
+
+
+def _ensure_process_pool(client, name: str) -> None:
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    try:
+        pool = client.read_work_pool(name)
+    except ObjectNotFound:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+        except ObjectAlreadyExists:  # another process created it meanwhile
+            pass
+        return
+    if pool.type != "process":
+        raise ValueError(f"work pool {name!r} exists with type {pool.type!r}; the dflash deployments need a process "
+                         f"pool: delete it (`prefect work-pool delete {name}`) or pass another pool name")
+
+
+def _register(client, spec: DeploymentSpec, *, work_pool: str) -> tuple[str, UUID]:
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.schedules import CronSchedule
+    from prefect.utilities.callables import parameter_schema
+
+    from tasks.provenance import flow_version
+
+    flow = _load_flow(spec.entrypoint)
+    schedules = [DeploymentScheduleCreate(schedule=CronSchedule(cron=spec.cron_utc, timezone="UTC"), active=True)] \
+        if spec.cron_utc else []
+    deployment_id = client.create_deployment(
+        flow_id=client.create_flow_from_name(flow.name), name=spec.name, version=flow_version(),
+        description=spec.description, parameters=spec.parameters() if spec.parameters else {},
+        parameter_openapi_schema=parameter_schema(flow).model_dump(exclude_unset=True), schedules=schedules,
+        concurrency_limit=spec.concurrency_limit, work_pool_name=work_pool, entrypoint=spec.entrypoint,
+        pull_steps=PULL_STEPS, job_variables={"env": JOB_ENV}, enforce_parameter_schema=True)
+    return f"{flow.name}/{spec.name}", deployment_id
 
 
 class StageFailed(RuntimeError):
-    """A stage's flow run ended failed or crashed; retry it from the UI (or rerun the pipeline)."""
-
-
-# The flow behind each stage, for a caller that is not itself a deployment run.
-STAGE_FLOWS = {"generate": "flows.generate:generate", "tokenize": "flows.tokenize:tokenize",
-               "train": "flows.train:train", "evaluate": "flows.evaluate:evaluate"}
+    """A stage's flow run ended failed or crashed; its own run logged why. Retry it from the UI (or rerun
+    the pipeline)."""
 
 
 def run_stage(stage: str, params: BaseModel, *, timeout_s: float | None = None) -> Any:
@@ -66,18 +103,22 @@ def run_stage(stage: str, params: BaseModel, *, timeout_s: float | None = None) 
     completed is not run again (its result is reused), and a failed one is retried in place (same
     flow run, its finished tasks come back Cached) instead of starting a new one. A flow called
     directly from Python (not a deployment run: a test, a notebook) runs the stage in-process.
+    Either way a stage that does not complete raises StageFailed, whose message says where to look.
     """
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.runtime import deployment, flow_run as current
 
+    if stage not in STAGE_MODULES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {STAGE_MODULES}")
     if not deployment.id:
-        import importlib
-
-        module, name = STAGE_FLOWS[stage].split(":")
-        return getattr(importlib.import_module(module), name)(params)
+        state = _load_flow(spec_for(stage).entrypoint)(params, return_state=True)
+        if not state.is_completed():
+            raise StageFailed(f"stage {stage} ended {state.name}: {state.message or ''}")
+        return state.result()
+    name = deployment_for(stage)
     key = f"{current.id}:{stage}" if current.id else None
-    run = run_deployment(STAGES[stage], parameters={"params": params.model_dump(mode="json")}, timeout=0,
+    run = run_deployment(name, parameters={"params": params.model_dump(mode="json")}, timeout=0,
                          idempotency_key=key, flow_run_name=_run_name(current.name, stage))
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(run.id).state
@@ -85,13 +126,13 @@ def run_stage(stage: str, params: BaseModel, *, timeout_s: float | None = None) 
             retry_flow_run(client, run.id, message=f"retried by {current.flow_name} {current.name}")
         state = wait_final(client, run.id, timeout_s=timeout_s)
     if not state.is_completed():
-        raise StageFailed(f"stage {stage} ({STAGES[stage]}, flow run {run.name} {run.id}) ended {state.name}: "
+        raise StageFailed(f"stage {stage} ({name}, flow run {run.name} {run.id}) ended {state.name}: "
                           f"{state.message or ''}. Fix the cause, then press Retry on that flow run (or on this one).")
     return state.result()
 
 
 def retry_flow_run(client, flow_run_id, *, message: str = "Retry") -> None:
-    """What the UI's Retry button does: put a finished run back to AwaitingRetry (the runner picks it up)."""
+    """What the UI's Retry button does: put a finished run back to AwaitingRetry (a worker picks it up)."""
     from prefect.states import AwaitingRetry
 
     client.set_flow_run_state(flow_run_id, AwaitingRetry(message=message), force=True)

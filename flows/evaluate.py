@@ -1,7 +1,7 @@
 """Evaluate a drafter checkpoint: real draft/verify rounds against the target on held-out prompts,
 block and DDTree modes, compared token for token with the target's greedy decoding.
 
-checkpoint + prompts -> evaluator -> reports/evaluate/<run>/<flow run>/{report.json, acceptance.png} (manifests
+checkpoint + prompts -> evaluator -> reports/evaluate/<run>/<flow run>/attempt-<n>/{report.json, acceptance.png} (manifests
 whose inputs are the checkpoint files and the prompt file) + Prefect table, markdown and image.
 
 Run: `.venv/bin/python -m flows.evaluate --params '{"checkpoint": "checkpoints/run-1/step-000100", "prompts": "held-out.jsonl"}'`
@@ -13,7 +13,6 @@ from typing import Literal
 
 import torch
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from dflash_core.layout import ArtifactKind, artifact_key
@@ -22,7 +21,7 @@ from dflash_core.settings import load_settings
 from flows.command_line import run_from_command_line
 from tasks.artifacts import artifact_record
 from tasks.evaluate import fetch_checkpoint, fetch_prompt_bytes, publish_evaluation, run_evaluation
-from tasks.provenance import flow_version
+from tasks.provenance import attempt_segments, flow_version
 
 
 class EvaluateParams(BaseModel):
@@ -32,8 +31,8 @@ class EvaluateParams(BaseModel):
                                      "(input_ids or text per line), local path or S3 key.")
     target: str = Field("embedded", description="`embedded`, `tiny:<family>` or a local model dir.")
     target_seed: int = Field(0, description="Seed of a `tiny:<family>` random target (must match training).")
-    run: str = Field("eval-1", description="Report name: reports/evaluate/(run)/(flow run id)/, so a retry "
-                                           "never overwrites a failed attempt's evidence.")
+    run: str = Field("eval-1", description="Report name: reports/evaluate/(run)/(flow run id)/attempt-(n)/, so a "
+                                           "retry never overwrites a failed attempt's evidence.")
     num_prompts: int = Field(16, gt=0)
     max_prompt_tokens: int = Field(1024, gt=0, description="Keep the last N tokens of longer prompts.")
     max_new_tokens: int = Field(128, gt=0)
@@ -109,8 +108,7 @@ def evaluate(params: EvaluateParams) -> dict:
     logger.info("evaluating %s on %d prompts, modes %s", params.checkpoint, len(prompts), modes)
     report = run_evaluation(target=target, drafter=drafter, prompts=prompts, modes=modes,
                             max_new_tokens=params.max_new_tokens, eos_token_id=eos, tree_budget=params.tree_budget)
-    key_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "evaluate", params.run,
-                              str(flow_run.id or "local"))
+    key_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "evaluate", params.run, *attempt_segments())
     config = {**params.model_dump(mode="json"), "drafter_config": drafter.config.to_dict(), "num_prompts_used": len(prompts)}
     manifest = publish_evaluation(settings, report=report, key_prefix=key_prefix,
                                   inputs=[*checkpoint_refs, prompt_ref], config=config,

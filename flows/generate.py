@@ -1,6 +1,8 @@
 """Generate on-policy completions: (import prompts) -> launch servers -> canary -> one task per
-prompt shard -> stop servers (also when the flow fails or is cancelled). More failed prompts than
-`max_failed_fraction` fail the flow (counts and first errors); fewer leave a warning artifact.
+prompt shard -> stop servers (also when the flow fails or is cancelled) -> a run report
+(reports/generate/<dataset>/<run>/<flow run>/attempt-<n>/summary.json, so a retry never overwrites a failed
+attempt's). More failed prompts than `max_failed_fraction` fail the flow (counts and first errors);
+fewer leave a warning artifact. The result lists the records of the shards and the report.
 
 Run: `dflash run generate --params '{"prompt_sources": [{"path": "prompts.jsonl", "name": "mine"}]}'`
 """
@@ -19,15 +21,18 @@ from dflash_core.nodes import Node
 from dflash_core.serving import launcher
 from dflash_core.serving.canary import CanaryThresholds
 from dflash_core.serving.client import ClientConfig, SamplingParams
-from dflash_core.serving.generation import GenerationTarget, failure_verdict, shard_is_done
+from dflash_core.serving.generation import GenerationFailed, GenerationTarget, failure_verdict, shard_is_done
 from dflash_core.serving.profiles import EngineProfile, TransformersProfile
 from dflash_core.settings import load_settings
 from dflash_core.storage import ObjectStore
 from flows.command_line import run_from_command_line
+from flows.failures import fail_run
+from tasks.provenance import attempt_segments, flow_version
 from flows.nodes import preserve_on_failure
+from tasks.artifacts import ui_key
 from tasks.generate import (
-    generate_completion_shard, import_prompt_set, launch_servers, new_progress, report_failures, run_canary,
-    stop_servers,
+    generate_completion_shard, import_prompt_set, launch_servers, new_progress, publish_generation_report,
+    report_failures, run_canary, stop_servers,
 )
 
 
@@ -77,7 +82,7 @@ def _stop_on_exit(flow_obj, flow_run_obj, state) -> None:
     launcher.stop_recorded(_run_dir(load_settings(), params.run))
 
 
-@flow(name="dflash-generate", log_prints=True, on_failure=[_stop_on_exit, preserve_on_failure],
+@flow(name="dflash-generate", log_prints=True, version=flow_version(), on_failure=[_stop_on_exit, preserve_on_failure],
       on_cancellation=[_stop_on_exit, preserve_on_failure], on_crashed=[_stop_on_exit, preserve_on_failure])
 def generate(params: GenerateParams = GenerateParams()) -> dict:
     settings = load_settings()
@@ -100,20 +105,26 @@ def generate(params: GenerateParams = GenerateParams()) -> dict:
                                 shard_name(index, suffix="jsonl")) for index in range(len(prompt_keys))]
     planned = GenerationTarget(urls=[], model=profile.request_model, server=profile.engine,
                                sampling=params.sampling, client=params.client)
+    ui = {kind: ui_key(kind, params.dataset, params.run) for kind in ("inference-endpoints", "generation-canary",
+                                                                       "generation-failures")}
+    report_key = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "generate", params.dataset, params.run,
+                              *attempt_segments(), "summary.json")
     if all(shard_is_done(store, prompt_key=p, output_key=o, target=planned) for p, o in zip(prompt_keys, output_keys)):
         get_run_logger().info("every shard is already generated with this model and sampling: no server started")
-        return {"shards": output_keys, "completed": None, "failed": 0, "generated_now": 0,
-                "completion_tokens_now": 0, "flow_run": str(flow_run.id or "")}
+        summary = {"shards": output_keys, "completed": None, "failed": 0, "generated_now": 0,
+                   "completion_tokens_now": 0, "flow_run": str(flow_run.id or "")}
+        records = publish_generation_report(settings, key=report_key, report=summary, shard_keys=output_keys)
+        return {**summary, "report": store.uri(report_key), "artifacts": records}
     run_dir = _run_dir(settings, params.run)
     urls = launch_servers(profile, num_instances=params.num_instances, base_port=params.base_port,
-                          run_dir=run_dir, devices=params.devices)
+                          run_dir=run_dir, devices=params.devices, ui_artifact=ui["inference-endpoints"])
     try:
         target = GenerationTarget(urls=urls, model=profile.request_model, server=profile.engine,
                                   sampling=params.sampling, client=params.client,
                                   api_key=profile.api_key.get_secret_value() if profile.api_key else None)
         if params.canary_prompts:
             run_canary(settings, prompt_key=prompt_keys[0], target=target, count=params.canary_prompts,
-                       thresholds=params.canary)
+                       thresholds=params.canary, ui_artifact=ui["generation-canary"])
         outcomes = []
         for index, (prompt_key, output_key) in enumerate(zip(prompt_keys, output_keys)):
             progress = new_progress(f"shard {index + 1}/{len(prompt_keys)}: {output_key}")
@@ -121,16 +132,24 @@ def generate(params: GenerateParams = GenerateParams()) -> dict:
                                                       target=target, progress_id=progress))
     finally:
         stop_servers(run_dir)
-    warning = failure_verdict(outcomes, max_failed_fraction=params.max_failed_fraction)  # raises past it
-    if warning:
-        report_failures(warning, run=params.run)
     summary = {"shards": [o.output_key for o in outcomes if o.completed],
                "completed": sum(o.completed for o in outcomes),
                "failed": sum(o.failed for o in outcomes), "generated_now": sum(o.generated_now for o in outcomes),
                "completion_tokens_now": sum(o.completion_tokens_now for o in outcomes),
                "flow_run": str(flow_run.id or "")}
+    try:
+        warning = failure_verdict(outcomes, max_failed_fraction=params.max_failed_fraction)
+    except GenerationFailed as failed:
+        # The failed attempt's evidence stays under its own flow run; a retry writes beside it.
+        publish_generation_report(settings, key=report_key, report={**summary, "verdict": str(failed)},
+                                  shard_keys=summary["shards"])
+        return fail_run(failed)
+    if warning:
+        report_failures(warning, run=params.run, ui_artifact=ui["generation-failures"])
+    records = publish_generation_report(settings, key=report_key, report={**summary, "verdict": warning or "ok"},
+                                        shard_keys=summary["shards"])
     get_run_logger().info("generation summary: %s", summary)
-    return summary
+    return {**summary, "report": store.uri(report_key), "artifacts": records}
 
 
 def _embedded_model(settings) -> Path:

@@ -21,7 +21,8 @@ from dflash_core.planner import PRESETS, PlanInputs
 from dflash_core.settings import load_settings
 from dflash_core.train.config import TrainConfig
 from flows.command_line import run_from_command_line
-from flows.deployments import run_stage
+from flows.deployments import StageFailed, run_stage
+from flows.failures import fail_run
 from flows.generate import GenerateParams, PromptSourceParam
 from flows.tokenize import TokenizeParams
 from flows.train import TrainFlowParams
@@ -86,23 +87,27 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     print(f"bucket {bucket_uri} ok; plan report at {manifest.uri} (sha256 {manifest.sha256[:12]})")
     result = {"report": manifest.uri, "sha256": manifest.sha256,
               "fits": [v.layout for v in capacity.layouts if v.fits], "artifacts": [artifact_record(manifest)]}
-    if params.generation is not None:
-        result["generation"] = run_stage("generate", params.generation)
-    if params.tokenization is not None:
-        result["tokenization"] = run_stage("tokenize", params.tokenization)
-    if params.training is not None:
-        result["training"] = run_stage("train", params.training)
-        result["artifacts"] += stored_records(result["training"])
+    stages = (("generation", "generate", params.generation), ("tokenization", "tokenize", params.tokenization),
+              ("training", "train", params.training))
+    for field, stage, stage_params in stages:
+        if stage_params is None:
+            continue
+        try:
+            result[field] = run_stage(stage, stage_params)
+        except StageFailed as failed:
+            return fail_run(failed, already_logged=True)  # the stage's own run logged the cause
+        result["artifacts"] += stored_records(result[field])
     return result
 
 
 def stored_records(stage_result: dict) -> list[dict]:
-    """The artifact records a stage's result lists, its own stages' included (train's evaluation)."""
-    records = list(stage_result.get("artifacts", []))
+    """The artifact records a stage's result lists, its own stages' included (train's evaluation, export),
+    each once."""
+    found = {record["uri"]: record for record in stage_result.get("artifacts", [])}
     for value in stage_result.values():
         if isinstance(value, dict):
-            records += stored_records(value)
-    return records
+            found.update({record["uri"]: record for record in stored_records(value)})
+    return list(found.values())
 
 
 

@@ -1,6 +1,7 @@
 """Train a drafter online: plan capacity (refuse what cannot fit) -> train (torchrun subprocess;
 capture validated on the first batches; resumes from the latest checkpoint on retry) -> report ->
-evaluate (speculative decoding against the target) -> export (native and speculators formats).
+evaluate (speculative decoding against the target) -> export (native and speculators formats); evaluate
+and export run as their own deployment runs when this flow is one.
 
 Run: `dflash run train --params '{"config": {"target": "embedded", "data": ["tokenized/demo/smollm2/"]}}'`
 """
@@ -20,12 +21,13 @@ from dflash_core.settings import load_settings
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.entry import Rendezvous
 from flows.command_line import run_from_command_line
-from flows.deployments import run_stage
+from flows.deployments import StageFailed, run_stage
+from flows.failures import fail_run
 from flows.evaluate import EvaluateParams
+from flows.export import ExportParams
 from flows.nodes import preserve_on_failure
 from tasks.artifacts import artifact_record, publish_stored, ui_key
 from tasks.data_gate import check_training_data
-from tasks.export import export_checkpoint
 from tasks.provenance import flow_version
 from tasks.train import plan_training, report_training, run_training
 
@@ -68,30 +70,39 @@ def train(params: TrainFlowParams) -> dict:
     if checkpoint is None:  # another node hosted global rank 0; its flow run carries on from here
         return {"checkpoint": None, "run_dir": str(config.run_dir), "node_rank": params.rendezvous.node_rank}
     report = report_training(settings, config, checkpoint=checkpoint)
-    result = {"checkpoint": checkpoint, "metrics": report.uri, "run_dir": str(config.run_dir)}
+    result = {"checkpoint": checkpoint, "metrics": report.uri, "run_dir": str(config.run_dir),
+              "artifacts": _evidence(settings, config, checkpoint=checkpoint, report=report)}
+    try:
+        _evaluate_and_export(settings, params, config, checkpoint=checkpoint, result=result)
+    except StageFailed as failed:
+        return fail_run(failed, already_logged=True)  # the stage's own run logged the cause
+    return result
+
+
+def _evaluate_and_export(settings, params: TrainFlowParams, config: TrainConfig, *, checkpoint: str,
+                         result: dict) -> None:
+    """Evaluate and export the checkpoint, each as its own stage run; their results go into `result`."""
     if params.evaluate:
         result["evaluation"] = run_stage("evaluate", EvaluateParams(
             checkpoint=_stored_checkpoint(settings, config, checkpoint),
             prompts=params.eval_prompts or _first_shard(settings, config.data[0]),
             target=config.target, target_seed=config.seed, run=config.run_name, num_prompts=params.eval_num_prompts,
             max_new_tokens=params.eval_max_new_tokens))
-    if params.export_formats:
-        result["exports"] = export_checkpoint(settings, config, checkpoint=checkpoint, formats=params.export_formats)
-    result["artifacts"] = _evidence(settings, config, checkpoint=checkpoint, report=report,
-                                    exports=result.get("exports", {}))
-    return result
+    if params.export_formats:  # its own deployment run (a Retry of its own), records in its result
+        result["export"] = run_stage("export", ExportParams(
+            checkpoint=_stored_checkpoint(settings, config, checkpoint), run_name=config.run_name,
+            target=config.target, target_seed=config.seed, formats=params.export_formats))
+        result["exports"] = result["export"]["exports"]
+        result["artifacts"] += result["export"]["artifacts"]
 
 
-def _evidence(settings, config: TrainConfig, *, checkpoint: str, report, exports: dict[str, str]) -> list[dict]:
-    """Records of what this run stored; the checkpoint and each export also get a manifest artifact in the UI."""
+def _evidence(settings, config: TrainConfig, *, checkpoint: str, report) -> list[dict]:
+    """Records of what this run stored; the checkpoint also gets a manifest artifact in the UI."""
     records = [artifact_record(report)]
     stored = _stored_checkpoint(settings, config, checkpoint)
     if stored.startswith("s3://"):
         records += publish_stored(settings, prefix=stored, key=ui_key("checkpoint", config.run_name),
                                   title=f"checkpoint {config.run_name}/{Path(checkpoint).name}")
-    for name, prefix in exports.items():
-        records += publish_stored(settings, prefix=prefix, key=ui_key("export", config.run_name, name),
-                                  title=f"{name} export of {config.run_name}")
     return records
 
 

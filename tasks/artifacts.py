@@ -9,7 +9,7 @@ import re
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from dflash_core.layout import is_manifest_key, manifest_key
+from dflash_core.layout import ArtifactKind, is_manifest_key, manifest_key
 from dflash_core.lineage import Manifest, read_manifest
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
@@ -20,8 +20,12 @@ _NOT_KEY = re.compile(r"[^a-z0-9-]+")
 
 def artifact_record(manifest: Manifest) -> dict[str, str]:
     """The record of one stored artifact: a downstream deployment can take a list of these as a parameter."""
-    return {"uri": manifest.uri, "kind": str(manifest.kind.value), "sha256": manifest.sha256,
-            "manifest": manifest_key(manifest.uri)}
+    return stored_record(manifest.uri, kind=manifest.kind, sha256=manifest.sha256)
+
+
+def stored_record(uri: str, *, kind: ArtifactKind | str, sha256: str) -> dict[str, str]:
+    """The same record from what a task returned (its manifest sits beside the object)."""
+    return {"uri": uri, "kind": str(getattr(kind, "value", kind)), "sha256": sha256, "manifest": manifest_key(uri)}
 
 
 def ui_key(*parts: str) -> str:

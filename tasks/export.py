@@ -13,37 +13,33 @@ from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.lineage import InputRef, write_artifact
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
-from dflash_core.train.config import TrainConfig
 from dflash_core.train.inputs import load_target_model
 from tasks.provenance import run_producer
 
 
 @task(retries=2, retry_delay_seconds=[5, 15])
-def export_checkpoint(settings: Settings, config: TrainConfig, *, checkpoint: str,
-                      formats: list[str]) -> dict[str, str]:
-    """format -> S3 prefix of the export; a format the drafter cannot be expressed in is skipped and logged."""
+def export_checkpoint(settings: Settings, *, checkpoint_dir: Path, inputs: list[InputRef], run_name: str,
+                      target: str, target_seed: int, formats: list[str]) -> dict[str, str]:
+    """format -> S3 prefix of the export (exports/<run>/<format>/, whose manifests name `inputs`: the
+    checkpoint's files); a format the drafter cannot be expressed in is skipped and logged."""
     logger = get_run_logger()
     store = ObjectStore.from_settings(settings)
-    drafter = load_drafter_checkpoint(Path(checkpoint))
-    target = load_target_model(config.target, device=torch.device("cpu"), models_dir=settings.work_path("models"),
-                               seed=config.seed)
-    checkpoint_key = f"{artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)}/" \
-                     f"{Path(checkpoint).name}/model.safetensors"
-    inputs = [InputRef(uri=store.uri(checkpoint_key), sha256=store.head(checkpoint_key).sha256)] \
-        if store.exists(checkpoint_key) else []
+    drafter = load_drafter_checkpoint(checkpoint_dir)
+    target_model = load_target_model(target, device=torch.device("cpu"), models_dir=settings.work_path("models"),
+                                     seed=target_seed)
     exported: dict[str, str] = {}
     for name in formats:
         try:
-            directories = export_drafter(drafter, target_config=target.config, out_dir=Path(checkpoint) / "export",
-                                         verifier_name_or_path=config.target, formats=(name,))
+            directories = export_drafter(drafter, target_config=target_model.config, out_dir=checkpoint_dir / "export",
+                                         verifier_name_or_path=target, formats=(name,))
         except ValueError as error:
             logger.warning("no %s export: %s", name, error)
             continue
-        prefix = artifact_key(settings.s3_prefixes, ArtifactKind.EXPORT, config.run_name, name)
+        prefix = artifact_key(settings.s3_prefixes, ArtifactKind.EXPORT, run_name, name)
         for path in sorted(directories[name].iterdir()):
             write_artifact(store, f"{prefix}/{path.name}", path, kind=ArtifactKind.EXPORT, inputs=inputs,
-                           config={"format": name, "run": config.run_name}, producer=run_producer())
+                           config={"format": name, "run": run_name}, producer=run_producer())
         exported[name] = store.uri(prefix + "/")
     if not exported:
-        raise ValueError(f"the drafter of {config.run_name} could be exported in none of {formats}")
+        raise ValueError(f"the drafter of {run_name} could be exported in none of {formats}")
     return exported

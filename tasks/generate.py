@@ -11,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from dflash_core.data.prompts import PromptSource, import_prompts, read_prompt_lines, shard_prompts
 from dflash_core.layout import ArtifactKind, QUARANTINE_SUFFIX, artifact_key, shard_name
-from dflash_core.lineage import write_artifact
+from dflash_core.lineage import InputRef, read_manifest, write_artifact
 from dflash_core.serving import launcher
 from dflash_core.serving.canary import CanaryReport, CanaryThresholds, check_canary
 from dflash_core.serving.client import FailedPrompt, complete_all
@@ -19,6 +19,7 @@ from dflash_core.serving.generation import GenerationTarget, ShardOutcome, gener
 from dflash_core.serving.profiles import _EngineProfile
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
+from tasks.artifacts import artifact_record
 from tasks.provenance import run_producer
 from tasks.store import retry_transient
 
@@ -59,7 +60,7 @@ def import_prompt_set(settings: Settings, *, sources: list[PromptSource], datase
 
 @task
 def launch_servers(profile: _EngineProfile, *, num_instances: int, base_port: int, run_dir: Path,
-                   devices: list[str] | None) -> list[str]:
+                   devices: list[str] | None, ui_artifact: str = "inference-endpoints") -> list[str]:
     """Start the inference servers detached, wait until every one answers; their URLs."""
     instances = launcher.launch(profile, num_instances=num_instances, base_port=base_port, run_dir=run_dir,
                                 devices=devices)
@@ -69,15 +70,26 @@ def launch_servers(profile: _EngineProfile, *, num_instances: int, base_port: in
     create_markdown_artifact(
         f"### Inference servers ({profile.engine})\nmodel `{profile.request_model}`\n\n"
         f"| # | url | device | pid | ready after | log |\n|---|---|---|---|---|---|\n{rows}\n",
-        key="inference-endpoints", description="Endpoints the generate flow uses")
+        key=ui_artifact, description="Endpoints the generate flow uses")
     return [i.url for i in instances]
 
 
-def report_failures(warning: str, *, run: str) -> None:
+def report_failures(warning: str, *, run: str, ui_artifact: str = "generation-failures") -> None:
     """A visible warning (artifact and log) for failed prompts below the flow's threshold."""
     get_run_logger().warning("generation %s: %s", run, warning)
-    create_markdown_artifact(f"### Generation {run}: some prompts failed\n\n{warning}\n", key="generation-failures",
+    create_markdown_artifact(f"### Generation {run}: some prompts failed\n\n{warning}\n", key=ui_artifact,
                              description=f"{run}: failed prompts (below max_failed_fraction)")
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+def publish_generation_report(settings: Settings, *, key: str, report: dict, shard_keys: list[str]) -> list[dict]:
+    """The run's report (counts, failures, verdict) with the stored shards as its inputs; records of the
+    shards and the report."""
+    store = ObjectStore.from_settings(settings)
+    shards = [read_manifest(store, shard_key) for shard_key in shard_keys]
+    manifest = write_artifact(store, key, json.dumps(report, indent=2, default=str).encode(), kind=ArtifactKind.REPORT,
+                              inputs=[InputRef(uri=m.uri, sha256=m.sha256) for m in shards], producer=run_producer())
+    return [artifact_record(m) for m in shards] + [artifact_record(manifest)]
 
 
 @task
@@ -88,7 +100,7 @@ def stop_servers(run_dir: Path) -> int:
 
 @task
 def run_canary(settings: Settings, *, prompt_key: str, target: GenerationTarget, count: int,
-               thresholds: CanaryThresholds) -> CanaryReport:
+               thresholds: CanaryThresholds, ui_artifact: str = "generation-canary") -> CanaryReport:
     """Generate the first `count` prompts and refuse the run when the answers look wrong."""
     store = ObjectStore.from_settings(settings)
     prompts = read_prompt_lines(store.get_bytes(prompt_key))[:count]
@@ -104,7 +116,7 @@ def run_canary(settings: Settings, *, prompt_key: str, target: GenerationTarget,
     create_markdown_artifact(
         f"### Canary: {'passed' if report.passed else 'FAILED'}\n{report.model_dump_json(indent=2)}\n\n"
         f"First answer:\n```\n{(sample.reasoning or '') + chr(10) + sample.content if sample else '-'}\n```",
-        key="generation-canary")
+        key=ui_artifact)
     if not report.passed:
         raise CanaryFailed("canary failed: " + "; ".join(report.problems))
     return report

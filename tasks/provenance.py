@@ -21,3 +21,9 @@ def flow_version() -> str | None:
     from dflash_core.provenance import git_sha
 
     return git_sha()
+
+
+def attempt_segments() -> tuple[str, str]:
+    """(flow run id, attempt-<n>): the key segments of a run's reports. A Retry reruns the same flow run,
+    so the attempt number keeps a failed attempt's evidence beside the retry's."""
+    return str(flow_run.id or "local"), f"attempt-{flow_run.run_count or 1}"

@@ -1,7 +1,8 @@
-"""The stage server: one process (`python -m flows.serve`) that registers every deployment of
-infra/prefect.yaml and runs their flow runs, so the pipeline's stages, the UI's Run and Retry
-buttons and the schedules work without a separate worker. A local service like S3 and Prefect:
-started by `dflash services up`, records under `<work_dir>/services/stages/`, stopped by `down`.
+"""The stage server: one process (`python -m flows.serve`) that registers every deployment in the
+`dflash` work pool and runs their flow runs as a worker of that pool, so the pipeline's stages, the
+UI's Run and Retry buttons and the schedules work without starting a worker by hand. A local service
+like S3 and Prefect: started by `dflash services up`, records under `<work_dir>/services/stages/`,
+stopped by `down`.
 
 It runs with the settings it was started with (exported as DFLASH_* variables): restart it
 (`dflash services down && dflash services up`) after changing them or the code.
@@ -19,7 +20,9 @@ from dflash_core.settings import Settings
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 STAGES_READY_TIMEOUT_S = 180.0  # imports every flow (torch, transformers) on a busy 2-core machine
-RUNNER_POLL_S = 2  # how soon a new or retried run starts (Prefect's default is 10 s)
+WORKER_POLL_S = 2  # how soon a new or retried run starts (Prefect's default is 10 s)
+WORK_POOL = "dflash"
+READY_FILE_ENV = "DFLASH_STAGES_READY_FILE"
 RESULTS_BLOCK = "s3-bucket/dflash-results"  # saved by flows/results.py when the stage server starts
 RESULTS_FOLDER = "prefect-results"
 
@@ -48,33 +51,39 @@ def result_store_env(settings: Settings) -> dict[str, str]:
 def stage_server_env(settings: Settings) -> dict[str, str]:
     return {
         **settings_env(settings), **prefect_client_env(settings), **result_store_env(settings),
-        "PREFECT_RUNNER_POLL_FREQUENCY": str(RUNNER_POLL_S),
+        "PREFECT_WORKER_QUERY_SECONDS": str(WORKER_POLL_S),
+        "DFLASH_REPO_DIR": str(REPO_DIR),
         # Persisted results: a Retry resumes at the failed task (finished ones come back Cached), and
         # a stage's result reaches the pipeline that started it.
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
     }
 
 
-def deployment_names(path: Path = REPO_DIR / "infra" / "prefect.yaml") -> set[str]:
-    import yaml
-
-    return {spec["name"] for spec in yaml.safe_load(path.read_text())["deployments"]}
+def _ready_file(settings: Settings) -> Path:
+    return settings.work_path("services", "stages") / "ready.json"
 
 
-def deployments_ready(api_url: str) -> bool:
-    """True when every deployment of infra/prefect.yaml is registered and polled by a runner (READY)."""
-    names = deployment_names()
-    body = json.dumps({"deployments": {"name": {"any_": sorted(names)}}, "limit": 200}).encode()
-    request = urllib.request.Request(f"{api_url}/deployments/filter", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+def stage_server_ready(settings: Settings, service: LocalService) -> bool:
+    """True when the recorded stage server process has registered the deployments (its ready file names
+    its PID) and its worker polls the pool (the pool is READY)."""
+    record, ready = service.record(), _ready_file(settings)
+    if record is None or not ready.exists():
+        return False
+    try:
+        if json.loads(ready.read_text())["pid"] != record.pid:
+            return False
+    except (ValueError, KeyError):
+        return False  # being written
+    request = urllib.request.Request(f"{settings.prefect_api_url}/work_pools/{WORK_POOL}")
     with urllib.request.urlopen(request, timeout=5) as response:
-        ready = {d["name"] for d in json.load(response) if d.get("status") == "READY"}
-    return ready >= names
+        return json.load(response).get("status") == "READY"
 
 
 def stage_service(settings: Settings) -> LocalService:
-    return LocalService(
-        name="stages", argv=[sys.executable, "-m", "flows.serve"], env=stage_server_env(settings), ports=[],
-        probe=lambda: deployments_ready(settings.prefect_api_url), ready_timeout_s=STAGES_READY_TIMEOUT_S,
+    service = LocalService(
+        name="stages", argv=[sys.executable, "-m", "flows.serve"],
+        env={**stage_server_env(settings), READY_FILE_ENV: str(_ready_file(settings))}, ports=[],
+        probe=lambda: stage_server_ready(settings, service), ready_timeout_s=STAGES_READY_TIMEOUT_S,
         home=settings.work_path("services", "stages"), url=settings.prefect_api_url.removesuffix("/api") + "/deployments",
     )
+    return service

@@ -39,13 +39,25 @@ class GateProblem:
 
 
 class QualityGateError(ValueError):
-    def __init__(self, problems: list[GateProblem]):
+    """The data failed the gate: names the dataset, every failed check and what to do, in one message."""
+
+    def __init__(self, problems: list[GateProblem], *, dataset: str = ""):
         self.problems = problems
+        self.dataset = dataset
+        checks = ", ".join(dict.fromkeys(p.check for p in problems))
         lines = "\n".join(f"- {p.message}" for p in problems)
+        subject = f"dataset {dataset}" if dataset else "the tokenized data"
         super().__init__(
-            f"the tokenized data failed the quality gate ({len(problems)} problem(s)):\n{lines}\n"
+            f"{subject} failed the quality gate ({checks}):\n{lines}\n"
             "Fix the data, relax the thresholds (GateThresholds), or set override_quality_gate=True to proceed anyway."
         )
+
+    def __reduce__(self):  # pickled into the result store with the failed run's state
+        return _rebuild_gate_error, (self.problems, self.dataset)
+
+
+def _rebuild_gate_error(problems: list[GateProblem], dataset: str) -> QualityGateError:
+    return QualityGateError(problems, dataset=dataset)
 
 
 def check_gate(summary: pl.DataFrame, thresholds: GateThresholds) -> list[GateProblem]:
@@ -57,10 +69,10 @@ def check_gate(summary: pl.DataFrame, thresholds: GateThresholds) -> list[GatePr
     return problems
 
 
-def enforce_gate(problems: list[GateProblem], *, override: bool) -> list[str]:
+def enforce_gate(problems: list[GateProblem], *, override: bool, dataset: str = "") -> list[str]:
     """Raise `QualityGateError` on problems, or return them as warnings when `override` is set."""
     if problems and not override:
-        raise QualityGateError(problems)
+        raise QualityGateError(problems, dataset=dataset)
     return [f"quality gate overridden: {p.message}" for p in problems]
 
 

@@ -112,18 +112,20 @@ def histogram_png(samples: pl.DataFrame, *, title: str = "loss tokens per sample
     return buffer.getvalue()
 
 
-_TABLE_COLUMNS = ("samples", "skipped", "total_tokens", "loss_tokens", "loss_ratio", "mean_len", "median_len",
-                  "p90_len", "max_len", "short_loss", "boilerplate_only", "empty_reasoning",
-                  "degenerate_repetition", "degenerate_tool_calls", "truncated", "duplicate_ids")
+# The columns the quality gate reads come first, so a narrow view (the UI's table) shows them.
+GATE_COLUMNS = ("samples", "skipped", "short_loss", "boilerplate_only", "empty_reasoning", "degenerate_repetition",
+                "degenerate_tool_calls", "truncated", "duplicate_ids")
+SIZE_COLUMNS = ("samples", "total_tokens", "loss_tokens", "loss_ratio", "mean_len", "median_len", "p90_len", "max_len")
+_TABLE_COLUMNS = (*GATE_COLUMNS, *SIZE_COLUMNS[1:])
 
 
-def stats_rows(summary: pl.DataFrame) -> list[dict]:
-    """Summary rows as plain dicts, floats rounded, for a table artifact."""
+def stats_rows(summary: pl.DataFrame, columns: tuple[str, ...] = _TABLE_COLUMNS) -> list[dict]:
+    """Summary rows as plain dicts (the key column, then `columns`), floats rounded, for a table artifact."""
     key = summary.columns[0]
     rows = []
     for row in summary.iter_rows(named=True):
         out = {key: row[key]}
-        for column in _TABLE_COLUMNS:
+        for column in columns:
             value = row.get(column)
             out[column] = round(value, 3) if isinstance(value, float) else value
         rows.append(out)
@@ -131,9 +133,14 @@ def stats_rows(summary: pl.DataFrame) -> list[dict]:
 
 
 def stats_markdown(summary: pl.DataFrame) -> str:
-    rows = stats_rows(summary)
-    if not rows:
+    """Two markdown tables, the gate's counts and the sizes, each narrow enough to read in the UI."""
+    if not summary.height:
         return "(no samples)"
+    return (f"Quality-gate counts\n\n{_markdown_table(stats_rows(summary, GATE_COLUMNS))}\n\n"
+            f"Sizes (tokens)\n\n{_markdown_table(stats_rows(summary, SIZE_COLUMNS))}")
+
+
+def _markdown_table(rows: list[dict]) -> str:
     header = list(rows[0])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join("" if row[c] is None else str(row[c]) for c in header) + " |" for row in rows]

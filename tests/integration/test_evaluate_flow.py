@@ -74,7 +74,7 @@ def test_evaluate_flow_reports_with_lineage(prefect_server, store, env_settings,
     assert store.get_bytes(png_key)[:8] == b"\x89PNG\r\n\x1a\n"
     # Keyed by flow run (a retry never overwrites a failed attempt's evidence); the result lists the
     # records of what the flow stored, and the flow's version is the git SHA.
-    assert report_key.endswith(f"/{state.state_details.flow_run_id}/report.json")
+    assert report_key.endswith(f"/{state.state_details.flow_run_id}/attempt-1/report.json")
     records = {r["uri"]: r for r in summary["artifacts"]}
     assert set(records) == {summary["report"], report["plot_uri"]}
     assert records[summary["report"]] == {"uri": summary["report"], "kind": "report", "sha256": manifest.sha256,

@@ -69,7 +69,8 @@ def plant(store: ObjectStore, *, root: str | None = None) -> Planted:
     # What the tokenize flow writes beside a run: its dataset.json (quality verdict) and a stats report.
     describers = {run: [write_artifact(store, key(ArtifactKind.TOKENIZED, "demo", run, "dataset.json"), b"{}",
                                        kind=ArtifactKind.TOKENIZED, inputs=[input_ref(store, shard.key)]),
-                        write_artifact(store, key(ArtifactKind.REPORT, "tokenize", "demo", run, "stats.json"), b"{}",
+                        write_artifact(store, key(ArtifactKind.REPORT, "tokenize", "demo", run, f"flow-{run}",
+                                                  "attempt-1", "stats.json"), b"{}",
                                        kind=ArtifactKind.REPORT, inputs=[input_ref(store, shard.key)])]
                   for run, shard in (("run-v1", tokenized_old), ("run-v2", tokenized_new))}
     steps = {step: [write_artifact(store, key(ArtifactKind.CHECKPOINT, "drafter", f"step-{step:06d}", name),

@@ -81,7 +81,17 @@ def test_flow_tokenizes_registers_lineage_and_reruns_only_what_changed(prefect_s
     async def artifact_keys():
         async with get_client() as client:
             return {artifact.key for artifact in await client.read_artifacts()}
-    assert {"tokenize-stats", "tokenize-report", "tokenize-loss-histogram"} <= asyncio.run(artifact_keys())
+    # Keyed by dataset/run: another dataset's run never replaces this one's table.
+    assert {f"{kind}-{dataset}-run-a" for kind in ("tokenize-stats", "tokenize-report", "tokenize-loss-histogram")} \
+        <= asyncio.run(artifact_keys())
+    # The result lists the records of what the run stored: every shard, dataset.json, the reports.
+    records = {record["uri"]: record for record in first["artifacts"]}
+    assert {store.uri(key) for key in first["outputs"]} | {first["dataset_manifest"], first["report"]} <= set(records)
+    for uri, record in records.items():
+        manifest = read_manifest(store, uri.removeprefix(f"s3://{store.bucket}/"))
+        assert record == {"uri": uri, "kind": manifest.kind.value, "sha256": manifest.sha256,
+                          "manifest": uri + ".manifest.json"}
+    assert first["report"].endswith(f"/reports/tokenize/{dataset}/run-a/{first['flow_run']}/attempt-1/stats.json")
 
     # Unchanged rerun: every shard comes from the cache, no output is rewritten.
     tokenize(params_for(dataset))
@@ -145,3 +155,55 @@ def test_duplicate_ids_fail_the_gate(prefect_server, store, env_settings, params
     assert state.is_failed()
     with pytest.raises(ValueError, match=r"all datasets: 6 samples repeat the id of another sample"):
         state.result()
+
+
+def run_logs(flow_run_id, timeout_s: float = 20.0) -> list:
+    """Every log record of a flow run, once its last one ("Finished in state ...") has reached the server."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            if any(log.message.startswith("Finished in state") for log in logs) or time.monotonic() > deadline:
+                return logs
+            time.sleep(0.5)
+
+
+def test_a_gate_failure_logs_one_clear_error_and_a_retry_keeps_both_reports(prefect_server, store, env_settings,
+                                                                            params_for):
+    from prefect.client.orchestration import get_client
+
+    from flows.tokenize import tokenize
+
+    dataset = f"retry-{uuid.uuid4().hex[:8]}"
+    put_shards(store, env_settings, dataset, [shard(0, content="")])
+    failed = tokenize(params_for(dataset), return_state=True)
+    assert failed.is_failed()
+    flow_run_id = failed.state_details.flow_run_id
+    # One error record: the dataset, the failed check and what to do; no traceback anywhere.
+    logs = run_logs(flow_run_id)
+    [error] = [log for log in logs if log.level >= 40]
+    assert f"dataset {dataset}/run-a (s3://{store.bucket}/tokenized/{dataset}/run-a/) failed the quality gate" \
+        in error.message
+    assert "max_short_fraction" in error.message and "override_quality_gate" in error.message
+    assert not any("Traceback" in log.message for log in logs)
+
+    # The fix, then the same flow run again (what Retry does): the failed attempt's report stays.
+    put_shards(store, env_settings, dataset, [shard(0)])
+    from prefect.flow_engine import run_flow
+
+    from flows.deployments import retry_flow_run
+
+    with get_client(sync_client=True) as client:
+        retry_flow_run(client, flow_run_id)
+        flow_run = client.read_flow_run(flow_run_id)
+    retried = run_flow(tokenize, flow_run=flow_run, parameters={"params": params_for(dataset)}, return_type="state")
+    assert retried.is_completed(), retried
+    prefix = f"reports/tokenize/{dataset}/run-a/{flow_run_id}/"
+    reports = sorted(i.key for i in store.list(prefix) if i.key.endswith("/stats.json"))
+    assert reports == [f"{prefix}attempt-1/stats.json", f"{prefix}attempt-2/stats.json"]
+    assert json.loads(store.get_bytes(reports[0]))["quality_gate"] == "failed"
+    assert json.loads(store.get_bytes(reports[1]))["quality_gate"] == "passed"

@@ -1,5 +1,6 @@
-"""infra/prefect.yaml is the one list of deployments: every entry loads, every pipeline stage has
-one, and the train-demo deployment's defaults are the demo's training run.
+"""flows/deployment_table.py is the one list of deployments: every entry loads, every pipeline stage
+(export included) has one, names are unique, train offers the full job and the demo run, schedules say
+UTC.
 
 Run: `.venv/bin/python -m pytest -q tests/unit/test_deployments.py`
 """
@@ -8,29 +9,34 @@ from __future__ import annotations
 
 
 def test_every_stage_has_a_deployment_and_every_entrypoint_loads():
-    from flows.deployments import STAGE_FLOWS, STAGES, deployment_specs, flow_name
+    from flows.deployment_table import DEPLOYMENTS, STAGE_MODULES, spec_for
+    from flows.deployments import deployment_for, flow_name
 
-    specs = deployment_specs()
-    registered = {f"{flow_name(spec['entrypoint'])}/{spec['name']}" for spec in specs}
-    assert set(STAGES.values()) <= registered
-    assert set(STAGE_FLOWS) == set(STAGES)
-    assert len({spec["name"] for spec in specs}) == len(specs)
+    names = [spec.name for spec in DEPLOYMENTS]
+    assert len(set(names)) == len(names)
+    assert {flow_name(spec.entrypoint) for spec in DEPLOYMENTS} >= {"dflash-export", "dflash-tokenize"}
+    assert {stage: spec_for(stage).name for stage in STAGE_MODULES} == {
+        "generate": "generate", "tokenize": "tokenize-nightly", "train": "train", "evaluate": "evaluate",
+        "export": "export"}
+    assert deployment_for("export") == "dflash-export/export"
 
 
-def test_train_demo_defaults_are_the_demo_run():
-    from flows.deployments import deployment_specs
+def test_train_offers_the_full_job_and_the_demo_run():
+    from flows.deployment_table import DEPLOYMENTS
     from flows.pipeline import demo_training
     from flows.train import TrainFlowParams
 
-    [spec] = [s for s in deployment_specs() if s["name"] == "train-demo"]
-    assert TrainFlowParams.model_validate(spec["parameters"]["params"]).config == demo_training().config
+    specs = {spec.name: spec for spec in DEPLOYMENTS}
+    demo = TrainFlowParams.model_validate(specs["train-demo"].parameters()["params"])
+    assert demo.config == demo_training().config
+    full = TrainFlowParams.model_validate(specs["train"].parameters()["params"])
+    assert full.config.max_steps == 1000 and full.config.data == demo.config.data
+    assert "train-demo" in specs["train"].description and "1,000" in specs["train-demo"].description
 
 
-def test_runner_deployments_carry_the_git_sha_and_utc_schedules():
-    from dflash_core.provenance import git_sha
-    from flows.serve import runner_deployments
+def test_schedules_are_utc_and_say_so():
+    from flows.deployment_table import DEPLOYMENTS
 
-    deployments = {d.name: d for d in runner_deployments()}
-    assert {d.version for d in deployments.values()} == {git_sha()}
-    [schedule] = deployments["tokenize-nightly"].schedules
-    assert schedule.schedule.timezone == "UTC" and "UTC" in deployments["tokenize-nightly"].description
+    scheduled = [spec for spec in DEPLOYMENTS if spec.cron_utc]
+    assert {spec.name for spec in scheduled} == {"tokenize-nightly", "s3-audit-weekly"}
+    assert all("UTC" in spec.description for spec in scheduled)

@@ -73,7 +73,13 @@ def test_summary_numbers_and_table():
     by_source = {row["source"]: row for row in stats_rows(summarize(samples, skipped, by="source"))}
     assert by_source["a"]["samples"] == 6 and by_source["b"]["skipped"] == 1
     assert by_source["a"]["loss_ratio"] == round(44 / 210, 3)
-    assert stats_markdown(summarize(samples, skipped)).splitlines()[2].startswith("| all | 11 | 2 |")
+    # Split in two narrow tables, the gate's counts first, so the gate columns show in the UI.
+    gate_table, size_table = stats_markdown(summarize(samples, skipped)).split("Sizes (tokens)")
+    assert gate_table.splitlines()[2] == ("| dataset | samples | skipped | short_loss | boilerplate_only | "
+                                          "empty_reasoning | degenerate_repetition | degenerate_tool_calls | "
+                                          "truncated | duplicate_ids |")
+    assert gate_table.splitlines()[4].startswith("| all | 11 | 2 | 4 |")
+    assert size_table.splitlines()[2].startswith("| dataset | samples | total_tokens | loss_tokens |")
     bins = {row["bin"]: row["samples"] for row in loss_histogram(samples)}
     assert bins["0"] == 1 and bins["1-2"] == 1 and bins["5-8"] == 2 and bins["9-16"] == 1 and bins["33-64"] == 2 and bins["65-128"] == 3
     assert histogram_png(samples).startswith(b"\x89PNG\r\n\x1a\n")
@@ -112,3 +118,21 @@ def test_duplicate_ids_are_checked_not_only_counted(qwen_target):
     assert [p.check for p in problems] == ["max_duplicate_ids"]
     assert "all datasets: 2 samples repeat the id of another sample" in problems[0].message
     assert check_gate(summarize(samples, skipped), GateThresholds(max_duplicate_ids=2)) == []
+
+
+def test_gate_error_names_the_dataset_and_checks_and_survives_pickling():
+    import pickle
+
+    from dflash_core.tokenize import GateProblem, QualityGateError, enforce_gate
+
+    problems = [GateProblem("all", "max_short_fraction", 1.0, 0.2, "all datasets: 100% of samples are short"),
+                GateProblem("web", "max_short_fraction", 1.0, 0.2, "dataset 'web': 100% of samples are short")]
+    try:
+        enforce_gate(problems, override=False, dataset="demo/smollm2")
+    except QualityGateError as error:
+        raised = error
+    message = str(raised)
+    assert message.startswith("dataset demo/smollm2 failed the quality gate (max_short_fraction):")
+    assert "override_quality_gate" in message and message.count("max_short_fraction") == 1
+    again = pickle.loads(pickle.dumps(raised))  # how a failed run's state reaches the result store
+    assert str(again) == message and again.problems == problems
