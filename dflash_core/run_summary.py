@@ -23,7 +23,7 @@ from dflash_core.lineage import flow_run_url
 
 # Which part of the pipeline's result each stage's flow returned.
 STAGE_RESULTS = {"generate": ("generation",), "tokenize": ("tokenization",), "train": ("training",),
-                 "evaluate": ("training", "evaluation")}
+                 "evaluate": ("training", "evaluation"), "export": ("training", "export")}
 _FLOW_RUN_LINK = re.compile(r"/runs/flow-run/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
 
 
@@ -172,9 +172,11 @@ def _made(run: StageRun, result: dict) -> str:
     if run.stage == "tokenize":
         samples = (part.get("overall") or {}).get("samples")
         return f"{samples if samples is not None else '?'} samples, quality gate {part.get('quality_gate', '?')}"
+    exports = part.get("exports") if isinstance(part.get("exports"), dict) else {}
     if run.stage == "train":
-        return f"checkpoint {part.get('checkpoint')}" + (f"; exports {', '.join(part['exports'])}"
-                                                         if part.get("exports") else "")
+        return f"checkpoint {part.get('checkpoint')}" + (f"; exports {', '.join(exports)}" if exports else "")
+    if run.stage == "export":
+        return "; ".join(f"{name} {uri}" for name, uri in exports.items())
     if run.stage == "evaluate":
         return "; ".join(f"{s.get('mode')}: tau {_number(s.get('tau'), '{:.3f}')}" for s in part.get("summaries", []))
     return ""

@@ -78,10 +78,13 @@ def test_tau_speedup_and_folded_checkpoint_files():
     }
     stages = [run_summary.StageRun("pipeline", "p", "1", "Completed", 200.0, "u0", 0),
               run_summary.StageRun("train", "p-train", "2", "Completed", 95.0, "u1", 1),
-              run_summary.StageRun("evaluate", "p-evaluate", "3", "Completed", 30.0, "u2", 2)]
+              run_summary.StageRun("evaluate", "p-evaluate", "3", "Completed", 30.0, "u2", 2),
+              run_summary.StageRun("export", "p-export", "4", "Completed", 4.0, "u3", 2)]
+    training["export"] = {"exports": training["exports"], "artifacts": []}
     text = _text(run_summary.summary({"report": "s3://b/reports/plan/p.json", "training": training}, stages))
     assert "1.234" in text and "0.61x" in text and "True" in text
     assert "block: tau 1.234" in text and "checkpoint /w/demo-drafter/step-000020; exports native" in text
+    assert "native s3://b/exports/demo-drafter/native" in text
     assert f"{ckpt}/" in text and "3m 20s" in text and "1m 35s" in text
     rows = [line for line in text.splitlines() if ckpt in line]
     assert len(rows) == 1 and rows[0].rstrip(" │").endswith("2"), "a checkpoint's files fold into one row"
