@@ -57,6 +57,14 @@ def test_generate_flow_imports_generates_and_stops(prefect_server, store, env_se
             ids[record.id] += 1
             assert [m.role for m in record.prompt] == ["user"], "assistant turns stripped"
     assert ids == Counter(f"q{i}" for i in range(10))
+    # The result lists the records of what it stored (shards and the run's report, keyed by flow run).
+    flow_run_id = state.state_details.flow_run_id
+    assert summary["report"] == store.uri(f"reports/generate/flowtest/{params.run}/{flow_run_id}/attempt-1/summary.json")
+    records = {r["uri"]: r for r in summary["artifacts"]}
+    assert set(records) == {store.uri(k if not k.startswith("s3://") else k.split("/", 3)[3]) for k in summary["shards"]} \
+        | {summary["report"]}
+    for uri, record in records.items():
+        assert record["sha256"] == read_manifest(store, uri.split("/", 3)[3]).sha256
     report = json.loads(store.get_bytes(f"prompts/flowtest/{tmp_path.name}/import-report.json"))
     assert report["rejected"] == {"empty": 1, "malformed": 1, "truncated": 1}
     graph = build_lineage(store, "completions/flowtest/") 
@@ -99,6 +107,9 @@ def test_failures_past_the_threshold_fail_the_flow(prefect_server, store, env_se
         state.result()
     keys = [info.key for info in store.list(f"completions/flowtest/{params.run}/")]
     assert keys and all(".failures.jsonl" in key for key in keys), "an empty shard was registered"
+    # The failed attempt's evidence stays, under its flow run and attempt.
+    report_key = f"reports/generate/flowtest/{params.run}/{state.state_details.flow_run_id}/attempt-1/summary.json"
+    assert json.loads(store.get_bytes(report_key))["verdict"].startswith("10 of 10 prompts failed")
     run_dir = env_settings.work_path("servers", params.run)
     assert not any(is_alive(i.record) for i in launcher.load_instances(run_dir)), "servers stopped"
 

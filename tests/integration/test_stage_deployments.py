@@ -110,3 +110,87 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[rerun.state_details.flow_run_id])))
         shard_runs = [t for t in task_runs if t.name.startswith("tokenize ")]
         assert len(shard_runs) == 2 and {t.state.name for t in shard_runs} == {"Cached"}
+
+
+def test_dflash_deploy_registers_the_same_deployments_as_the_stage_server(stage_server):
+    """No collision: `dflash deploy` (register_deployments) and the stage server write the same table to
+    the same pool, so registering again changes no id, pool, entrypoint or pull step."""
+    from prefect.client.orchestration import get_client
+
+    from flows.deployment_table import DEPLOYMENTS, WORK_POOL
+    from flows.deployments import PULL_STEPS, register_deployments
+
+    def ours(client):
+        return {d.name: d for d in client.read_deployments() if d.name in {s.name for s in DEPLOYMENTS}}
+
+    with get_client(sync_client=True) as client:
+        before = ours(client)
+        registered = register_deployments()
+        after = ours(client)
+    assert set(before) == {s.name for s in DEPLOYMENTS} == set(after)
+    assert {name.split("/")[1]: id_ for name, id_ in registered.items()} == {n: d.id for n, d in before.items()}
+    for name, deployment in after.items():
+        assert deployment.id == before[name].id and deployment.work_pool_name == WORK_POOL
+        assert deployment.entrypoint == before[name].entrypoint and deployment.pull_steps == PULL_STEPS
+        assert deployment.status.value == "READY", f"{name}: no worker polls it"
+
+
+def test_the_export_deployment_exports_a_checkpoint(stage_server, store, env_settings, monkeypatch, prefix, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from dflash_core.lineage import read_manifest
+    from dflash_core.services.stages import result_store_env
+    from flows.deployments import deployment_for
+    from flows.export import ExportParams
+    from tests.integration.test_evaluate_flow import _checkpoint_in_s3
+
+    for name, value in result_store_env(env_settings).items():
+        monkeypatch.setenv(name, value)
+    checkpoint_key, _ = _checkpoint_in_s3(store, prefix, tmp_path)
+    run_name = f"export-{uuid.uuid4().hex[:8]}"
+    params = ExportParams(checkpoint=checkpoint_key, run_name=run_name, target="tiny:qwen3", target_seed=3)
+    run = run_deployment(deployment_for("export"), parameters={"params": params.model_dump(mode="json")}, timeout=0,
+                         as_subflow=False)
+    with get_client(sync_client=True) as client:
+        run = _wait_final(client, run.id)
+    assert run.state.is_completed(), run.state
+    result = run.state.result()
+    assert set(result["exports"]) == {"native", "speculators"}
+    config_key = f"exports/{run_name}/native/config.json"
+    manifest = read_manifest(store, config_key)
+    assert manifest.inputs[0].uri == store.uri(f"{checkpoint_key}/model.safetensors")
+    assert manifest.producer.flow_run_id == str(run.id)
+    records = {r["uri"]: r for r in result["artifacts"]}
+    assert records[store.uri(config_key)] == {"uri": store.uri(config_key), "kind": "export", "sha256": manifest.sha256,
+                                             "manifest": store.uri(config_key) + ".manifest.json"}
+
+
+def test_a_gate_failure_in_the_pipeline_logs_one_error_and_no_traceback(stage_server, store, env_settings,
+                                                                        monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from dflash_core.embedded import embedded_tokenizer_dir
+    from flows.deployments import deployment_for
+    from flows.pipeline import PipelineParams
+    from flows.tokenize import TokenizeParams
+    from tests.integration.test_tokenize_flow import run_logs
+
+    dataset = f"gate-{uuid.uuid4().hex[:8]}"
+    put_shards(store, env_settings, dataset, [shard(0, content="")])  # empty answers: the gate refuses them
+    tokenization = TokenizeParams(dataset=dataset, run="run-a", tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
+                                  workers=1)
+    params = PipelineParams(generation=None, tokenization=tokenization, training=None)
+    run = run_deployment(deployment_for("pipeline"), parameters={"params": params.model_dump(mode="json")},
+                         timeout=0, as_subflow=False)
+    with get_client(sync_client=True) as client:
+        run = _wait_final(client, run.id)
+        [stage] = _children(client, run.id)
+    assert run.state.is_failed() and stage.state.is_failed()
+    assert "failed the quality gate" in run.state.message  # the pipeline says why, and where to retry
+    logs = run_logs(run.id) + run_logs(stage.id)
+    errors = [log for log in logs if log.level >= 40]
+    assert len(errors) == 1 and errors[0].flow_run_id == stage.id, [(e.name, e.flow_run_id, e.message[:80]) for e in errors]
+    assert f"dataset {dataset}/run-a" in errors[0].message and "max_short_fraction" in errors[0].message
+    assert not any("Traceback" in log.message for log in logs)
