@@ -162,3 +162,36 @@ def _reference_conv(hidden_states, weight, bias=None, activation=None, **kwargs)
     out = F.conv1d(hidden_states, weight[:, None], bias, padding=width - 1, groups=weight.shape[0])
     out = out[..., : hidden_states.shape[-1]]
     return F.silu(out) if activation == "silu" else out
+
+
+def test_flex_attention_opt_in_keeps_each_document_exact():
+    """Qwen3.5 lacks transformers' flex flag only; opted in, the packed row's attention layers skip
+    the other documents' blocks and each document still gets its states alone (flex on CPU)."""
+    from dflash_core.target import use_flex_attention
+
+    torch.manual_seed(0)
+    config = tiny_target_config("qwen3_5", num_layers=4)
+    target = build_target(config)
+    assert not type(target)._supports_flex_attn  # the class flag this opts around
+    assert use_flex_attention(target) is None
+    assert (getattr(config, "text_config", None) or config)._attn_implementation == "flex_attention"
+    capture = HiddenStateCapture(target, layer_ids=[0, 3], capture_final=True)
+    # Two documents of one length: flex compiles once per shape, and CPU compiles are slow.
+    generator = torch.Generator().manual_seed(1)
+    documents = [torch.randint(1, config.vocab_size, (1, 24), generator=generator) for _ in range(2)]
+    packed = capture(torch.cat(documents, dim=1), position_ids=torch.arange(24).repeat(2)[None])
+    for index, document in enumerate(documents):
+        alone = capture(document, position_ids=torch.arange(24)[None])
+        rows = slice(24 * index, 24 * (index + 1))
+        torch.testing.assert_close(packed.final_hidden[:, rows], alone.final_hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_flex_attention_refused_with_the_reason_when_layers_bypass_the_interface(monkeypatch):
+    from dflash_core import target as target_module
+
+    config = tiny_target_config("qwen3_5", num_layers=4)
+    target = build_target(config)
+    monkeypatch.setattr(target_module, "_calls_attention_interface", lambda model: False)
+    reason = target_module.use_flex_attention(target)
+    assert reason is not None and "flex_attention" in reason
+    assert not getattr(target, "_supports_flex_attn")

@@ -1,0 +1,38 @@
+"""Exact top-k over a large vocabulary, fast on a GPU.
+
+`torch.topk` over rows of a 248K-entry vocabulary runs a radix select per row: on an H200 the DFlash 2
+selector's top-16 over Qwen3.5's vocabulary took ~100 ms of a 1.1 s training step. `grouped_topk`
+cuts the row into groups, keeps the k groups with the largest maxima and runs the top-k over those
+k * group_size values only. It is exact: an entry of the row's top k lies in a group whose maximum
+is at least that entry, and fewer than k groups can have a larger maximum (each would hold a
+distinct larger entry). Ties may pick a different one of equal values than `torch.topk`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP_SIZE = 256
+
+
+def grouped_topk(values_NV: torch.Tensor, k: int, *, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest entries of each row, sorted descending, like
+    `values_NV.topk(k, dim=-1)`."""
+    if values_NV.dim() != 2:
+        raise ValueError(f"grouped_topk takes [rows, vocab], got shape {tuple(values_NV.shape)}")
+    rows, vocab = values_NV.shape
+    num_groups = -(-vocab // group_size)
+    if k > group_size or num_groups <= k:  # nothing to skip
+        return values_NV.topk(k, dim=-1)
+    padded = num_groups * group_size
+    if padded != vocab:
+        fill = torch.full((rows, padded - vocab), float("-inf"), dtype=values_NV.dtype, device=values_NV.device)
+        grouped = torch.cat([values_NV, fill], dim=1)
+    else:
+        grouped = values_NV
+    grouped = grouped.view(rows, num_groups, group_size)
+    best_groups = grouped.amax(dim=-1).topk(k, dim=-1).indices  # [N, k]
+    kept = grouped.gather(1, best_groups[:, :, None].expand(rows, k, group_size)).view(rows, k * group_size)
+    top_values, where = kept.topk(k, dim=-1)
+    group_of = best_groups.gather(1, where // group_size)
+    return top_values, group_of * group_size + where % group_size

@@ -1,0 +1,39 @@
+"""grouped_topk gives torch.topk's values and indices (no ties in random rows).
+
+Run: .venv/bin/python -m pytest tests/unit/test_grouped_topk.py -q
+"""
+
+import pytest
+import torch
+
+from dflash_core.model.topk import grouped_topk
+
+
+@pytest.mark.parametrize("vocab,k,group", [(4096, 16, 256), (5000, 16, 256), (49152, 16, 256), (300, 8, 16),
+                                           (1000, 40, 32), (64, 16, 256), (257, 1, 256)])
+def test_matches_torch_topk(vocab, k, group):
+    rows = torch.randn(37, vocab, generator=torch.Generator().manual_seed(vocab + k))
+    values, indices = grouped_topk(rows, k, group_size=group)
+    expected_values, expected_indices = rows.topk(k, dim=-1)
+    torch.testing.assert_close(values, expected_values, rtol=0, atol=0)
+    assert torch.equal(indices, expected_indices)
+
+
+def test_top_entries_clustered_in_one_group_are_all_found():
+    rows = torch.randn(4, 2048)
+    rows[:, 512:528] += 100.0  # the whole top 16 in one group of 256
+    values, indices = grouped_topk(rows, 16)
+    assert sorted(indices[0].tolist()) == list(range(512, 528))
+    torch.testing.assert_close(values, rows.topk(16, dim=-1).values, rtol=0, atol=0)
+
+
+def test_bfloat16_and_padding_keep_the_dtype():
+    rows = torch.randn(3, 1000).bfloat16()
+    values, indices = grouped_topk(rows, 5, group_size=64)
+    assert values.dtype == torch.bfloat16 and indices.max() < 1000
+    torch.testing.assert_close(values, rows.gather(1, indices), rtol=0, atol=0)
+
+
+def test_rejects_other_ranks():
+    with pytest.raises(ValueError, match=r"\[rows, vocab\]"):
+        grouped_topk(torch.randn(2, 3, 4), 2)
