@@ -39,6 +39,11 @@ GGUF, checks its sha256 and converts it):
          --assets .carry/acceptance --out $OUT --work /tmp/acceptance --deadline-s 480 2>&1 | tee $OUT/log.txt
 
 $OUT gets table.md, results.jsonl (one line per run), summary.json and log.txt.
+
+The training-only levers (feature noise, dropout, label smoothing; off in the library until they
+measure better) against the default, at 200 steps and 10x:
+    --variants default,default+taps=3,default+noise=0.05,default+noise=0.2,default+dropout=0.1,default+smooth=0.1,\
+default+noise=0.2+dropout=0.1,speculators --long-variants default,default+noise=0.2,default+dropout=0.1
 """
 
 from __future__ import annotations

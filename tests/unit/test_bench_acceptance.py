@@ -51,3 +51,18 @@ def test_table_aggregates_seeds_and_compares_with_speculators(bench):
     text = bench.table(rows, command="python bench/bench_acceptance.py")
     assert "| default | 200 | 2.200 +- 0.283 (n=2) | 1.10x |" in text
     assert "--variants default --seeds 0 1 --steps 200" in text
+
+
+def test_every_variant_is_a_valid_run_and_levers_must_reach_the_drafter(bench):
+    from dflash_core.model import DFlashConfig
+    from dflash_core.train.config import TrainConfig
+
+    for variant in bench.variants().values():
+        drafter = {k: (None if v == "ours" else v) for k, v in variant.drafter.items()}
+        TrainConfig(target="embedded", data=["x"], drafter=drafter, optim=variant.optim)
+    config = TrainConfig(target="embedded", data=["x"], drafter=bench.variants()["default+noise=0.2"].drafter)
+    built = DFlashConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=256, target_layer_ids=[1, 2], mask_token_id=5, block_size=8)
+    with pytest.raises(RuntimeError, match="drafter_training_fields"):
+        bench.check_recipe_applied(config, built)  # a trainer that dropped the lever: refused, not measured
+    bench.check_recipe_applied(config, built.__class__(**{**built.__dict__, "feature_noise": 0.2}))
