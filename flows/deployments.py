@@ -33,9 +33,11 @@ def flow_name(entrypoint: str) -> str:
 
 
 def _load_flow(entrypoint: str):
-    from prefect.flows import load_flow_from_entrypoint
+    """The flow object of `flows/train.py:train`, imported as flows.train (the same classes its callers use)."""
+    import importlib
 
-    return load_flow_from_entrypoint(str(REPO_DIR / entrypoint))
+    path, name = entrypoint.split(":")
+    return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
 
 
 def deployment_for(module: str) -> str:
