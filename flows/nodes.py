@@ -14,12 +14,14 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, Field
 
+from dflash_core.layout import ArtifactKind
 from dflash_core.nodes import Node, NodeRecord, PreserveConfig, ProvisionConfig, find_node, local_node
 from dflash_core.nodes.preserve import preserve
 from dflash_core.settings import Settings, load_settings
 from dflash_core.storage import ObjectStore
 from dflash_core.units import binary_bytes
 from flows.command_line import run_chosen_from_command_line
+from tasks.artifacts import artifact_record, stored_record
 from tasks.nodes import preserve_node, provision_node, register_node_record
 from tasks.store import check_store
 
@@ -75,13 +77,15 @@ def provision(params: ProvisionParams = ProvisionParams()) -> dict:
     if params.upload:
         check_store(settings)
     record = provision_node(node, params.provision)
-    uri = register_node_record(settings, record).uri if params.upload else None
+    manifest = register_node_record(settings, record) if params.upload else None
+    uri = manifest.uri if manifest else None
     create_markdown_artifact(record_markdown(record, uri), key=f"node-record-{_artifact_key(node.name)}",
                              description=f"provision of {node.name}")
     create_table_artifact([d.model_dump() for d in record.disks], key=f"node-disks-{_artifact_key(node.name)}")
     print(f"{node.name}: {'; '.join(record.actions) or 'already provisioned, nothing changed'}")
     return {"node": node.name, "actions": record.actions, "record_uri": uri, "venv": record.venv.path,
-            "model": record.model.placed_at if record.model else None}
+            "model": record.model.placed_at if record.model else None,
+            "artifacts": [artifact_record(manifest)] if manifest else []}
 
 
 @flow(name="dflash-preserve", log_prints=True)
@@ -94,7 +98,8 @@ def preserve_flow(params: PreserveParams = PreserveParams()) -> dict:
                              description=f"what was saved from {node.name} and where")
     print(f"saved {len(result.saved)} objects under {result.prefix_uri}; stopped {len(result.stopped)} process(es)")
     return {"prefix": result.prefix_uri, "note": result.note_uri, "saved": [s.uri for s in result.saved],
-            "stopped": [s.model_dump() for s in result.stopped], "missing": result.missing}
+            "stopped": [s.model_dump() for s in result.stopped], "missing": result.missing,
+            "artifacts": [stored_record(s.uri, kind=ArtifactKind.NODE_BACKUP, sha256=s.sha256) for s in result.saved]}
 
 
 def preserve_on_failure(flow_obj, flow_run_obj, state) -> None:

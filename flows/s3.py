@@ -64,7 +64,7 @@ def s3_audit(params: S3AuditParams = S3AuditParams()) -> dict:
     return {"report": published.report_uri, "plan": published.plan_uri, "objects": report.objects,
             "bytes": report.bytes, "dead_objects": report.dead_objects, "dead_bytes": report.dead_bytes,
             "unmanifested": report.unmanifested, "orphan_manifests": len(report.orphan_manifests),
-            "hash_problems": len(report.hash_problems)}
+            "hash_problems": len(report.hash_problems), "artifacts": published.records}
 
 
 @flow(name="dflash-s3-cleanup", log_prints=True)

@@ -17,6 +17,7 @@ from dflash_core.s3audit import (
 )
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
+from tasks.artifacts import artifact_record
 from tasks.nodes import retry_transient
 from tasks.provenance import run_producer
 
@@ -35,6 +36,7 @@ class PublishedAudit(BaseModel):
     plan_uri: str
     markdown_uri: str
     png_key: str
+    records: list[dict[str, str]] = []  # of the four files (tasks.artifacts.artifact_record)
 
 
 @task(**_RETRY)
@@ -65,7 +67,8 @@ def publish_audit(settings: Settings, output: AuditOutput, *, stamp: str) -> Pub
         written[name] = write_artifact(store, f"{base}/{name}", payload, kind=ArtifactKind.REPORT, config=config,
                                        producer=producer)
     return PublishedAudit(report_uri=written["report.json"].uri, plan_uri=written["plan.json"].uri,
-                          markdown_uri=written["summary.md"].uri, png_key=written["bytes-by-kind.png"].key)
+                          markdown_uri=written["summary.md"].uri, png_key=written["bytes-by-kind.png"].key,
+                          records=[artifact_record(m) for m in written.values()])
 
 
 @task(**_RETRY)

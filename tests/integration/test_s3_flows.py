@@ -42,6 +42,9 @@ def test_audit_flow_publishes_reports_and_artifacts_then_cleanup_runs_the_review
     summary = state.result()
     assert summary["dead_objects"] == 15 and summary["unmanifested"] == 4 and summary["orphan_manifests"] == 1
     assert summary["hash_problems"] == 1
+    records = {r["uri"]: r for r in summary["artifacts"]}  # what it stored, for a downstream deployment
+    assert {summary["report"], summary["plan"]} <= set(records)
+    assert records[summary["plan"]]["sha256"] == read_manifest(store, summary["plan"].split("/", 3)[3]).sha256
     artifacts = _artifacts(str(state.state_details.flow_run_id))
     assert {"s3-audit-by-kind", "s3-audit-summary", "s3-audit-bytes-by-kind", "s3-audit-lineage"} <= set(artifacts)
     assert "flowchart LR" in artifacts["s3-audit-lineage"].data and "-->" in artifacts["s3-audit-lineage"].data

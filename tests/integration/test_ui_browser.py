@@ -134,7 +134,8 @@ def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, st
         store.delete_many([item.key for item in store.list(prefix)])
     try:
         browser.get(f"{base}/deployments")
-        _wait_text(browser, "embedded-demo", "tokenize-nightly", "train-demo", "evaluate", "generate")
+        # The list shows 10 deployments a page, by name: these are on the first.
+        _wait_text(browser, "embedded-demo", "evaluate", "export", "generate", "tokenize-nightly")
 
         deployment = _api(base, "/deployments/name/dflash-tokenize/tokenize-nightly")
         browser.get(f"{base}/deployments/deployment/{deployment['id']}/run")
