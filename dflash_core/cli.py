@@ -215,22 +215,21 @@ def train(
 def deploy(
     pool: Annotated[str, typer.Option(help="Process work pool to create (or reuse) for the deployments.")] = "dflash",
 ) -> None:
-    """Create the work pool and register every deployment of infra/prefect.yaml with the Prefect server."""
+    """Create the process work pool and register every deployment (flows/deployment_table.py) in it, the
+    way the stage server does at start (`flows.deployments.register_deployments`)."""
     from dflash_core.services.local import prefect_client_env
 
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, **prefect_client_env(load_settings()), "DFLASH_REPO_DIR": str(repo)}
-    prefect = str(Path(sys.executable).parent / "prefect")
-    steps = [
-        [prefect, "work-pool", "create", pool, "--type", "process", "--overwrite"],
-        [prefect, "--no-prompt", "deploy", "--all", "--prefect-file", str(repo / "infra" / "prefect.yaml")],
-    ]
-    for argv in steps:
-        completed = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True)
-        if completed.returncode != 0:
-            raise _fail(f"`{' '.join(argv[1:])}` failed:\n{completed.stdout[-2000:]}{completed.stderr[-2000:]}")
-    console.print(f"deployed infra/prefect.yaml to {load_settings().prefect_api_url}; start a worker with "
-                  f"`{prefect} worker start --pool {pool}`")
+    register = ("import sys; from flows.deployments import register_deployments; "
+                "print(*sorted(register_deployments(work_pool=sys.argv[1])), sep='\\n')")
+    completed = subprocess.run([sys.executable, "-c", register, pool], env=env, cwd=repo, capture_output=True,
+                               text=True)
+    if completed.returncode != 0:
+        raise _fail(f"registering the deployments failed:\n{completed.stdout[-2000:]}{completed.stderr[-2000:]}")
+    console.print(completed.stdout.rstrip())
+    console.print(f"registered in work pool {pool!r} at {load_settings().prefect_api_url}; start a worker with "
+                  f"`{Path(sys.executable).parent / 'prefect'} worker start --pool {pool}`")
 
 
 @app.command()
