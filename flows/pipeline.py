@@ -13,17 +13,17 @@ from typing import Literal
 
 from prefect import flow
 from prefect.runtime import flow_run
-from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from dflash_core.embedded import demo_prompt_params
 from dflash_core.planner import PRESETS, PlanInputs
 from dflash_core.settings import load_settings
 from dflash_core.train.config import TrainConfig
 from flows.command_line import run_from_command_line
 from flows.deployments import StageFailed, run_stage
 from flows.failures import fail_run
-from flows.generate import GenerateParams, PromptSourceParam
+from flows.generate import GenerateParams
 from flows.tokenize import TokenizeParams
 from flows.train import TrainFlowParams
 from tasks.artifacts import artifact_record
@@ -32,14 +32,13 @@ from tasks.provenance import flow_version
 from tasks.store import check_store, publish_report
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
-DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "infra" / "demo" / "prompts.jsonl"
 
 
 def demo_generation() -> GenerateParams:
-    """Generation on the embedded default: the bundled demo prompts, one CPU server, short answers."""
+    """Generation on the embedded default: a seeded ShareGPT sample plus the bundled tool-use prompts, one CPU
+    server, short answers."""
     return GenerateParams(
-        dataset="demo", prompts_version="v1", run="smollm2",
-        prompt_sources=[PromptSourceParam(path=str(DEMO_PROMPTS), name="demo")], shard_size=6,
+        dataset="demo", prompts_version="sharegpt-seed0", run="smollm2", **demo_prompt_params(), shard_size=6,
         sampling={"max_tokens": 48, "temperature": 0.0, "enable_thinking": False},  # SmolLM2 has no thinking mode
         client={"concurrency": 6}, canary_prompts=2, canary={"max_length_fraction": 1.0},
     )

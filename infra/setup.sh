@@ -11,6 +11,8 @@ want=$(cat pyproject.toml infra/requirements-nodeps.txt | sha256sum | cut -d' ' 
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
   .venv/bin/pip install --quiet --disable-pip-version-check --no-deps -r infra/requirements-nodeps.txt
+  # z-lab's dflash (no-deps list) ships a `dflash` command too: reinstall ours so it is the one on the path
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps -e .
   echo "$want" > "$stamp"
 fi
 # The SSH backend's tests run a real OpenSSH server on loopback. Where this runs as root on Debian (as CI

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dflash_core.model.loss import dpace_weights
+from dflash_core.model.topk import grouped_topk
 from dflash_core.model.metrics import block_metrics
 
 
@@ -75,7 +76,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
                 loss_rows[rows] = ((1.0 - label_smoothing) * nll_rows[rows]
                                    + label_smoothing * (log_norm - logits.mean(dim=-1)))
             correct[rows] = logits.argmax(dim=-1) == labels
-            values, ids = logits.topk(top_k, dim=-1)  # sorted: the last is the weakest
+            values, ids = grouped_topk(logits, top_k)  # sorted: the last is the weakest
             has_label = (ids == labels[:, None]).any(dim=-1)
             ids[:, -1] = torch.where(has_label, ids[:, -1], labels)
             values[:, -1] = torch.where(has_label, values[:, -1], label_logit)

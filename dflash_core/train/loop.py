@@ -35,7 +35,7 @@ from dflash_core.model.init_from_target import init_from_target_layers
 from dflash_core.provenance import current_producer
 from dflash_core.target import (
     HiddenStateCapture, compile_decoder_layers, has_recurrent_layers, language_model, target_heads,
-    validate_capture,
+    use_flex_attention, validate_capture,
 )
 from dflash_core.train import checkpoint as ckpt
 from dflash_core.train.config import TrainConfig
@@ -169,8 +169,7 @@ def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedC
         target_config, num_layers=d.num_layers, block_size=d.block_size, num_tapped_layers=len(layer_ids),
         mask_token_id=mask_token_id, layer_types=d.layer_types, sliding_window=d.sliding_window,
         loss_gamma=d.loss_gamma)
-    base = dataclasses.replace(base, target_layer_ids=layer_ids, loss_type=d.loss_type,
-                               loss_weighting=d.resolved_loss_weighting, dpace_alpha=d.dpace_alpha)
+    base = dataclasses.replace(base, target_layer_ids=layer_ids, **d.drafter_training_fields())
     return drafter_config(d.variant, base, **(d.dflash2_fields() if d.variant == "dflash2" else {}))
 
 
@@ -253,10 +252,9 @@ class Trainer:
                                         seed=config.seed)
         if self.target_device.type == "cuda":
             # Packed documents: a BlockMask built from position ids skips the cross-document blocks.
-            try:
-                self.target.set_attn_implementation("flex_attention")
-            except (ValueError, ImportError) as error:
-                warnings.warn(f"target keeps its attention implementation ({error}); packed rows cost more",
+            reason = use_flex_attention(self.target)
+            if reason is not None:
+                warnings.warn(f"target keeps its attention implementation ({reason}); packed rows cost more",
                               stacklevel=2)
         samples_per_batch = config.max_samples_per_batch
         # Hybrid targets pack exactly when dflash_core.hybrid can restart their GDN layers per document.

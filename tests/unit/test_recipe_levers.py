@@ -258,8 +258,6 @@ def test_every_train_config_field_is_described_for_the_ui():
             assert "<" not in field.description and ">" not in field.description, f"{model.__name__}.{name}"
 
 
-@pytest.mark.xfail(reason="dflash_core/train/loop.py's drafter_config_for must apply "
-                   "DrafterSettings.drafter_training_fields() (one line, owned by another change)", strict=False)
 def test_the_trainer_builds_the_drafter_with_the_levers(world):
     from dflash_core.train.loop import drafter_config_for
 
