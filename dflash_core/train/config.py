@@ -176,6 +176,10 @@ class TrainConfig(BaseModel):
     token_budget: int = Field(8192, ge=16, description="Tokens per packed micro-batch per rank.")
     max_samples_per_batch: int | None = Field(
         None, ge=1, description="1 disables packing (hybrid GDN targets pack exactly: their recurrence and conv restart per document).")
+    packing: Literal["best_fit", "greedy"] = Field(
+        "best_fit", description="How samples fill a row: best-fit decreasing within windows of 1,024 shuffled "
+        "samples (rows ~99% real on ShareGPT-like lengths) or greedy next-fit in the shuffled order (~83%; the "
+        "only packing before, so resume older checkpoints with it).")
     max_steps: int = Field(1000, ge=1, description="Optimizer steps of the run (the cosine schedule ends here).")
     seed: int = Field(0, description="Seeds the drafter's init, batch order, anchors and training noise; a rerun "
                       "with the same seed repeats the run.")

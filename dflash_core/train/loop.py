@@ -268,7 +268,7 @@ class Trainer:
         self.sampler = PackedBatchSampler(self.corpus.lengths, token_budget=config.token_budget, seed=config.seed,
                                           rank=self.dist.rank, world_size=self.dist.world_size,
                                           drop_samples_without_loss=~samples_with_loss(self.corpus),
-                                          max_samples_per_batch=samples_per_batch)
+                                          max_samples_per_batch=samples_per_batch, packing=config.packing)
         self.drafter_config = drafter_config_for(config, target_config=self.target.config, corpus=self.corpus,
                                                  tokenizer=load_target_tokenizer(config.target, models_dir=models_dir))
         torch.manual_seed(config.seed)

@@ -20,7 +20,7 @@ from dflash_core.train.checkpoint import (
     capture_rng_state, complete_checkpoints, latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint,
 )
 from dflash_core.train.data import (
-    BadShard, PackedBatchSampler, collate, load_corpus, pack, read_shard_table,
+    BadShard, PackedBatchSampler, collate, load_corpus, pack, pack_best_fit, read_shard_table,
 )
 
 
@@ -44,6 +44,51 @@ def test_pack_covers_every_sample_once_within_budget(lengths, budget, seed) -> N
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for batch in batches:
         assert sum(min(lengths[i], budget) for i in batch) <= budget
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=80), st.integers(64, 512), st.integers(0, 3),
+       st.sampled_from([None, 1, 2, 3]), st.integers(1, 40))
+@settings(max_examples=80, deadline=None)
+def test_best_fit_covers_every_sample_once_within_budget(lengths, budget, seed, max_samples, window) -> None:
+    lengths = np.array(lengths)
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    batches = pack_best_fit(order, lengths, token_budget=budget, max_samples=max_samples, window=window,
+                            rng=np.random.default_rng(seed))
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        assert batch and sum(min(lengths[i], budget) for i in batch) <= budget
+        assert max_samples is None or len(batch) <= max_samples
+    # Samples meet only samples of their own window of the shuffled order.
+    window_of = {int(index): position // window for position, index in enumerate(order)}
+    assert all(len({window_of[i] for i in batch}) == 1 for batch in batches)
+
+
+def test_best_fit_fills_rows_that_greedy_leaves_part_empty() -> None:
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(1500), 0.9, size=4000), 16, 8192).astype(int)
+    order = rng.permutation(len(lengths))
+
+    def fill(batches) -> float:
+        return float(np.mean([min(int(lengths[b].sum()), 8192) / 8192 for b in batches]))
+
+    greedy, best = pack(order, lengths, token_budget=8192), pack_best_fit(order, lengths, token_budget=8192)
+    assert fill(greedy) < 0.9 < 0.97 < fill(best)
+    assert len(best) < len(greedy)
+
+
+def test_sampler_resume_refuses_another_packing() -> None:
+    lengths = np.random.default_rng(0).integers(20, 200, size=100)
+    best = PackedBatchSampler(lengths, token_budget=512, seed=7)
+    greedy = PackedBatchSampler(lengths, token_budget=512, seed=7, packing="greedy")
+    assert best.epoch_batches(0) != greedy.epoch_batches(0)
+    with pytest.raises(ValueError, match="packing='best_fit'.*resume with --set packing=best_fit"):
+        greedy.load_state_dict(best.state_dict())
+    old_state = {k: v for k, v in greedy.state_dict().items() if k != "packing"}  # a checkpoint from before
+    greedy.load_state_dict(old_state)
+    with pytest.raises(ValueError, match="packing='greedy'"):
+        best.load_state_dict(old_state)
+    with pytest.raises(ValueError, match="not one of"):
+        PackedBatchSampler(lengths, token_budget=512, seed=7, packing="first_fit")
 
 
 def test_collate_resets_positions_per_document() -> None:
