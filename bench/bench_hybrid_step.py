@@ -25,6 +25,11 @@ without fla on the path the GDN layers run transformers' torch path (a warning s
 same table, slower.
 CPU smoke (tiny:qwen3_5 target, 512-token rows, < 1 min): .venv/bin/python bench/bench_hybrid_step.py --tiny
 
+Measured on one H200 (2026-12-01; `--packing packed,greedy`, one call):
+  packing   ms/step  real tok/s  real/row  peak GiB  planner
+  packed     1078.0       7,508     99.4%      95.8     96.5   best-fit packing (TrainConfig.packing, the default)
+  greedy     1076.0       6,235     82.0%      95.8     96.5   next-fit, as before
+This machine ran ~3% slower than 2026-11-30's (greedy 1076 vs 1045 ms), so compare rows of one call.
 Measured on one H200 (2026-11-30; fla 0.6.0 for the recurrence and the conv; one call runs both rows):
   packing   ms/step  real tok/s  real/row  peak GiB  planner
   packed     1045.5       6,710     85.3%      95.8     96.5   flex attention, GDN-layer norms/MLP compiled,
@@ -35,12 +40,12 @@ Profile of the packed step (`--profile`, 4 steps, per step): GEMMs ~733 ms (abou
 ~60 ms, AdamW 17 ms, copies 35 ms. Before: the target's 16 attention layers ran cuDNN SDPA with a
 dense document mask (6.9 ms a layer, 110 ms a step; flex: 1.2 ms a layer) and the selector's
 torch.topk over 248K logits took ~100 ms (dflash_core.model.topk: 5.6 -> 1.0 ms per 2,048 rows).
-What is left to 825 ms: the target computes the padding (15% of a packed row) and greedy packing
-fills 85%.
+Best-fit packing (2026-12-01) took the fill to 99.4%; what is left to >= 8.2K real tokens/s (~990 ms)
+is GPU time (the 2026-12-01 profile: target forward ~720 ms, drafter step ~186 ms, AdamW 17 ms).
 
-Row fill on this mix, no model (`--fill-only`, 20,000 samples): packed rows are 82.6% real (3.4
-documents a row, 10th percentile 60%), one document per row 24.2%: packing carries 3.4x the real
-tokens per step. So >= 8.2K real tokens/s needs <= ~825 ms per packed step.
+Row fill on this mix, no model (`--fill-only`, 20,000 samples): best-fit rows are 99.4% real (4.1
+documents a row, 10th percentile 99.1%), greedy 82.6% (3.4, 10th percentile 60%), one document per
+row 24.2%. So >= 8.2K real tokens/s needs <= ~990 ms per best-fit step.
 """
 
 from __future__ import annotations

@@ -268,10 +268,10 @@ def main(argv: list[str] | None = None) -> dict:
         token_budget=args.token_budget, max_steps=max_steps, log_every=args.log_every, upload_checkpoints=False,
         checkpoint_every=max_steps + 1, compile=cuda and not args.no_compile, validate_capture_batches=1,
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
-                 "loss_target": args.teacher, "variant": args.variant},
+                 "loss_target": args.teacher, "variant": args.variant}, prefetch_batches=args.prefetch,
     )
     started = time.perf_counter()
-    trainer = Trainer(config, corpus=corpus, prefetch_batches=args.prefetch)
+    trainer = Trainer(config, corpus=corpus)
     trainer.save = lambda: None  # time training, not checkpoint writes
     setup_s = time.perf_counter() - started
     trainer.validate_capture()

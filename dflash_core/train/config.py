@@ -198,6 +198,10 @@ class TrainConfig(BaseModel):
                                   "end).")
     keep_last: int = Field(3, ge=1, description="Local checkpoints kept; older ones are deleted.")
     upload_checkpoints: bool = Field(True, description="Copy each checkpoint to S3 with manifests.")
+    prefetch_batches: int = Field(2, ge=0, description="Micro-batches packed and pinned ahead on a background "
+                                  "thread (0: packed on the main thread when needed; the same batches either way).")
+    stop_check_every: int = Field(10, ge=1, description="With several ranks: steps between their agreements on a "
+                                  "stop request (each one is a collective and a host sync).")
     log_every: int = Field(10, ge=1, description="Steps per metrics record (means over the window since the "
                            "last one).")
     validate_capture_batches: int = Field(2, ge=0, description="Batches whose capture is checked before training.")

@@ -163,3 +163,11 @@ def test_bench_profile_runs_on_cpu(tmp_path) -> None:
     assert phases["dflash.drafter_step"]["host_ms"] > 0 and phases["dflash.target_forward"]["host_ms"] > 0
     assert trace.exists() and trace.with_name("trace.txt").read_text().count("\n") > 25
     assert not _prefetch_threads()
+
+
+def test_prefetch_and_stop_check_are_config_fields(tmp_path) -> None:
+    trainer = Trainer(tiny_config(tmp_path, max_steps=1, prefetch_batches=0, stop_check_every=3))
+    assert (trainer.prefetch_batches, trainer.stop_check_every) == (0, 3)
+    trainer.close()
+    with pytest.raises(ValueError, match="prefetch_batches"):
+        tiny_config(tmp_path, prefetch_batches=-1)
