@@ -44,6 +44,38 @@ def _transform_slope(
     return multiplier * (1.0 - (logits / softcap).square())
 
 
+def _unary_rows(raw, labels, *, multiplier: float, softcap: float | None, smoothing: float, with_grad: bool):
+    """Per row of one chunk of raw LM-head logits: the unary loss, the label's NLL, its logit,
+    correctness, the transformed fp32 logits (the top-K reads them) and d(loss)/d(raw) in raw's dtype.
+    One function, so torch.compile fuses the upcast, transform, logsumexp, argmax and gradient into a
+    few passes over the [chunk, vocab] logits (`compile_unary_kernel`); eager it is the same math."""
+    logits = transform_logits(raw.float(), multiplier=multiplier, softcap=softcap)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    label_logit = logits.gather(1, labels[:, None]).squeeze(1)
+    nll = log_norm - label_logit
+    # With label smoothing the loss differs from the label's NLL, which D-PACE still reads.
+    loss = nll if smoothing == 0 else (1.0 - smoothing) * nll + smoothing * (log_norm - logits.mean(dim=-1))
+    correct = logits.argmax(dim=-1) == labels
+    if not with_grad:
+        return loss, nll, label_logit, correct, logits, None
+    grad = torch.exp(logits - log_norm[:, None])  # softmax - (1 - s) * onehot - s / V
+    if smoothing > 0:
+        grad = grad - smoothing / logits.shape[-1]
+    grad = grad.scatter_add(1, labels[:, None], torch.full_like(label_logit[:, None], smoothing - 1.0))
+    if multiplier != 1.0 or softcap is not None:  # d(transformed)/d(raw); skipped when it is 1
+        grad = grad * _transform_slope(logits, multiplier=multiplier, softcap=softcap)
+    return loss, nll, label_logit, correct, logits, grad.to(raw.dtype)
+
+
+_unary_kernel = _unary_rows
+
+
+def compile_unary_kernel(enabled: bool = True) -> None:
+    """Use a torch.compile'd `_unary_rows` (GPU; shapes are static per chunk size); eager when disabled."""
+    global _unary_kernel
+    _unary_kernel = torch.compile(_unary_rows, dynamic=False) if enabled else _unary_rows
+
+
 class _UnaryLossAndCandidates(torch.autograd.Function):
     """Chunked: weighted-mean CE of transformed logits, correctness, training candidates, and their
     (differentiable) logits. The CE's input gradient is computed in the forward pass, chunk by
@@ -66,28 +98,17 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden_NH) if needs_grad else hidden_NH.new_empty(0)
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
-            raw = (hidden_NH[rows].to(compute_dtype) @ weight_VH.T).float()
-            logits = transform_logits(raw, multiplier=multiplier, softcap=softcap)
+            raw = hidden_NH[rows].to(compute_dtype) @ weight_VH.T
             labels = labels_N[rows]
-            log_norm = torch.logsumexp(logits, dim=-1)
-            label_logit = logits.gather(1, labels[:, None]).squeeze(1)
-            nll_rows[rows] = log_norm - label_logit
-            if label_smoothing > 0:
-                loss_rows[rows] = ((1.0 - label_smoothing) * nll_rows[rows]
-                                   + label_smoothing * (log_norm - logits.mean(dim=-1)))
-            correct[rows] = logits.argmax(dim=-1) == labels
+            loss_rows[rows], nll_rows[rows], label_logit, correct[rows], logits, grad = _unary_kernel(
+                raw, labels, multiplier=multiplier, softcap=softcap, smoothing=label_smoothing, with_grad=needs_grad)
             values, ids = grouped_topk(logits, top_k)  # sorted: the last is the weakest
             has_label = (ids == labels[:, None]).any(dim=-1)
             ids[:, -1] = torch.where(has_label, ids[:, -1], labels)
             values[:, -1] = torch.where(has_label, values[:, -1], label_logit)
             candidate_ids[rows], candidate_logits[rows], contains[rows] = ids, values, has_label
             if needs_grad:
-                grad = torch.exp(logits - log_norm[:, None])
-                if label_smoothing > 0:  # softmax - (1 - s) * onehot - s / V
-                    grad = grad - label_smoothing / logits.shape[-1]
-                grad.scatter_add_(1, labels[:, None], torch.full_like(label_logit[:, None], label_smoothing - 1.0))
-                grad = grad * _transform_slope(logits, multiplier=multiplier, softcap=softcap)
-                grad_hidden[rows] = (grad.to(compute_dtype) @ weight_VH).to(hidden_NH.dtype)
+                grad_hidden[rows] = (grad @ weight_VH).to(hidden_NH.dtype)
         scale = slot_scale(nll_rows, token_weights_N, dpace_alpha=dpace_alpha, num_slots=num_slots)
         if needs_grad:
             grad_hidden.mul_(scale[:, None].to(grad_hidden.dtype))

@@ -18,6 +18,7 @@ from torch import nn
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.model.attention import AttendFn, DFlashDecoderLayer, RMSNorm, RotaryEmbedding
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
+from dflash_core.model.dflash2_loss import compile_unary_kernel
 from dflash_core.model.loss import chunked_lm_head_loss, compile_loss_kernel, default_chunk_size
 from dflash_core.model.loss import position_weights
 from dflash_core.model.loss import teacher_token_ids
@@ -119,7 +120,7 @@ class DFlashDraftModel(nn.Module):
 
     def compile_layers(self, **compile_kwargs) -> None:
         """torch.compile each decoder layer (flex_attention then compiles inside the layer), the
-        context K/V projection and the per-chunk loss kernel. Training shapes are static, so the
+        context K/V projection and the per-chunk loss kernels (DFlash's and DFlash 2's). Training shapes are static, so the
         default is dynamic=False: automatic dynamic shapes (after a second shape) gave a 2x slower
         flex_attention backward on an H200."""
         compile_kwargs.setdefault("dynamic", False)
@@ -127,6 +128,7 @@ class DFlashDraftModel(nn.Module):
             layer.compile(**compile_kwargs)
             layer.self_attn.key_value = torch.compile(layer.self_attn.key_value, **compile_kwargs)
         compile_loss_kernel(True)
+        compile_unary_kernel(True)
         self._layers_compiled = True
 
     # -- shared pieces ----------------------------------------------------------------------

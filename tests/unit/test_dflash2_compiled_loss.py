@@ -1,0 +1,56 @@
+"""DFlash 2's chunked unary loss: the torch.compile'd per-chunk kernel (what training runs after
+`compile_layers`) gives the eager kernel's loss, gradients, candidates and correctness, on CPU and
+(when there is one) on CUDA at a larger vocabulary.
+
+Run: `.venv/bin/python -m pytest tests/unit/test_dflash2_compiled_loss.py -q`
+(CUDA machine without pydantic: python3 -m pytest --noconftest -p no:cacheprovider -k cuda <this file>)
+"""
+
+import pytest
+import torch
+
+from dflash_core.model import dflash2_loss
+from dflash_core.model.dflash2 import CandidateSelector
+from dflash_core.model.dflash2_loss import compile_unary_kernel, dflash2_objective
+
+SHAPES = {"cpu": (2560, 32, 3000), "cuda": (2560, 256, 32000)}  # rows: 2 full chunks and a short one
+
+
+def _objective(hidden, weight, selector, labels, predecessors, token_weights, **options):
+    hidden = hidden.detach().requires_grad_(True)
+    objective = dflash2_objective(hidden, lm_head_weight=weight, selector=selector, labels_N=labels,
+                                  predecessor_ids_N=predecessors, token_weights_N=token_weights, chunk_size=1024,
+                                  **options)
+    grads = torch.autograd.grad(objective.loss, [hidden, *selector.parameters()])
+    return objective, grads
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("options", [{}, {"output_multiplier": 0.7, "softcap": 30.0},
+                                     {"label_smoothing": 0.1, "dpace_alpha": 0.5, "num_slots": 8}])
+def test_compiled_unary_kernel_matches_eager(options, device):
+    torch.manual_seed(0)
+    num, hidden_size, vocab = SHAPES[device]
+    weight = (torch.randn(vocab, hidden_size, device=device) / hidden_size ** 0.5).bfloat16()
+    selector = CandidateSelector(vocab_size=vocab, hidden_size=hidden_size, rank=16, top_k=8).to(device)
+    selector.reset_parameters(std=0.5)  # its parameters start uninitialized (the drafter's init fills them)
+    hidden = torch.randn(num, hidden_size, device=device)  # the drafter's fp32 states; the head is bf16
+    labels = torch.randint(0, vocab, (num,), device=device)
+    labels[::3] = (hidden[::3] @ weight.float().T).argmax(-1)  # some labels the head already predicts
+    predecessors = torch.randint(0, vocab, (num,), device=device)
+    token_weights = (torch.rand(num, device=device) > 0.1).float()
+    args = (hidden, weight, selector, labels, predecessors, token_weights)
+    compile_unary_kernel(False)
+    eager, eager_grads = _objective(*args, **options)
+    try:
+        compile_unary_kernel(True)
+        compiled, compiled_grads = _objective(*args, **options)
+        assert dflash2_loss._unary_kernel is not dflash2_loss._unary_rows
+    finally:
+        compile_unary_kernel(False)
+    torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-4, atol=1e-5)
+    assert torch.equal(compiled.unary_correct, eager.unary_correct)
+    assert torch.equal(compiled.label_in_top_k, eager.label_in_top_k)
+    for got, want in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-4)
