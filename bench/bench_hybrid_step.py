@@ -29,6 +29,7 @@ Measured on one H200 (2026-12-01; `--packing packed,greedy`, one call):
   packing   ms/step  real tok/s  real/row  peak GiB  planner
   packed     1078.0       7,508     99.4%      95.8     96.5   best-fit packing (TrainConfig.packing, the default)
   greedy     1076.0       6,235     82.0%      95.8     96.5   next-fit, as before
+  packed     1029.1       7,856     99.4%      96.7     96.5   + DFlash 2's per-chunk loss math compiled (next call)
 This machine ran ~3% slower than 2026-11-30's (greedy 1076 vs 1045 ms), so compare rows of one call.
 Measured on one H200 (2026-11-30; fla 0.6.0 for the recurrence and the conv; one call runs both rows):
   packing   ms/step  real tok/s  real/row  peak GiB  planner
