@@ -48,7 +48,8 @@ With the prefetch thread and metrics synced every 10 steps (2026-12-01, DFlash, 
   drafter's flex attention backward 18 ms, fused AdamW 9 ms.
   >= 26K tokens/s (315 ms) needs GPU work: the drafter's LM-head loss and the teacher head, not the host.
 Session 5 (2026-12-01, another H200, `--warmup 4 --steps 12`): DFlash 356.5 ms, 23.0K tokens/s, 38.5 GiB;
-DFlash 2 374.0 ms, 21.9K tokens/s, 44.6 GiB (409 ms before its per-chunk loss math was compiled).
+DFlash 2 374.0 ms, 21.9K tokens/s, 44.6 GiB (session 3: 409 ms, before grouped top-k and the compiled
+DFlash 2 loss kernel).
 """
 
 from __future__ import annotations
