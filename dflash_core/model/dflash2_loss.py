@@ -21,7 +21,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from dflash_core.model.loss import dpace_weights
+from dflash_core.model.loss import cross_entropy_logit_grad, cross_entropy_terms, dpace_weights
 from dflash_core.model.topk import grouped_topk
 from dflash_core.model.metrics import block_metrics
 
@@ -50,18 +50,10 @@ def _unary_rows(raw, labels, *, multiplier: float, softcap: float | None, smooth
     One function, so torch.compile fuses the upcast, transform, logsumexp, argmax and gradient into a
     few passes over the [chunk, vocab] logits (`compile_unary_kernel`); eager it is the same math."""
     logits = transform_logits(raw.float(), multiplier=multiplier, softcap=softcap)
-    log_norm = torch.logsumexp(logits, dim=-1)
-    label_logit = logits.gather(1, labels[:, None]).squeeze(1)
-    nll = log_norm - label_logit
-    # With label smoothing the loss differs from the label's NLL, which D-PACE still reads.
-    loss = nll if smoothing == 0 else (1.0 - smoothing) * nll + smoothing * (log_norm - logits.mean(dim=-1))
-    correct = logits.argmax(dim=-1) == labels
+    loss, nll, label_logit, log_norm, correct = cross_entropy_terms(logits, labels, smoothing=smoothing)
     if not with_grad:
         return loss, nll, label_logit, correct, logits, None
-    grad = torch.exp(logits - log_norm[:, None])  # softmax - (1 - s) * onehot - s / V
-    if smoothing > 0:
-        grad = grad - smoothing / logits.shape[-1]
-    grad = grad.scatter_add(1, labels[:, None], torch.full_like(label_logit[:, None], smoothing - 1.0))
+    grad = cross_entropy_logit_grad(logits, log_norm, labels, smoothing=smoothing)
     if multiplier != 1.0 or softcap is not None:  # d(transformed)/d(raw); skipped when it is 1
         grad = grad * _transform_slope(logits, multiplier=multiplier, softcap=softcap)
     return loss, nll, label_logit, correct, logits, grad.to(raw.dtype)

@@ -69,6 +69,26 @@ def dpace_weights(nll_RK: torch.Tensor, valid_RK: torch.Tensor, *, alpha: float)
         return suffix * valid
 
 
+def cross_entropy_terms(logits32, labels, *, smoothing: float = 0.0):
+    """Per row of fp32 logits: the loss ((1 - s) * nll + s * mean_v(-log q_v) with label smoothing s),
+    the label's NLL, its logit, log Z and correctness. Shared by DFlash's and DFlash 2's per-chunk
+    kernels, which torch.compile inlines it into."""
+    log_norm = torch.logsumexp(logits32, dim=-1)
+    label_logit = logits32.gather(1, labels[:, None]).squeeze(1)
+    nll = log_norm - label_logit
+    loss = nll if smoothing == 0 else (1.0 - smoothing) * nll + smoothing * (log_norm - logits32.mean(dim=-1))
+    correct = logits32.argmax(dim=-1) == labels
+    return loss, nll, label_logit, log_norm, correct
+
+
+def cross_entropy_logit_grad(logits32, log_norm, labels, *, smoothing: float = 0.0):
+    """d(loss)/d(logits) of `cross_entropy_terms`' loss: softmax - (1 - s) * onehot - s / V (fp32)."""
+    grad = torch.exp(logits32 - log_norm[:, None])
+    if smoothing > 0:
+        grad = grad - smoothing / logits32.shape[-1]
+    return grad.scatter_add_(1, labels[:, None], torch.full_like(log_norm[:, None], smoothing - 1.0))  # fresh: in place
+
+
 def _ce_rows(logits, labels, *, with_grad: bool):
     """Per row: cross-entropy, the same as the label's NLL, correctness, and d(ce)/d(logits).
 
@@ -76,29 +96,19 @@ def _ce_rows(logits, labels, *, with_grad: bool):
     couple of passes over the [chunk, vocab] logits (see `compile_loss_kernel`).
     """
     logits32 = logits.float()
-    log_norm = torch.logsumexp(logits32, dim=-1)
-    ce = log_norm - logits32.gather(1, labels[:, None]).squeeze(1)
-    correct = logits32.argmax(dim=-1) == labels
+    ce, _, _, log_norm, correct = cross_entropy_terms(logits32, labels)
     if not with_grad:
         return ce, correct, None
-    grad_logits = torch.exp(logits32 - log_norm[:, None])  # softmax - onehot
-    grad_logits.scatter_add_(1, labels[:, None], torch.full_like(ce[:, None], -1.0))
-    return ce, correct, grad_logits.to(logits.dtype)
+    return ce, correct, cross_entropy_logit_grad(logits32, log_norm, labels).to(logits.dtype)
 
 
 def _smoothed_ce_rows(logits, labels, *, smoothing: float, with_grad: bool):
-    """Per row: label-smoothed cross-entropy (1 - s) * nll + s * mean_v(-log q_v), the label's NLL,
-    correctness, and d(loss)/d(logits) = softmax - (1 - s) * onehot - s / V."""
+    """Per row: label-smoothed cross-entropy, the label's NLL, correctness, and d(loss)/d(logits)."""
     logits32 = logits.float()
-    log_norm = torch.logsumexp(logits32, dim=-1)
-    nll = log_norm - logits32.gather(1, labels[:, None]).squeeze(1)
-    loss = (1.0 - smoothing) * nll + smoothing * (log_norm - logits32.mean(dim=-1))
-    correct = logits32.argmax(dim=-1) == labels
+    loss, nll, _, log_norm, correct = cross_entropy_terms(logits32, labels, smoothing=smoothing)
     if not with_grad:
         return loss, nll, correct, None
-    grad_logits = torch.exp(logits32 - log_norm[:, None]) - smoothing / logits32.shape[-1]
-    grad_logits.scatter_add_(1, labels[:, None], torch.full_like(nll[:, None], smoothing - 1.0))
-    return loss, nll, correct, grad_logits.to(logits.dtype)
+    return loss, nll, correct, cross_entropy_logit_grad(logits32, log_norm, labels, smoothing=smoothing).to(logits.dtype)
 
 
 def _kl_rows(logits, teacher_logits, *, with_grad: bool):

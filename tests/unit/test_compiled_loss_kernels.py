@@ -1,8 +1,8 @@
-"""DFlash 2's chunked unary loss: the torch.compile'd per-chunk kernel (what training runs after
-`compile_layers`) gives the eager kernel's loss, gradients, candidates and correctness, on CPU and
-(when there is one) on CUDA at a larger vocabulary.
+"""The chunked LM-head losses' torch.compile'd per-chunk kernels (what training runs after
+`compile_layers`) give the eager kernels' loss, gradients and correctness: DFlash 2's (candidates
+too) on CPU and, when there is one, on CUDA at a larger vocabulary; DFlash's on CPU.
 
-Run: `.venv/bin/python -m pytest tests/unit/test_dflash2_compiled_loss.py -q`
+Run: `.venv/bin/python -m pytest tests/unit/test_compiled_loss_kernels.py -q`
 (CUDA machine without pydantic: python3 -m pytest --noconftest -p no:cacheprovider -k cuda <this file>)
 """
 
@@ -12,6 +12,7 @@ import torch
 from dflash_core.model import dflash2_loss
 from dflash_core.model.dflash2 import CandidateSelector
 from dflash_core.model.dflash2_loss import compile_unary_kernel, dflash2_objective
+from dflash_core.model.loss import chunked_lm_head_loss, compile_loss_kernel
 
 SHAPES = {"cpu": (2560, 32, 3000), "cuda": (2560, 256, 32000)}  # rows: 2 full chunks and a short one
 
@@ -54,3 +55,31 @@ def test_compiled_unary_kernel_matches_eager(options, device):
     assert torch.equal(compiled.label_in_top_k, eager.label_in_top_k)
     for got, want in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_compiled_dflash_loss_kernel_matches_eager(smoothing):
+    """DFlash's chunked cross-entropy shares the per-row terms with DFlash 2's (cross_entropy_terms)."""
+    torch.manual_seed(0)
+    num, hidden_size, vocab = 600, 32, 3000
+    weight = (torch.randn(vocab, hidden_size) / hidden_size ** 0.5).bfloat16()
+    hidden = torch.randn(num, hidden_size)
+    labels = torch.randint(0, vocab, (num,))
+    valid = torch.rand(num) > 0.1
+
+    def run():
+        states = hidden.clone().requires_grad_(True)
+        result = chunked_lm_head_loss(states, lm_head_weight=weight, valid_N=valid, labels_N=labels,
+                                      token_weights_N=torch.ones(num), chunk_size=256, label_smoothing=smoothing)
+        return result, torch.autograd.grad(result.loss, states)[0]
+
+    compile_loss_kernel(False)
+    eager, eager_grad = run()
+    try:
+        compile_loss_kernel(True)
+        compiled, compiled_grad = run()
+    finally:
+        compile_loss_kernel(False)
+    torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-4, atol=1e-5)
+    assert torch.equal(compiled.correct, eager.correct)
+    torch.testing.assert_close(compiled_grad, eager_grad, rtol=2e-2, atol=1e-5)
