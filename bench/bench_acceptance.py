@@ -611,7 +611,8 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     from dflash_core.target import HiddenStateCapture
     from dflash_core.train.data import PackedBatchSampler, collate, samples_with_loss
     from dflash_core.train.inputs import load_target_model
-    from dflash_core.train.loop import drafter_config_for, load_target_tokenizer, lr_factor
+    from dflash_core.train.drafter_setup import drafter_config_for, load_target_tokenizer
+    from dflash_core.train.loop import lr_factor
     from dflash_core.train.step import batch_tensors, capture_batch
 
     config = _train_config(job, variant, Path(_WORKER["work"]) / "runs")

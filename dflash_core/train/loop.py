@@ -29,8 +29,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from dflash_core.hybrid import GDNKernels, install_packed_gdn
-from dflash_core.model import DFlashConfig
-from dflash_core.model.dflash2 import config_from_dict, drafter_config, variant_of
+from dflash_core.model.dflash2 import config_from_dict, variant_of
 from dflash_core.model.init_from_target import init_from_target_layers
 from dflash_core.provenance import current_producer
 from dflash_core.target import (
@@ -44,7 +43,9 @@ from dflash_core.train.data import (
 )
 from dflash_core.train.inputs import fetch_shards, load_target_model
 from dflash_core.train.prefetch import BatchPrefetcher, InlineBatches, batch_preparer
-from dflash_core.train.step import batch_tensors, capture_batch, drafter_step
+from dflash_core.train.drafter_setup import drafter_config_for, load_target_tokenizer
+from dflash_core.train.metrics_window import MetricsWindow, to_host
+from dflash_core.train.step import batch_tensors, capture_batch, drafter_step, step_generator
 
 if TYPE_CHECKING:  # the object store needs boto3: imported only where a store is used
     from dflash_core.lineage import InputRef
@@ -106,112 +107,12 @@ def _devices(config: TrainConfig, dist_info: Distributed) -> tuple[torch.device,
     return target, drafter
 
 
-def _step_generator(seed: int, step: int, global_micro: int) -> torch.Generator:
-    """Anchor sampling depends only on (seed, step, global micro-batch index): resume replays it
-    exactly, and N ranks x 1 micro-batch sample like 1 rank x N micro-batches."""
-    return torch.Generator().manual_seed(hash((seed, step, global_micro)) & 0x7FFF_FFFF_FFFF_FFFF)
-
-
 def record_target_kernels(run_dir: Path, kernels: GDNKernels) -> None:
     """`target_kernels` in the run's provenance.json (written beside run.yaml, created if absent)."""
     path = run_dir / "provenance.json"
     record = json.loads(path.read_text()) if path.is_file() else {}
     record["target_kernels"] = kernels.as_dict()
     path.write_text(json.dumps(record, indent=2))
-
-
-def load_target_tokenizer(spec: str, *, models_dir: Path):
-    """The target's tokenizer where there is one (`embedded`, a model directory holding tokenizer
-    files), else None (`tiny:`/`random:` targets). Used to pick the mask token."""
-    if spec == "embedded":
-        from dflash_core.embedded import embedded_model_dir
-
-        directory = embedded_model_dir(models_dir)
-    elif Path(spec).is_dir() and any((Path(spec) / name).is_file()
-                                     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        directory = Path(spec)
-    else:
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except (OSError, ValueError) as error:
-        warnings.warn(f"could not load the target's tokenizer from {directory} ({error}); the mask token is "
-                      "chosen from the config and the corpus only", stacklevel=2)
-        return None
-
-
-def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedCorpus | None = None,
-                       tokenizer=None) -> DFlashConfig:
-    """The drafter a run trains: shapes from the target, tapped layers, mask token, loss and variant
-    (a DFlash2Config for variant dflash2) from `config.drafter`. The mask token is checked (never an
-    end token) or chosen with the tokenizer and the corpus's token counts (a row the data never contains)."""
-    import dataclasses
-
-    import numpy as np
-
-    from dflash_core.model.config import _text_config
-    from dflash_core.model.mask_token import resolve_mask_token_id
-
-    d = config.drafter
-    text = _text_config(target_config)
-    counts = None
-    if d.mask_token_id is None and corpus is not None and corpus.tokens.size:  # only a chosen mask needs them
-        counts = np.zeros(int(text.vocab_size), dtype=np.int64)
-        for start in range(0, corpus.tokens.size, 1 << 24):  # bincount upcasts: chunks keep that copy small
-            chunk = np.bincount(corpus.tokens[start:start + (1 << 24)], minlength=counts.size)
-            counts[: min(chunk.size, counts.size)] += chunk[: counts.size]
-    mask_token_id = resolve_mask_token_id(d.mask_token_id, target_config=target_config, tokenizer=tokenizer,
-                                          token_counts=counts)
-    layer_ids = d.tapped_layer_ids(num_target_layers=text.num_hidden_layers)
-    base = DFlashConfig.from_target(
-        target_config, num_layers=d.num_layers, block_size=d.block_size, num_tapped_layers=len(layer_ids),
-        mask_token_id=mask_token_id, layer_types=d.layer_types, sliding_window=d.sliding_window,
-        loss_gamma=d.loss_gamma)
-    base = dataclasses.replace(base, target_layer_ids=layer_ids, **d.drafter_training_fields())
-    return drafter_config(d.variant, base, **(d.dflash2_fields() if d.variant == "dflash2" else {}))
-
-
-def _to_host(metrics: dict) -> dict:
-    """{name: float, or a list for a vector} in one copy per device (one sync, not one per metric);
-    values that are not tensors pass through."""
-    host = dict(metrics)
-    by_device: dict[torch.device, list[str]] = {}
-    for name, value in metrics.items():
-        if isinstance(value, torch.Tensor):
-            by_device.setdefault(value.device, []).append(name)
-    for names in by_device.values():
-        flat = torch.cat([metrics[name].detach().reshape(-1).double() for name in names]).tolist()
-        start = 0
-        for name in names:
-            count = metrics[name].numel()
-            host[name] = flat[start:start + count] if count > 1 else flat[start]
-            start += count
-    return host
-
-
-class MetricsWindow:
-    """Running sums of the per-step metric tensors on their device (no host sync until `pop`)."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.steps = 0
-
-    def add(self, metrics: dict[str, torch.Tensor]) -> None:
-        for name, value in metrics.items():
-            value = value.detach().float()
-            self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
-        self.steps += 1
-
-    def pop(self) -> dict[str, torch.Tensor]:
-        """{name: mean over the window} plus {"steps": n}; starts a new window."""
-        if not self.steps:
-            return {}
-        means = {name: total / self.steps for name, total in self.sums.items()}
-        means["steps"] = torch.tensor(float(self.steps))
-        self.sums, self.steps = {}, 0
-        return means
 
 
 class Trainer:
@@ -407,10 +308,10 @@ class Trainer:
                     window.add(metrics)
                 if self.dist.is_main and (self.step % config.log_every == 0 or self.step == config.max_steps):
                     waited = time.perf_counter()
-                    window_means = _to_host(window.pop())  # the one device->host sync of the window
+                    window_means = to_host(window.pop())  # the one device->host sync of the window
                     self._timing.wait_s = time.perf_counter() - waited
                     elapsed = time.perf_counter() - started
-                    record = self._log_record(_to_host(metrics), tokens_since_log / max(elapsed, 1e-9),
+                    record = self._log_record(to_host(metrics), tokens_since_log / max(elapsed, 1e-9),
                                               window=window_means)
                     with open(metrics_path, "a") as handle:
                         handle.write(json.dumps(record) + "\n")
@@ -459,7 +360,7 @@ class Trainer:
                 metrics = drafter_step(
                     self.model, tensors=tensors, captured=captured, num_anchors=config.drafter.num_anchors,
                     block_size=self.drafter_config.block_size, teacher=self.teacher,
-                    generator=_step_generator(config.seed, self.step, micro * self.dist.world_size + self.dist.rank),
+                    generator=step_generator(config.seed, self.step, micro * self.dist.world_size + self.dist.rank),
                     device=self.drafter_device, attention_backend=config.attention_backend, loss_scale=1 / accum)
             for name, value in metrics.items():
                 summed[name] = summed.get(name, 0) + value.detach().float() / accum
@@ -499,9 +400,9 @@ class Trainer:
         """The last step's metrics at the top level; `window`: their means over the steps since the last
         record (`window.steps` of them), which is what to read: one step's accuracy is noisy."""
         record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": round(tokens_per_s, 1)}
-        record.update(_to_host(metrics))
+        record.update(to_host(metrics))
         if window:
-            record["window"] = _to_host(window)
+            record["window"] = to_host(window)
             record["window"]["steps"] = int(record["window"]["steps"])
         if self.drafter_device.type == "cuda":
             record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.drafter_device) / 2**30

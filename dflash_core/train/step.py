@@ -91,6 +91,12 @@ def _pinned(plan: BlockPlan) -> BlockPlan:
                                         for value in [getattr(plan, field.name)] if isinstance(value, torch.Tensor)})
 
 
+def step_generator(seed: int, step: int, global_micro: int) -> torch.Generator:
+    """Anchor sampling depends only on (seed, step, global micro-batch index): resume replays it
+    exactly, and N ranks x 1 micro-batch sample like 1 rank x N micro-batches."""
+    return torch.Generator().manual_seed(hash((seed, step, global_micro)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
 # ---- the pair layout, overlapped ----------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -167,7 +173,6 @@ class PairOverlapSteps:
     with CUDA events on the side stream) to the metrics."""
 
     def _optimizer_step(self, batches) -> tuple[dict[str, torch.Tensor], int]:
-        from dflash_core.train.loop import _step_generator
 
         config = self.config
         if getattr(self, "_overlap_batches", None) is not batches:  # a new run(): nothing in flight
@@ -190,7 +195,7 @@ class PairOverlapSteps:
                     self.model, tensors=flight.tensors, captured=flight.captured,
                     num_anchors=config.drafter.num_anchors, block_size=self.drafter_config.block_size,
                     teacher=self.teacher,
-                    generator=_step_generator(config.seed, self.step, micro * self.dist.world_size + self.dist.rank),
+                    generator=step_generator(config.seed, self.step, micro * self.dist.world_size + self.dist.rank),
                     device=self.drafter_device, attention_backend=config.attention_backend, loss_scale=1 / accum)
             for name, value in metrics.items():
                 summed[name] = summed.get(name, 0) + value.detach().float() / accum

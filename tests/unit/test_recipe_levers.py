@@ -259,7 +259,7 @@ def test_every_train_config_field_is_described_for_the_ui():
 
 
 def test_the_trainer_builds_the_drafter_with_the_levers(world):
-    from dflash_core.train.loop import drafter_config_for
+    from dflash_core.train.drafter_setup import drafter_config_for
 
     _, target_config, _, _, _ = world
     config = TrainConfig(target="tiny:qwen3", data=["x"], drafter={"num_layers": 2, "block_size": 4,
