@@ -28,27 +28,33 @@ class _Tokenizer:
 
 
 def test_held_out_prompts_never_train(bench):
+    import acceptance_data as data  # bench/, on the path once the bench is loaded
+
     pool = [(f"sharegpt:{i}", f"prompt number {i} " + "word " * (i % 7)) for i in range(2000)]
     pool.append(("sharegpt:dup", pool[0][1]))  # ShareGPT repeats texts under other ids
     shape = bench.Shape(train_prompts=300, eval_prompts=10, max_prompt_tokens=8)
-    train, evaluation = bench.split_prompts(pool[:-1], _Tokenizer(), shape)
-    assert len(train) == 300 and len(evaluation) == 10 + len(bench.OWN_PROMPTS)
-    assert all(bench.held_out(i) for i, _ in evaluation[:10]) and not any(bench.held_out(i) for i, _ in train)
+    train, evaluation = data.split_prompts(pool[:-1], _Tokenizer(), shape)
+    assert len(train) == 300 and len(evaluation) == 10 + len(data.OWN_PROMPTS)
+    assert all(data.held_out(i) for i, _ in evaluation[:10]) and not any(data.held_out(i) for i, _ in train)
     assert all(len(ids) <= 8 for _, ids in train)
     with pytest.raises(SystemExit, match="held-out"):
-        bench.split_prompts(pool[:50], _Tokenizer(), shape)
+        data.split_prompts(pool[:50], _Tokenizer(), shape)
 
 
 def test_table_aggregates_seeds_and_compares_with_speculators(bench):
+    import acceptance_report as report
+
     def result(variant, seed, tau):
         return {"variant": variant, "seed": seed, "steps": 200, "tau": tau, "acceptance_per_position": [0.5, 0.25],
                 "tau_by_source": {"sharegpt": tau, "own": None}, "train_tau": 1.5, "steps_per_s": 10.0,
                 "all_match_target": True, "mask_token_id": 16, "target_layer_ids": [1, 27]}
 
-    rows = bench.aggregate([result("default", 0, 2.0), result("default", 1, 2.4), result("speculators", 0, 2.0)])
+    results = [result("default", 0, 2.0), result("default", 1, 2.4), result("speculators", 0, 2.0)]
+    rows = report.aggregate(results, variant_order=list(bench.variants()))
     assert [r["variant"] for r in rows] == ["default", "speculators"]
+    assert [r["variant"] for r in report.aggregate(results, variant_order=["speculators"])] == ["speculators", "default"]
     assert rows[0]["tau_mean"] == pytest.approx(2.2) and rows[0]["tau_sd"] == pytest.approx(0.2828, abs=1e-4)
-    text = bench.table(rows, command="python bench/bench_acceptance.py")
+    text = report.table(rows, command="python bench/bench_acceptance.py")
     assert "| default | 200 | 2.200 +- 0.283 (n=2) | 1.10x |" in text
     assert "--variants default --seeds 0 1 --steps 200" in text
 
