@@ -42,21 +42,23 @@ import tempfile
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling module
+from multi_gpu_processes import (  # noqa: E402
+    NO_MULTICAST, REPO, TAG_VARIABLE, Run, alive, child_env, end_tagged, launch, read_records, worker_pid,
+)
+
 os.environ.update(NO_MULTICAST)  # before torch loads, for this process too
 
 import numpy as np  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a bare checkout, no install
 
 from dflash_core.train.entry import training_argv  # noqa: E402
 
 PHASES = ("colocated", "ddp", "pair", "pair-overlap", "kill")
-TAG_VARIABLE = "DFLASH_BENCH_TAG"
 
 
 @dataclass
@@ -83,21 +85,6 @@ GPU = Shape(target="random:qwen3-8b", vocab=151936, token_budget=8192, sample_le
 CPU = Shape(target="tiny:qwen3", vocab=256, token_budget=128, sample_len=32, anchors=16, layers=1, block_size=8,
             warmup=1, steps=3, kill_layers=1, kill_checkpoint_every=20, kill_at_step=22, kill_max_steps=40,
             poll_s=0.02)
-
-
-@dataclass
-class Run:
-    name: str
-    argv: list[str]
-    returncode: int | None = None
-    wall_s: float = 0.0
-    first_step_s: float | None = None  # start -> first metrics record (imports, target, compile, validation)
-    after_last_step_s: float | None = None  # last metrics record -> exit (the final checkpoint write)
-    records: list[dict] = field(default_factory=list)
-    summaries: list[dict] = field(default_factory=list)
-    log_tail: str = ""
-    ended_at: float = 0.0  # time.monotonic() when the exit was seen
-    completed: bool = False  # rank 0 printed its final line: training and the last checkpoint are done
 
 
 # ---- data and configs -----------------------------------------------------------------------------
@@ -145,112 +132,6 @@ def run_config(work: Path, name: str, shape: Shape, shard: Path, **changes) -> P
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=1))
     return path
-
-
-# ---- processes ------------------------------------------------------------------------------------
-
-def child_env(work: Path, tag: str, *, cpu: bool) -> dict[str, str]:
-    env = {**os.environ, **NO_MULTICAST, TAG_VARIABLE: tag, "PYTHONUNBUFFERED": "1",
-           "DFLASH_WORK_DIR": str(work / "dflash"), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    if cpu:
-        env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return env
-
-
-def tagged_processes(tag: str) -> dict[int, dict[str, str]]:
-    """pid -> environment of every process this bench started (they carry its tag) that runs the entry."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            raw = (proc / "environ").read_bytes()
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"{TAG_VARIABLE}={tag}".encode() not in raw or b"dflash_core.train.entry" not in cmdline:
-            continue
-        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-        found[int(proc.name)] = env
-    return found
-
-
-def worker_pid(tag: str, rank: int) -> int | None:
-    """The training worker of global rank `rank` (torchrun's agent has no RANK in its environment)."""
-    pids = [pid for pid, env in tagged_processes(tag).items() if env.get("RANK") == str(rank)]
-    return min(pids) if pids else None
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def end_tagged(tag: str) -> None:
-    """Kill what is left of this bench's own process trees, by id."""
-    for pid in tagged_processes(tag):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def read_records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            pass
-    return records
-
-
-def launch(name: str, argv: list[str], *, env: dict, log: Path, metrics: Path, timeout_s: float, poll_s: float,
-           on_poll=None, expect_failure: bool = False) -> Run:
-    """Run one training process tree to its end; `on_poll(records, process)` is called while it runs."""
-    run = Run(name=name, argv=argv)
-    print(f"  $ {' '.join(argv[1:]) if argv[0] == sys.executable else ' '.join(argv)}", flush=True)
-    started = time.monotonic()
-    last_count, last_change = 0, None
-    with open(log, "w") as sink:
-        process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        while process.poll() is None:
-            if time.monotonic() - started > timeout_s:
-                os.killpg(process.pid, signal.SIGKILL)
-                end_tagged(env[TAG_VARIABLE])
-                process.wait()
-                sink.write(f"\n[bench] killed after the {timeout_s:.0f} s time limit\n")
-                break
-            records = read_records(metrics)
-            if len(records) != last_count:
-                last_count, last_change = len(records), time.monotonic()
-                if run.first_step_s is None:
-                    run.first_step_s = last_change - started
-            if on_poll is not None:
-                on_poll(records, process)
-            time.sleep(poll_s)
-    run.ended_at = time.monotonic()
-    run.returncode = process.returncode
-    run.wall_s = run.ended_at - started
-    if last_change is not None:
-        run.after_last_step_s = run.ended_at - last_change
-    text = log.read_text(errors="replace")
-    run.records = read_records(metrics)
-    run.summaries = [json.loads(line.split(" ", 1)[1]) for line in text.splitlines() if line.startswith("rank-summary ")]
-    run.log_tail = text[-6000:]
-    run.completed = any(line.startswith('{"final_step"') for line in text.splitlines())
-    status = "ok" if run.returncode == 0 else f"exit {run.returncode}"
-    print(f"  {name}: {status} in {run.wall_s:.0f} s, {len(run.records)} steps logged", flush=True)
-    if run.returncode != 0 and not expect_failure:
-        print("\n".join(f"    | {line}" for line in text.splitlines()[-15:]), flush=True)
-    return run
 
 
 # ---- measurements ---------------------------------------------------------------------------------
