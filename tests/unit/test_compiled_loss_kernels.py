@@ -83,3 +83,20 @@ def test_compiled_dflash_loss_kernel_matches_eager(smoothing):
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-4, atol=1e-5)
     assert torch.equal(compiled.correct, eager.correct)
     torch.testing.assert_close(compiled_grad, eager_grad, rtol=2e-2, atol=1e-5)
+
+
+def test_compile_layers_switches_both_loss_kernels():
+    """What training runs: `compile_layers` (config.compile) puts both per-chunk kernels on torch.compile."""
+    from dflash_core.model import DFlashConfig
+    from dflash_core.model import loss as dflash_loss
+
+    config = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, vocab_size=128, target_layer_ids=[1], mask_token_id=5, block_size=8,
+                          num_layers=1)
+    try:
+        config.build().compile_layers()  # torch.compile is lazy: nothing compiles until a call
+        assert dflash2_loss._unary_kernel is not dflash2_loss._unary_rows
+        assert dflash_loss._ce_kernel is not dflash_loss._ce_rows
+    finally:
+        compile_loss_kernel(False)
+        compile_unary_kernel(False)
