@@ -9,6 +9,7 @@ sits at the end with loss mask 0 and document id -1.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,8 +142,6 @@ def pack_best_fit(order: np.ndarray, lengths: np.ndarray, *, token_budget: int, 
     while samples still meet only neighbours of the shuffled order. Each window's rows come out in
     an order shuffled by `rng` (creation order without one), so long samples do not lead every
     window. Samples longer than the budget get a row of their own (cropped)."""
-    import bisect
-
     batches: list[list[int]] = []
     order = np.asarray(order)
     for start in range(0, len(order), window):
