@@ -157,18 +157,28 @@ def test_duplicate_ids_fail_the_gate(prefect_server, store, env_settings, params
         state.result()
 
 
-def run_logs(flow_run_id, timeout_s: float = 20.0) -> list:
-    """Every log record of a flow run, once its last one ("Finished in state ...") has reached the server."""
+def run_logs(flow_run_id, timeout_s: float = 90.0) -> list:
+    """Every log record of a flow run, once its last one ("Finished in state ...") has reached the server.
+
+    Logs travel to the server in batches from a background worker; on a loaded 2-core CI machine a batch
+    once took longer than 20 s, so drain this process's worker first and then wait generously.
+    """
     import time
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)
     deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
         while True:
             logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-            if any(log.message.startswith("Finished in state") for log in logs) or time.monotonic() > deadline:
+            if any(log.message.startswith("Finished in state") for log in logs):
                 return logs
+            if time.monotonic() > deadline:
+                raise AssertionError(f"flow run {flow_run_id}: no 'Finished in state' log after {timeout_s:.0f} s; "
+                                     f"got {[log.message[:60] for log in logs]}")
             time.sleep(0.5)
 
 
