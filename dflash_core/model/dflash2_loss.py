@@ -45,18 +45,33 @@ def _transform_slope(
 
 
 def _unary_rows(raw, labels, *, multiplier: float, softcap: float | None, smoothing: float, with_grad: bool):
-    """Per row of one chunk of raw LM-head logits: the unary loss, the label's NLL, its logit,
-    correctness, the transformed fp32 logits (the top-K reads them) and d(loss)/d(raw) in raw's dtype.
-    One function, so torch.compile fuses the upcast, transform, logsumexp, argmax and gradient into a
-    few passes over the [chunk, vocab] logits (`compile_unary_kernel`); eager it is the same math."""
+    """Per row of one chunk of raw LM-head logits: the unary loss, the label's NLL, its (transformed)
+    logit, correctness and d(loss)/d(raw) in raw's dtype. One function, so torch.compile fuses the
+    upcast, transform, logsumexp, argmax and gradient into a few passes over the [chunk, vocab] logits
+    (`compile_unary_kernel`); eager it is the same math. The transformed fp32 logits stay inside: the
+    top-K reads the raw chunk instead (see `_candidates`), which saves writing and reading a
+    [chunk, vocab] fp32 tensor per chunk (2 GiB at Qwen3.5's vocabulary and 2,048 rows)."""
     logits = transform_logits(raw.float(), multiplier=multiplier, softcap=softcap)
     loss, nll, label_logit, log_norm, correct = cross_entropy_terms(logits, labels, smoothing=smoothing)
     if not with_grad:
-        return loss, nll, label_logit, correct, logits, None
+        return loss, nll, label_logit, correct, None
     grad = cross_entropy_logit_grad(logits, log_norm, labels, smoothing=smoothing)
     if multiplier != 1.0 or softcap is not None:  # d(transformed)/d(raw); skipped when it is 1
         grad = grad * _transform_slope(logits, multiplier=multiplier, softcap=softcap)
-    return loss, nll, label_logit, correct, logits, grad.to(raw.dtype)
+    return loss, nll, label_logit, correct, grad.to(raw.dtype)
+
+
+def _candidates(raw, labels, label_logit, top_k: int, *, multiplier: float, softcap: float | None):
+    """Training candidates of one chunk: the top-K of the raw logits with their transformed values,
+    the label in place of the weakest when missing, and whether it was there. The transform
+    (multiplier > 0, then tanh) is increasing, so the raw top-K is the transformed top-K; only the K
+    values per row are transformed, in fp32, exactly as the full row would have been."""
+    raw_values, ids = grouped_topk(raw, top_k)  # sorted: the last is the weakest
+    values = transform_logits(raw_values.float(), multiplier=multiplier, softcap=softcap)
+    has_label = (ids == labels[:, None]).any(dim=-1)
+    ids[:, -1] = torch.where(has_label, ids[:, -1], labels)
+    values[:, -1] = torch.where(has_label, values[:, -1], label_logit)
+    return ids, values, has_label
 
 
 _unary_kernel = _unary_rows
@@ -92,13 +107,10 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             raw = hidden_NH[rows].to(compute_dtype) @ weight_VH.T
             labels = labels_N[rows]
-            loss_rows[rows], nll_rows[rows], label_logit, correct[rows], logits, grad = _unary_kernel(
+            loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad = _unary_kernel(
                 raw, labels, multiplier=multiplier, softcap=softcap, smoothing=label_smoothing, with_grad=needs_grad)
-            values, ids = grouped_topk(logits, top_k)  # sorted: the last is the weakest
-            has_label = (ids == labels[:, None]).any(dim=-1)
-            ids[:, -1] = torch.where(has_label, ids[:, -1], labels)
-            values[:, -1] = torch.where(has_label, values[:, -1], label_logit)
-            candidate_ids[rows], candidate_logits[rows], contains[rows] = ids, values, has_label
+            candidate_ids[rows], candidate_logits[rows], contains[rows] = _candidates(
+                raw, labels, label_logit, top_k, multiplier=multiplier, softcap=softcap)
             if needs_grad:
                 grad_hidden[rows] = (grad @ weight_VH).to(hidden_NH.dtype)
         scale = slot_scale(nll_rows, token_weights_N, dpace_alpha=dpace_alpha, num_slots=num_slots)
@@ -187,6 +199,8 @@ def dflash2_objective(
         raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if output_multiplier <= 0:  # the candidates are the raw top-K: a negative multiplier would flip them
+        raise ValueError(f"output_multiplier must be > 0, got {output_multiplier}")
     token_weights_N = token_weights_N.float()
     dflash_loss, unary_correct, candidate_ids, candidate_logits, label_in_top_k, scale = (
         _UnaryLossAndCandidates.apply(

@@ -24,15 +24,17 @@ def grouped_topk(values_NV: torch.Tensor, k: int, *, group_size: int = GROUP_SIZ
     num_groups = -(-vocab // group_size)
     if k > group_size or num_groups <= k:  # nothing to skip
         return values_NV.topk(k, dim=-1)
-    padded = num_groups * group_size
-    if padded != vocab:
-        fill = torch.full((rows, padded - vocab), float("-inf"), dtype=values_NV.dtype, device=values_NV.device)
-        grouped = torch.cat([values_NV, fill], dim=1)
-    else:
-        grouped = values_NV
-    grouped = grouped.view(rows, num_groups, group_size)
-    best_groups = grouped.amax(dim=-1).topk(k, dim=-1).indices  # [N, k]
-    kept = grouped.gather(1, best_groups[:, :, None].expand(rows, k, group_size)).view(rows, k * group_size)
+    # Group maxima without padding the row to whole groups (that would copy every row): the whole
+    # groups are a view, the short last group (if any) is reduced on its own.
+    whole = vocab // group_size * group_size
+    maxima = values_NV[:, :whole].reshape(rows, whole // group_size, group_size).amax(dim=-1)
+    if whole < vocab:
+        maxima = torch.cat([maxima, values_NV[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    best_groups = maxima.topk(k, dim=-1).indices  # [N, k]
+    offsets = torch.arange(group_size, device=values_NV.device)
+    columns = (best_groups[:, :, None] * group_size + offsets).view(rows, k * group_size)
+    kept = values_NV.gather(1, columns.clamp(max=vocab - 1))
+    if whole < vocab:  # the short group's columns past the row's end
+        kept = kept.masked_fill(columns >= vocab, float("-inf"))
     top_values, where = kept.topk(k, dim=-1)
-    group_of = best_groups.gather(1, where // group_size)
-    return top_values, group_of * group_size + where % group_size
+    return top_values, columns.gather(1, where)

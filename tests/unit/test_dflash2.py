@@ -376,3 +376,13 @@ def test_native_export_round_trips_and_refuses_target_weights(tmp_path):
     drafter.extra = torch.nn.Linear(2, 2)  # a stray module whose weights are not a drafter's
     with pytest.raises(ValueError, match="non-drafter"):
         export_drafter(drafter, target_config=target.config, out_dir=tmp_path / "bad", formats=("native",))
+
+
+def test_objective_refuses_a_multiplier_that_would_flip_the_candidates():
+    """The candidates are the raw logits' top-K, which is the transformed top-K only for multiplier > 0."""
+    weight = torch.randn(_VOCAB, 8)
+    selector = CandidateSelector(vocab_size=_VOCAB, hidden_size=8, rank=4, top_k=3)
+    with pytest.raises(ValueError, match="output_multiplier must be > 0, got -1.0"):
+        dflash2_objective(torch.randn(4, 8), lm_head_weight=weight, selector=selector,
+                          labels_N=torch.zeros(4, dtype=torch.long), predecessor_ids_N=torch.zeros(4, dtype=torch.long),
+                          token_weights_N=torch.ones(4), output_multiplier=-1.0)

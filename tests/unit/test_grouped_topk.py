@@ -27,6 +27,18 @@ def test_top_entries_clustered_in_one_group_are_all_found():
     torch.testing.assert_close(values, rows.topk(16, dim=-1).values, rtol=0, atol=0)
 
 
+def test_top_entries_in_the_short_last_group_are_found():
+    """5,000 = 19 whole groups of 256 and one of 136: the row is never padded, the short group is
+    reduced on its own and its gathered columns past the row's end never win."""
+    rows = torch.randn(6, 5000, generator=torch.Generator().manual_seed(1))
+    rows[:, -10:] += 100.0
+    rows[1] = -rows[1].abs() - 1.0  # all negative: the masked columns must not win with -inf either
+    values, indices = grouped_topk(rows, 16)
+    expected_values, expected_indices = rows.topk(16, dim=-1)
+    torch.testing.assert_close(values, expected_values, rtol=0, atol=0)
+    assert torch.equal(indices, expected_indices) and indices.max() < 5000
+
+
 def test_bfloat16_and_padding_keep_the_dtype():
     rows = torch.randn(3, 1000).bfloat16()
     values, indices = grouped_topk(rows, 5, group_size=64)
