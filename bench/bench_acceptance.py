@@ -471,7 +471,7 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, warmup=o.warmup_steps, total=job.steps, min_ratio=o.min_lr_ratio))
     sampler = PackedBatchSampler(corpus.lengths, token_budget=config.token_budget, seed=job.seed,
-                                 drop_samples_without_loss=~samples_with_loss(corpus))
+                                 drop_samples_without_loss=~samples_with_loss(corpus), packing=config.packing)
     batches = iter(sampler)
     loss_config = resolve_loss_config("ce", "eager")  # its fused Triton loss crashes under torch.compile (2.11)
     eager_forward = getattr(SpeculatorsDFlash.forward, "_torchdynamo_orig_callable", SpeculatorsDFlash.forward)

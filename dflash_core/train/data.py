@@ -146,11 +146,11 @@ def pack_best_fit(order: np.ndarray, lengths: np.ndarray, *, token_budget: int, 
     order = np.asarray(order)
     for start in range(0, len(order), window):
         chunk = order[start:start + window]
-        clipped = np.minimum(lengths[chunk], token_budget)
+        clipped = np.minimum(lengths[chunk], token_budget).astype(np.int64)  # signed: -x must sort
+        longest_first = np.argsort(-clipped, kind="stable")
         rows: list[list[int]] = []
         room: list[tuple[int, int]] = []  # (tokens left, row number), sorted; rows with a free slot only
-        for index, length in zip(chunk[np.argsort(-clipped, kind="stable")].tolist(),
-                                 np.sort(clipped)[::-1].tolist()):
+        for index, length in zip(chunk[longest_first].tolist(), clipped[longest_first].tolist()):
             slot = bisect.bisect_left(room, (length, -1))
             if slot < len(room):
                 left, row = room.pop(slot)
@@ -194,7 +194,7 @@ class PackedBatchSampler:
         if self._cache is None or self._cache[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
             order = rng.permutation(self.usable)
-            if self.packing == "best_fit" and self.max_samples_per_batch != 1:
+            if self.effective_packing == "best_fit":
                 batches = pack_best_fit(order, self.lengths, token_budget=self.token_budget,
                                         max_samples=self.max_samples_per_batch, rng=rng)
             else:
@@ -203,6 +203,11 @@ class PackedBatchSampler:
             per_rank = len(batches) // self.world_size
             self._cache = (epoch, batches[self.rank: per_rank * self.world_size: self.world_size])
         return self._cache[1]
+
+    @property
+    def effective_packing(self) -> str:
+        """What makes the batches: one sample a row packs the same whichever packing is asked for."""
+        return "greedy" if self.max_samples_per_batch == 1 else self.packing
 
     def __len__(self) -> int:
         return len(self.epoch_batches(self.epoch))
@@ -224,7 +229,7 @@ class PackedBatchSampler:
         """Position of the NEXT batch to yield."""
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
                 "rank": self.rank, "world_size": self.world_size, "token_budget": self.token_budget,
-                "packing": self.packing}
+                "packing": self.effective_packing}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         for key in ("seed", "world_size", "token_budget"):
@@ -232,10 +237,11 @@ class PackedBatchSampler:
                 raise ValueError(f"sampler state was saved with {key}={state[key]}, this run has "
                                  f"{getattr(self, key)}: resume with the same {key}")
         saved_packing = state.get("packing", "greedy")  # checkpoints from before best-fit packing
-        if saved_packing != self.packing:
-            raise ValueError(f"sampler state was saved with packing={saved_packing!r}, this run has "
-                             f"{self.packing!r}: resume with --set packing={saved_packing}, or the batches "
-                             "would differ from the ones the checkpoint's position counts")
+        if saved_packing != self.effective_packing:
+            this_run = ("packs one sample a row (max_samples_per_batch=1)" if self.max_samples_per_batch == 1
+                        else f"has {self.packing!r}: resume with --set packing={saved_packing}")
+            raise ValueError(f"sampler state was saved with packing={saved_packing!r}, this run {this_run}; "
+                             "otherwise the batches would differ from the ones the checkpoint's position counts")
         self.epoch = state["epoch"]
         self.batch_in_epoch = state["batch_in_epoch"]
 

@@ -91,6 +91,27 @@ def test_sampler_resume_refuses_another_packing() -> None:
         PackedBatchSampler(lengths, token_budget=512, seed=7, packing="first_fit")
 
 
+def test_one_sample_a_row_resumes_whatever_the_packing() -> None:
+    """With max_samples_per_batch=1 (unpacked hybrid targets) both packings make the same batches, so a
+    checkpoint from before best-fit (no packing key: greedy) resumes under the best_fit default."""
+    lengths = np.random.default_rng(0).integers(20, 200, size=50)
+    unpacked = PackedBatchSampler(lengths, token_budget=512, seed=7, max_samples_per_batch=1)
+    old = PackedBatchSampler(lengths, token_budget=512, seed=7, max_samples_per_batch=1, packing="greedy")
+    assert unpacked.epoch_batches(0) == old.epoch_batches(0)
+    unpacked.load_state_dict({k: v for k, v in old.state_dict().items() if k != "packing"})
+    packed = PackedBatchSampler(lengths, token_budget=512, seed=7)
+    with pytest.raises(ValueError, match=r"this run packs one sample a row \(max_samples_per_batch=1\)"):
+        unpacked.load_state_dict(packed.state_dict())
+
+
+def test_best_fit_takes_unsigned_and_zero_lengths() -> None:
+    """Lengths of any integer dtype: a zero among uint32 lengths must not shift every sample's length."""
+    lengths = np.array([0, 51, 50, 50], dtype=np.uint32)
+    batches = pack_best_fit(np.arange(4), lengths, token_budget=100)
+    assert sorted(i for row in batches for i in row) == [0, 1, 2, 3]
+    assert all(int(lengths[row].sum()) <= 100 for row in batches)
+
+
 def test_collate_resets_positions_per_document() -> None:
     corpus = load_corpus([("a", _table([3, 4]))])
     batch = collate(corpus, [0, 1], token_budget=10)
