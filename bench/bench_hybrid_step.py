@@ -261,7 +261,8 @@ def print_copy_sources(profiler, *, cuda: bool, steps: int, rows: int = 15) -> N
             parent = parent.cpu_parent
         caller = event.cpu_parent.name if event.cpu_parent is not None else "-"
         source = f"{event.name} <- " + (" <- ".join(frames) if frames else caller)
-        time_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        time_us = (getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+                   if cuda else event.self_cpu_time_total)
         totals = by_source.setdefault(source, [0.0, 0])
         totals[0] += time_us / steps / 1e3
         totals[1] += 1 / steps
