@@ -119,17 +119,11 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
                  checkpoint_prefix: str | None = None, dist_info: Distributed | None = None,
                  flow_run_id: str | None = None, corpus: TokenizedCorpus | None = None,
-                 s3_outage_limit_s: float | None = None, prefetch_batches: int | None = None,
-                 stop_check_every: int | None = None):
+                 s3_outage_limit_s: float | None = None):
         """`corpus` given (benchmarks, tests) replaces reading `config.data`; `s3_outage_limit_s`: how long
-        checkpoint uploads may keep failing before the run fails (None: the uploader's default);
-        `prefetch_batches` / `stop_check_every` override the config's fields of those names."""
-        self.prefetch_batches = config.prefetch_batches if prefetch_batches is None else prefetch_batches
-        self.stop_check_every = config.stop_check_every if stop_check_every is None else stop_check_every
-        if self.prefetch_batches < 0:
-            raise ValueError(f"prefetch_batches must be >= 0, got {self.prefetch_batches}")
-        if self.stop_check_every < 1:
-            raise ValueError(f"stop_check_every must be >= 1, got {self.stop_check_every}")
+        checkpoint uploads may keep failing before the run fails (None: the uploader's default)."""
+        self.prefetch_batches = config.prefetch_batches
+        self.stop_check_every = config.stop_check_every
         self.config = config
         self.store = store
         self.dist = dist_info or Distributed.from_env()
