@@ -118,16 +118,14 @@ PACKINGS = {"packed": "best_fit", "greedy": "greedy", "unpacked": "greedy"}  # b
 
 def row_fill(*, num_samples: int, mean_tokens: float, token_budget: int) -> list[dict]:
     """The sampler's rows over many samples, no model: the real fraction of each row, packed and not."""
-    from dflash_core.train.data import pack, pack_best_fit
+    from dflash_core.train.data import PackedBatchSampler
 
     lengths = sample_lengths(num_samples=num_samples, mean_tokens=mean_tokens, max_tokens=token_budget, seed=0)
-    order = np.random.default_rng(0).permutation(num_samples)
     rows = []
-    for packing in PACKINGS:
-        if packing == "packed":
-            batches = pack_best_fit(order, lengths, token_budget=token_budget, rng=np.random.default_rng(0))
-        else:
-            batches = pack(order, lengths, token_budget=token_budget, max_samples=1 if packing == "unpacked" else None)
+    for packing, config_packing in PACKINGS.items():
+        sampler = PackedBatchSampler(lengths, token_budget=token_budget, seed=0, packing=config_packing,
+                                     max_samples_per_batch=1 if packing == "unpacked" else None)
+        batches = sampler.epoch_batches(0)
         real = np.array([min(int(lengths[b].sum()), token_budget) for b in batches]) / token_budget
         rows.append({"packing": packing, "rows": len(batches), "real_fraction_mean": float(real.mean()),
                      "real_fraction_p10": float(np.percentile(real, 10)),
