@@ -1,0 +1,101 @@
+"""bench_acceptance's worker: the state one worker process holds (its context, the evaluation
+target, the training corpus), the evaluator every drafter goes through, and the TrainConfig of a job.
+Both sides of the ablation (our Trainer in bench_acceptance, speculators in acceptance_speculators)
+read it, so a job's data, budget and evaluation are the same whichever drafter it trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from acceptance_data import training_corpus
+
+if TYPE_CHECKING:
+    from bench_acceptance import Job, Variant
+
+WORKER: dict[str, Any] = {}
+
+
+def worker_init(context: dict) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(context["threads"])
+    WORKER.clear()
+    WORKER.update(context)
+
+
+
+def eval_target():
+    if "eval_target" not in WORKER:
+        from dflash_core.target import load_target
+
+        WORKER["eval_target"] = load_target(str(WORKER["model_dir"]), device=WORKER["device"],
+                                             dtype=getattr(torch, WORKER["eval_dtype"]))
+    return WORKER["eval_target"]
+
+
+def corpus_for_worker():
+    if "corpus" not in WORKER:
+        WORKER["corpus"] = training_corpus(json.loads(Path(WORKER["data_path"]).read_text()))
+    return WORKER["corpus"]
+
+
+def evaluate_drafter(drafter) -> dict:
+    """Our evaluator's block mode on every held-out prompt; per-response tau averaged over responses."""
+    from dflash_core.evaluate import SpeculativeDecoder, summarize
+    from dflash_core.evaluate.report import ResponseResult
+    from dflash_core.target import target_heads
+
+    began = time.perf_counter()
+    target = eval_target()
+    drafter = drafter.to(dtype=next(target.parameters()).dtype)
+    drafter.attach_target(target_heads(target))
+    decoder = SpeculativeDecoder(target=target, drafter=drafter, mode="block")
+    results = []
+    for index, item in enumerate(WORKER["eval_set"]):
+        decoded = decoder.generate(item["prompt"], max_new_tokens=WORKER["eval_new_tokens"],
+                                   eos_token_id=WORKER["eos_id"])
+        results.append(ResponseResult(prompt_index=index, prompt_tokens=len(item["prompt"]), decoded=decoded,
+                                      baseline_wall_s=item["baseline_wall_s"],
+                                      matches_target=decoded.tokens == item["baseline"]))
+    summary = summarize(results, block_size=drafter.config.block_size, mode="block")
+    by_source = {}
+    for source in ("sharegpt", "own"):
+        taus = [r.decoded.tau for r, item in zip(results, WORKER["eval_set"])
+                if item["id"].startswith(source) and r.decoded.accepted]
+        by_source[source] = sum(taus) / len(taus) if taus else None
+    return {"tau": summary["tau"], "acceptance_per_position": summary["acceptance_per_position"],
+            "all_match_target": summary["all_match_target"], "tau_by_source": by_source,
+            "num_rounds": summary["num_rounds"], "eval_s": time.perf_counter() - began}
+
+
+def train_config(job: Job, variant: Variant, run_dir: Path):
+    from dflash_core.train.config import TrainConfig
+
+    drafter = {"num_layers": WORKER["shape"]["num_layers"], "block_size": WORKER["shape"]["block_size"],
+               "num_anchors": WORKER["shape"]["num_anchors"], **variant.drafter}
+    if drafter.get("mask_token_id") == "ours":
+        drafter["mask_token_id"] = None
+    return TrainConfig(run_name=job.label.replace("@", "-").replace("=", "-").replace("+", "-"), target="embedded",
+                       data=["<in-memory>"], output_dir=run_dir, token_budget=WORKER["shape"]["token_budget"],
+                       max_steps=job.steps, seed=job.seed, checkpoint_every=job.steps, keep_last=1,
+                       upload_checkpoints=False, log_every=max(1, min(25, job.steps // 4)),
+                       validate_capture_batches=0, attention_backend=WORKER["attention"], drafter=drafter,
+                       optim=variant.optim)
+
+
+
+def steady_rate(marks: list[tuple[int, float]], steps: int, total_s: float) -> float:
+    """Steps per second after the first logged step (so compilation and warmup stay out)."""
+    if len(marks) >= 2 and marks[-1][1] > marks[0][1]:
+        return (marks[-1][0] - marks[0][0]) / (marks[-1][1] - marks[0][1])
+    return steps / total_s
+
+
+def sync_device() -> None:
+    if torch.cuda.is_available() and WORKER["device"].startswith("cuda"):
+        torch.cuda.synchronize()
