@@ -246,19 +246,14 @@ _OWN_CODE = ("dflash_core/", "transformers/", "fla/", "torch/optim/", "torch/nn/
 
 def print_copy_sources(profiler, *, cuda: bool, steps: int, rows: int = 15) -> None:
     """Copies, concatenations and fills by the code that asked for them: the nearest frames of
-    dflash_core, transformers, fla or torch's optimizer above each op (autograd's backward ops have
-    no frames: they show as the op that made them, e.g. aten::select_backward)."""
+    dflash_core, transformers, fla or torch's optimizer in the Python stack the profiler recorded for
+    the op or its nearest parent op (an op with no recorded stack at all, e.g. one autograd's backward
+    ran, shows as its chain of parent ops, e.g. aten::clone <- CloneBackward0)."""
     by_source: dict[str, list[float]] = {}
     for event in profiler.events():
         if event.name not in _COPY_OPS:
             continue
-        frames, parent = [], event.cpu_parent
-        while parent is not None and len(frames) < 2:
-            if any(part in parent.name for part in _OWN_CODE):
-                frames.append(parent.name.split("site-packages/")[-1].split(str(Path.cwd()) + "/")[-1])
-            parent = parent.cpu_parent
-        caller = event.cpu_parent.name if event.cpu_parent is not None else "-"
-        source = f"{event.name} <- " + (" <- ".join(frames) if frames else caller)
+        source = f"{event.name} <- " + _caller(event)
         time_us = (getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
                    if cuda else event.self_cpu_time_total)
         totals = by_source.setdefault(source, [0.0, 0])
@@ -266,7 +261,22 @@ def print_copy_sources(profiler, *, cuda: bool, steps: int, rows: int = 15) -> N
         totals[1] += 1 / steps
     print(f"copies by source, per step ({'device' if cuda else 'CPU'} ms, calls):")
     for source, (ms, calls) in sorted(by_source.items(), key=lambda item: -item[1][0])[:rows]:
-        print(f"  {ms:8.2f} ms {calls:7.1f}  {source[:200]}")
+        print(f"  {ms:8.2f} ms {calls:7.1f}  {source[:240]}")
+
+
+def _caller(event) -> str:
+    ops, node = [], event.cpu_parent
+    while node is not None:
+        stack = [frame for frame in (getattr(node, "stack", None) or []) if "profiler" not in frame and not frame.startswith("<built-in")]
+        if stack:
+            own = [frame for frame in stack if any(part in frame for part in _OWN_CODE)][:2] or stack[:1]
+            shown = [frame.split("site-packages/")[-1].split("/tmp/pylib/")[-1].split(str(Path.cwd()) + "/")[-1]
+                     for frame in own]
+            return " <- ".join(ops[:2] + shown)
+        if not node.name.startswith("<built-in"):  # their names carry an object's address
+            ops.append(node.name)
+        node = node.cpu_parent
+    return " <- ".join(ops[:4]) or "-"
 
 
 def print_table(results: list[dict], *, args, command: str) -> None:
