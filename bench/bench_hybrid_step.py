@@ -238,6 +238,42 @@ def print_profile(profiler, *, cuda: bool, steps: int, label: str, rows: int) ->
           f"(sum of all ops {total:,.1f} ms/step)")
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=70))
     print_copy_sources(profiler, cuda=cuda, steps=steps)
+    if cuda:
+        print_gpu_idle(profiler, steps=steps)
+
+
+def gpu_idle(kernels: list[tuple[float, float, str]], *, gap_us: float = 200.0):
+    """From kernels as (start µs, end µs, name): the time the GPU ran none of them between the first
+    start and the last end, and the idle gaps longer than `gap_us` as (µs, kernel before, kernel after)."""
+    if not kernels:
+        return 0.0, 0.0, []
+    kernels = sorted(kernels)
+    idle, gaps = 0.0, []
+    busy_until, last_name = kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > busy_until:
+            idle += start - busy_until
+            if start - busy_until > gap_us:
+                gaps.append((start - busy_until, last_name, name))
+        if end > busy_until:
+            busy_until, last_name = end, name
+    return busy_until - kernels[0][0], idle, sorted(gaps, reverse=True)
+
+
+def print_gpu_idle(profiler, *, steps: int, rows: int = 8) -> None:
+    """How much of the profiled window the GPU sat idle (the host not keeping it fed), and the longest
+    gaps with the kernels on either side."""
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in profiler.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+               and e.name != "Command Buffer Full"]
+    span, idle, gaps = gpu_idle(kernels)
+    if not span:
+        return
+    print(f"GPU idle: {idle / steps / 1e3:,.1f} ms of {span / steps / 1e3:,.1f} ms per step "
+          f"({idle / span:.1%}); gaps over 0.2 ms: {len(gaps) / steps:,.1f} a step, "
+          f"{sum(g[0] for g in gaps) / steps / 1e3:,.1f} ms; the longest:")
+    for gap, before, after in gaps[:rows]:
+        print(f"  {gap / 1e3:8.2f} ms  after {before[:70]}  before {after[:70]}")
 
 
 _COPY_OPS = ("aten::copy_", "aten::cat", "aten::fill_", "aten::zero_")
