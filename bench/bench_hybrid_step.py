@@ -64,6 +64,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, no install
 
@@ -240,6 +241,7 @@ def print_profile(profiler, *, cuda: bool, steps: int, label: str, rows: int) ->
     print_copy_sources(profiler, cuda=cuda, steps=steps)
     if cuda:
         print_gpu_idle(profiler, steps=steps)
+        print_host_waits(profiler, steps=steps)
 
 
 def gpu_idle(kernels: list[tuple[float, float, str]], *, gap_us: float = 200.0):
@@ -315,11 +317,31 @@ def _caller(event) -> str:
     return " <- ".join(ops[:4]) or "-"
 
 
+_WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+                  "cudaMemcpy")
+
+
+def print_host_waits(profiler, *, steps: int, min_ms: float = 0.5, rows: int = 8) -> None:
+    """Where the host waited on the GPU: CUDA runtime calls that block (synchronize, a copy to the
+    host) and took over `min_ms`, by the code that made them. Each such wait drains the GPU's queue,
+    and the GPU then idles while the host catches up."""
+    by_source: dict[str, list[float]] = {}
+    for event in profiler.events():
+        if event.name not in _WAITING_CALLS or event.cpu_time_total < min_ms * 1e3:
+            continue
+        totals = by_source.setdefault(f"{event.name} <- {_caller(event)}", [0.0, 0])
+        totals[0] += event.cpu_time_total / steps / 1e3
+        totals[1] += 1 / steps
+    print(f"host waits over {min_ms} ms, per step (host ms, calls):")
+    for source, (ms, calls) in sorted(by_source.items(), key=lambda item: -item[1][0])[:rows]:
+        print(f"  {ms:8.2f} ms {calls:7.1f}  {source[:300]}")
+
+
 def print_table(results: list[dict], *, args, command: str) -> None:
     kernels = results[0]["kernels"] or {}
     print(f"target {args.target}, {args.token_budget}-token rows, lengths: ShareGPT mix scaled to a "
           f"{args.mean_tokens:,.0f}-token mean; GDN kernels: recurrence {kernels.get('recurrence')}, "
-          f"conv {kernels.get('conv')}")
+          f"conv {kernels.get('conv')}; transformers {transformers.__version__}")
     header = (f"{'packing':<10}{'ms/step':>9}{'real tok/s':>12}{'real/row':>10}{'(min-max)':>13}{'docs/row':>9}"
               f"{'peak GiB':>10}{'reserved':>9}{'planner':>9}{'peak/plan':>10}")
     print(header)
