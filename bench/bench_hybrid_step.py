@@ -67,11 +67,14 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, no install
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling benches, also when loaded by file path
 
 from dflash_core.planner import PRESETS, ModelShape, PlanInputs, plan  # noqa: E402
 from dflash_core.train.config import TrainConfig  # noqa: E402
 from dflash_core.train.data import TokenizedCorpus  # noqa: E402
 from dflash_core.train.loop import Trainer  # noqa: E402
+
+from bench_train_e2e import StepClock  # noqa: E402
 
 # Percentiles 0.5, 1.5, ..., 99.5 of ShareGPT V3 conversation lengths (prompt + last gpt turn, in
 # characters; 17,377 conversations), divided by their mean. --refresh-lengths prints this again.
@@ -158,7 +161,7 @@ def run_one(args, *, packing: str, corpus: TokenizedCorpus, cuda: bool) -> dict:
     packed = packing != "unpacked"
     config = TrainConfig(
         run_name=f"bench-hybrid-{packing}", target=args.target, data=["synthetic"], packing=PACKINGS[packing],
-        output_dir=Path(tempfile.mkdtemp()), token_budget=args.token_budget, max_steps=steps, log_every=1,
+        output_dir=Path(tempfile.mkdtemp()), token_budget=args.token_budget, max_steps=steps, log_every=args.log_every,
         upload_checkpoints=False, compile=cuda and not args.no_compile, validate_capture_batches=1,
         max_samples_per_batch=None if packed else 1,
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
@@ -176,29 +179,35 @@ def run_one(args, *, packing: str, corpus: TokenizedCorpus, cuda: bool) -> dict:
         raise ValueError(f"the corpus makes {len(batches)} rows, the run needs {steps}: more samples")
     real = [min(int(sum(min(trainer.corpus.lengths[i], args.token_budget) for i in batch)), args.token_budget)
             for batch in batches]
-    stamps, records = [], []
+    clock, window_wall, records = StepClock(cuda), {}, []
     profiler = step_profiler(args, cuda=cuda)
+    timed_first, timed_last = args.warmup, steps
 
-    def on_log(record: dict) -> None:
-        stamps.append(time.perf_counter())
-        records.append(record)
+    def on_step(*, step: int, metrics, timing) -> None:
+        clock.mark(step)
+        if step in (timed_first, timed_last):  # the only syncs the bench adds: both ends of the window
+            if cuda:
+                torch.cuda.synchronize()
+            window_wall[step] = time.perf_counter()
         if profiler is not None:
             profiler.step()
 
     if profiler is None:
-        trainer.run(on_log=on_log)
+        trainer.run(on_log=records.append, on_step=on_step)
     else:
         with profiler:
-            trainer.run(on_log=on_log)
+            trainer.run(on_log=records.append, on_step=on_step)
         print_profile(profiler, cuda=cuda, steps=args.steps, label=packing,
                       rows=args.profile_rows)
-    step_ms = [1e3 * (b - a) for a, b in zip(stamps[args.warmup - 1:], stamps[args.warmup:])]
+    wall_ms = 1e3 * (window_wall[timed_last] - window_wall[timed_first]) / args.steps
+    step_ms = clock.step_ms(timed_first, timed_last)
     timed_real = real[args.warmup:]
     result = {
         "packing": packing,
         "kernels": trainer.target_kernels.as_dict() if trainer.target_kernels else None,
-        "ms_per_step": statistics.median(step_ms),
-        "real_tokens_per_s": sum(timed_real) / (sum(step_ms) / 1e3),
+        "ms_per_step": wall_ms,
+        "median_step_ms": statistics.median(step_ms),
+        "real_tokens_per_s": sum(timed_real) / (wall_ms * args.steps / 1e3),
         "real_fraction_mean": float(np.mean(timed_real)) / args.token_budget,
         "real_fraction_min": min(timed_real) / args.token_budget,
         "real_fraction_max": max(timed_real) / args.token_budget,
@@ -351,7 +360,8 @@ def print_table(results: list[dict], *, args, command: str) -> None:
               f"{r['real_fraction_mean']:>10.1%}{r['real_fraction_min']:>6.0%} - {r['real_fraction_max']:<4.0%}"
               f"{r['documents_per_row']:>9.1f}{r['peak_gib']:>10.1f}{r['reserved_gib']:>9.1f}{r['planner_gib']:>9.1f}"
               f"{r['peak_gib'] / r['planner_gib']:>10.2f}")
-    print("real = non-padding tokens; ms/step = wall time between the trainer's per-step logs (host work included); "
+    print("real = non-padding tokens; ms/step = wall time over the timed steps, the Trainer syncing its metrics every "
+          f"{args.log_every} steps as in a run (host work included); "
           "peak / reserved = torch.cuda.max_memory_allocated / _reserved; planner = `dflash plan`'s colocated peak "
           "(its 4 GiB reserve included)")
     print(f"reproduce: {command}")
@@ -372,6 +382,8 @@ def main(argv=None) -> None:
                         help="comma list of packed (best-fit, the default), greedy (next-fit), unpacked")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--log-every", type=int, default=TrainConfig.model_fields["log_every"].default,
+                        help="the Trainer's metrics sync (one device->host copy) every N steps, as in a run")
     parser.add_argument("--no-compile", action="store_true", help="leave the drafter and attention layers eager")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--profile", action="store_true",

@@ -108,12 +108,14 @@ def _flex_attention(*, compiled: bool):
     return _compiled_flex_attention
 
 
-def flex_attend(block_mask, *, compiled: bool) -> AttendFn:
-    """AttendFn through flex_attention (compiled on GPU: the eager path is a slow reference)."""
+def flex_attend(block_mask, *, compiled: bool, kernel_options: dict | None = None) -> AttendFn:
+    """AttendFn through flex_attention (compiled on GPU: the eager path is a slow reference);
+    `kernel_options`: flex_attention's, e.g. the backward's block sizes."""
     kernel = _flex_attention(compiled=compiled)
+    extra = {} if kernel_options is None else {"kernel_options": kernel_options}
 
     def attend(query, key, value):
-        return kernel(query, key, value, block_mask=block_mask, enable_gqa=query.shape[1] != key.shape[1])
+        return kernel(query, key, value, block_mask=block_mask, enable_gqa=query.shape[1] != key.shape[1], **extra)
 
     return attend
 
