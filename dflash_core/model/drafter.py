@@ -22,7 +22,9 @@ from dflash_core.model.dflash2_loss import compile_unary_kernel
 from dflash_core.model.loss import chunked_lm_head_loss, compile_loss_kernel, default_chunk_size
 from dflash_core.model.loss import position_weights
 from dflash_core.model.loss import teacher_token_ids
-from dflash_core.model.masks import create_flex_block_mask, dense_mask, drafting_mask, flex_attend, sdpa_attend
+from dflash_core.model.masks import (
+    create_flex_block_mask, dense_mask, drafting_mask, flex_attend, sdpa_attend, tuned_flex_options,
+)
 from dflash_core.model.regularize import dropout_masks, noisy_features
 from dflash_core.model.metrics import block_metrics
 
@@ -172,7 +174,8 @@ class DFlashDraftModel(nn.Module):
             else:
                 block_mask = create_flex_block_mask(plan, sliding_window=window, compile_mask=plan.anchors.is_cuda)
                 compiled = plan.anchors.is_cuda and not self._layers_compiled
-                attend[layer_type] = flex_attend(block_mask, compiled=compiled)
+                options = tuned_flex_options(self.config.head_dim, plan.anchors.device)
+                attend[layer_type] = flex_attend(block_mask, compiled=compiled, kernel_options=options)
         return attend
 
     def _labels(self, *, input_ids_BT, plan, teacher_hidden_BTH) -> torch.Tensor:

@@ -108,6 +108,23 @@ def _flex_attention(*, compiled: bool):
     return _compiled_flex_attention
 
 
+# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps) of flex_attention's backward, where a
+# measured config beat torch's default on the drafter's mask (bench/bench_flex_bwd.py, one H200,
+# 2026-12-01, 24 x 4 heads of 256, 8,192 queries over 16,384 keys: 8.38 vs 9.60 ms fwd+bwd, same grads).
+_TUNED_BACKWARD = {((9, 0), "wide"): (64, 64, 64, 64, 2, 8)}
+
+
+def tuned_flex_options(head_dim: int, device: torch.device) -> dict | None:
+    """kernel_options for the drafter's flex attention on `device`; None: torch's defaults."""
+    if device.type != "cuda":
+        return None
+    config = _TUNED_BACKWARD.get((torch.cuda.get_device_capability(device), "wide" if head_dim > 128 else "narrow"))
+    if config is None:
+        return None
+    names = ("bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_stages", "bwd_num_warps")
+    return dict(zip(names, config))
+
+
 def flex_attend(block_mask, *, compiled: bool, kernel_options: dict | None = None) -> AttendFn:
     """AttendFn through flex_attention (compiled on GPU: the eager path is a slow reference);
     `kernel_options`: flex_attention's, e.g. the backward's block sizes."""
