@@ -20,14 +20,26 @@ call spends ~50 s in Triton); or one packing per call on a warm machine (Triton'
     && python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_hybrid_fla_gpu.py \
     && python3 bench/bench_hybrid_step.py --packing packed --json $OUT/hybrid_packed.json
   (same first two lines) && python3 bench/bench_hybrid_step.py --packing unpacked --json $OUT/hybrid_unpacked.json
+The wheelhouse also holds the project's transformers pin (5.24) and puts it ahead of the image's 5.17,
+whose GDN layer repeats q and k to the value heads before the kernel (15 ms a step here).
 The Trainer's first line says which kernels ran (`target kernels: GDN recurrence: fla, conv: fla`);
 without fla on the path the GDN layers run transformers' torch path (a warning says why): the
 same table, slower.
 CPU smoke (tiny:qwen3_5 target, 512-token rows, < 1 min): .venv/bin/python bench/bench_hybrid_step.py --tiny
---profile prints the top ops and then the copies, concatenations and fills by the code that asked for
-them (the profile of 2026-12-01 had 34 ms a step of aten::copy_ over ~460 calls from an unknown source).
+--profile prints the top ops, the copies, concatenations and fills by the code that asked for them,
+the GPU's idle time with its longest gaps, and where the host waited on the GPU.
+ms/step is the wall time over the timed window with the Trainer syncing its metrics every --log-every
+(10) steps, as a run does (until session 7 the bench synced every step: ~9 ms a step of idle GPU).
 
-Measured on one H200 (2026-12-01; `--packing packed,greedy`, one call):
+Measured on one H200 (2026-12-01, session 7; `--packing packed`, one call per row, machines differ ~3%):
+  packing   ms/step  real tok/s  real/row  peak GiB  planner
+  packed     1024.9       7,944     99.4%      92.9     96.5   + drafter flex backward (64,64,64,64,2,8), transformers 5.24
+  packed     1044.7       7,793     99.4%      92.9     96.5   transformers 5.24 (the project's pin), window timing
+  packed     1066.5       7,582     99.4%      92.9     96.5   transformers 5.17 (the image's), --profile, per-step sync
+Profile (5.24, per step): target forward 702 ms, drafter step 159 ms, AdamW 17 ms; copies 12 ms (fla
+making q/k/v contiguous: 144 calls, 10.6 ms; with 5.17 also 96 repeat_interleave copies, 15 ms); GPU
+idle 2.8%, mostly right after the per-step metrics sync, which the run's log_every=10 does not pay.
+Measured on one H200 (2026-12-01, session 5; `--packing packed,greedy`, one call):
   packing   ms/step  real tok/s  real/row  peak GiB  planner
   packed     1078.0       7,508     99.4%      95.8     96.5   best-fit packing (TrainConfig.packing, the default)
   greedy     1076.0       6,235     82.0%      95.8     96.5   next-fit, as before
