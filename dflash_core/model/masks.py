@@ -127,11 +127,12 @@ def tuned_flex_options(head_dim: int, device: torch.device) -> dict | None:
 
 def flex_attend(block_mask, *, compiled: bool, kernel_options: dict | None = None) -> AttendFn:
     """AttendFn through flex_attention (compiled on GPU: the eager path is a slow reference);
-    `kernel_options`: flex_attention's, e.g. the backward's block sizes."""
+    `kernel_options`: flex_attention's, e.g. the backward's block sizes, for 16-bit inputs only (the
+    tuned configs do not fit fp32 tiles in shared memory; fp32 keeps torch's defaults)."""
     kernel = _flex_attention(compiled=compiled)
-    extra = {} if kernel_options is None else {"kernel_options": kernel_options}
 
     def attend(query, key, value):
+        extra = {"kernel_options": kernel_options} if kernel_options and query.element_size() == 2 else {}
         return kernel(query, key, value, block_mask=block_mask, enable_gqa=query.shape[1] != key.shape[1], **extra)
 
     return attend

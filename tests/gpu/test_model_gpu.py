@@ -95,3 +95,28 @@ def test_compiled_layers_match_eager_bf16(setup):
     for name, grad in grads.items():
         assert _relative_error(grad, eager_grads[name]) < 5e-2, name
     assert metrics["accuracy_per_position"].device.type == "cuda"
+
+
+def test_tuned_flex_backward_matches_torchs_default_config():
+    """The drafter's tuned backward config (sm90, head_dim > 128) changes the tiling, not the result."""
+    from dflash_core.model.masks import create_flex_block_mask, flex_attend, tuned_flex_options
+
+    device = torch.device("cuda")
+    options = tuned_flex_options(256, device) or {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+                                                  "bwd_BLOCK_N2": 64, "bwd_num_stages": 2, "bwd_num_warps": 8}
+    positions = torch.cat([torch.arange(300), torch.arange(212)])[None]
+    plan = plan_blocks(loss_mask_BT=torch.ones_like(positions), num_anchors=_ANCHORS, block_size=16,
+                       position_ids_BT=positions, generator=torch.Generator().manual_seed(0),
+                       with_teacher_index=False).to(device)
+    block_mask = create_flex_block_mask(plan, compile_mask=True)
+    q_len = _ANCHORS * 16
+    generator = torch.Generator(device=device).manual_seed(0)
+    inputs = [torch.randn(1, heads, length, 256, device=device, dtype=torch.bfloat16, generator=generator)
+              for heads, length in ((8, q_len), (2, 512 + q_len), (2, 512 + q_len))]
+    grads = []
+    for kernel_options in (None, options):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        flex_attend(block_mask, compiled=True, kernel_options=kernel_options)(*leaves).float().square().mean().backward()
+        grads.append([t.grad for t in leaves])
+    for tuned, default in zip(grads[1], grads[0]):
+        assert _relative_error(tuned, default) < 1e-2

@@ -8,11 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from dflash_core.model.anchors import plan_blocks
+from dflash_core.model import masks
 from dflash_core.model.masks import (
     create_flex_block_mask,
     dense_mask,
     drafting_mask,
     flex_attend,
+    tuned_flex_options,
     reference_dense_mask,
     sdpa_attend,
 )
@@ -92,6 +94,19 @@ def test_flex_and_sdpa_attention_agree_forward(window):
         attn_mask=reference_dense_mask(plan, sliding_window=window)[:, None],
     )
     torch.testing.assert_close(sdpa_out, explicit, atol=1e-5, rtol=1e-5)
+
+
+def test_tuned_options_go_to_flex_for_16_bit_inputs_only(monkeypatch):
+    assert tuned_flex_options(256, torch.device("cpu")) is None  # CPU: torch's defaults
+    calls = []
+    monkeypatch.setattr(masks, "_flex_attention", lambda compiled: lambda *args, **kwargs: calls.append(kwargs))
+    options = {"bwd_BLOCK_M1": 64}
+    attend = flex_attend("a block mask", compiled=True, kernel_options=options)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        attend(torch.zeros(1, 4, 8, 16, dtype=dtype), torch.zeros(1, 2, 8, 16, dtype=dtype), None)
+    # fp32 tiles of a config tuned for 16-bit inputs may not fit in shared memory: fp32 keeps the defaults
+    assert [call.get("kernel_options") for call in calls] == [None, options, options]
+    assert all(call["block_mask"] == "a block mask" and call["enable_gqa"] for call in calls)
 
 
 def test_window_smaller_than_block_is_rejected():
