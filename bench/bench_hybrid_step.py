@@ -164,7 +164,7 @@ def planner_peak_gib(trainer: Trainer, *, preset: str | None, token_budget: int,
     inputs = PlanInputs(target=shape, samples=1, mean_tokens=2000, token_budget=token_budget,
                         anchors_per_1k_tokens=anchors * 1000 / token_budget, drafter_layers=d.num_layers,
                         block_size=d.block_size, tapped_layers=len(trainer.drafter_config.target_layer_ids),
-                        variant=d.variant)
+                        variant=d.variant, target_fp8=trainer.config.target_fp8)
     return plan(inputs).layouts[0].peak_bytes_per_gpu / 2**30
 
 
@@ -175,7 +175,7 @@ def run_one(args, *, packing: str, corpus: TokenizedCorpus, cuda: bool) -> dict:
         run_name=f"bench-hybrid-{packing}", target=args.target, data=["synthetic"], packing=PACKINGS[packing],
         output_dir=Path(tempfile.mkdtemp()), token_budget=args.token_budget, max_steps=steps, log_every=args.log_every,
         upload_checkpoints=False, compile=cuda and not args.no_compile, validate_capture_batches=1,
-        max_samples_per_batch=None if packed else 1,
+        max_samples_per_batch=None if packed else 1, target_fp8=args.target_fp8,
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
                  "loss_target": "teacher", **({"variant": args.variant} if args.variant else {})},
     )
@@ -362,7 +362,8 @@ def print_table(results: list[dict], *, args, command: str) -> None:
     kernels = results[0]["kernels"] or {}
     print(f"target {args.target}, {args.token_budget}-token rows, lengths: ShareGPT mix scaled to a "
           f"{args.mean_tokens:,.0f}-token mean; GDN kernels: recurrence {kernels.get('recurrence')}, "
-          f"conv {kernels.get('conv')}; transformers {transformers.__version__}")
+          f"conv {kernels.get('conv')}; target GEMMs {'fp8' if args.target_fp8 else 'as loaded'}; "
+          f"transformers {transformers.__version__}")
     header = (f"{'packing':<10}{'ms/step':>9}{'real tok/s':>12}{'real/row':>10}{'(min-max)':>13}{'docs/row':>9}"
               f"{'peak GiB':>10}{'reserved':>9}{'planner':>9}{'peak/plan':>10}")
     print(header)
@@ -396,6 +397,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--log-every", type=int, default=TrainConfig.model_fields["log_every"].default,
                         help="the Trainer's metrics sync (one device->host copy) every N steps, as in a run")
+    parser.add_argument("--target-fp8", action="store_true",
+                        help="the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8)")
     parser.add_argument("--no-compile", action="store_true", help="leave the drafter and attention layers eager")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--profile", action="store_true",

@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true", help="profile steps after the timed ones (see above)")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-out", type=Path, help="chrome trace path (.json or .json.gz)")
+    parser.add_argument("--target-fp8", action="store_true",
+                        help="the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8)")
     parser.add_argument("--sync-debug", action="store_true", help="count synchronizing CUDA calls in the timed steps")
     parser.add_argument("--json", type=Path, help="write the result row here")
     args = parser.parse_args(argv)
@@ -272,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         checkpoint_every=max_steps + 1, compile=cuda and not args.no_compile, validate_capture_batches=1,
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
                  "loss_target": args.teacher, "variant": args.variant}, prefetch_batches=args.prefetch,
+        target_fp8=args.target_fp8,
     )
     started = time.perf_counter()
     trainer = Trainer(config, corpus=corpus)

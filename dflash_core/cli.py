@@ -45,6 +45,7 @@ def plan(
     target_params: Annotated[Optional[float], typer.Option(help="Target parameters, in billions.")] = None,
     tapped_layers: Annotated[int, typer.Option(help="Target layers the drafter reads.")] = 5,
     dtype_bytes: Annotated[int, typer.Option(help="Bytes per stored value (bf16 = 2).")] = 2,
+    target_fp8: Annotated[bool, typer.Option(help="Target decoder-layer weights in FP8 (train's target_fp8).")] = False,
     samples: Annotated[int, typer.Option(help="Training samples.")] = 100_000,
     mean_tokens: Annotated[float, typer.Option(help="Mean tokens per sample.")] = 2000,
     mean_completion_tokens: Annotated[Optional[float], typer.Option(help="Mean generated tokens per sample.")] = None,
@@ -63,7 +64,7 @@ def plan(
     try:
         shape = _resolve_shape(preset, model_config, hidden_size, num_layers, target_params)
         inputs = planner.PlanInputs(
-            target=shape, tapped_layers=tapped_layers, dtype_bytes=dtype_bytes, samples=samples,
+            target=shape, tapped_layers=tapped_layers, dtype_bytes=dtype_bytes, target_fp8=target_fp8, samples=samples,
             mean_tokens=mean_tokens, mean_completion_tokens=mean_completion_tokens,
             anchors_per_sample=anchors_per_sample, drafter_layers=drafter_layers, block_size=block_size,
             token_budget=token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,

@@ -116,6 +116,8 @@ class PlanInputs(BaseModel):
     target: ModelShape
     tapped_layers: int = Field(5, gt=0, description="Target layers whose hidden states the drafter reads.")
     dtype_bytes: int = Field(2, gt=0, description="Bytes per hidden-state value (bf16 = 2).")
+    target_fp8: bool = Field(False, description="The target's decoder-layer weights in FP8 (1 byte each; the "
+                             "embedding and LM head stay at dtype_bytes): TrainConfig.target_fp8.")
     samples: int = Field(gt=0)
     mean_tokens: float = Field(gt=0, description="Mean tokens per sample (prompt + completion).")
     mean_completion_tokens: float | None = Field(None, gt=0, description="For generation time; defaults to mean_tokens.")
@@ -189,6 +191,13 @@ def drafter_params(shape: ModelShape, *, drafter_layers: int, tapped_layers: int
     return total
 
 
+def _embedding_params(shape: ModelShape) -> int:
+    """Embedding + LM head parameters (0 when the vocabulary is unknown)."""
+    if shape.vocab_size is None:
+        return 0
+    return shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+
+
 def plan(inputs: PlanInputs) -> Plan:
     shape = inputs.target
     hidden = shape.hidden_size
@@ -199,6 +208,8 @@ def plan(inputs: PlanInputs) -> Plan:
 
     target_params = shape.params()
     target_weights = target_params * inputs.dtype_bytes if target_params is not None else None
+    if target_weights is not None and inputs.target_fp8:
+        target_weights -= (target_params - _embedding_params(shape)) * (inputs.dtype_bytes - 1)
     draft_params = drafter_params(shape, drafter_layers=inputs.drafter_layers, tapped_layers=inputs.tapped_layers,
                                   variant=inputs.variant, conv_kernel_size=inputs.conv_kernel_size,
                                   conv_group_size=inputs.conv_group_size, selector_rank=inputs.selector_rank)

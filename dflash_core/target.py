@@ -79,10 +79,19 @@ def compile_decoder_layers(model: nn.Module) -> None:
         if linear_attn is None:
             layer.forward = torch.compile(layer.forward, dynamic=False)
             continue
+        fp8_projections = [m for m in linear_attn.children() if type(m).__name__ == "Fp8Linear"]
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp,
-                       getattr(linear_attn, "norm", None)):
-            if module is not None:
+                       getattr(linear_attn, "norm", None), *fp8_projections):
+            if module is not None:  # an FP8 projection: its input's per-row quantization fuses into one kernel
                 module.forward = torch.compile(module.forward, dynamic=False)
+
+
+def quantize_decoder_layers_fp8(model: nn.Module) -> tuple[int, int]:
+    """The decoder layers' linears to FP8 GEMMs (dflash_core.fp8), in place; the embedding, the final
+    norm and the LM head stay as loaded. Returns (quantized, kept) linear counts."""
+    from dflash_core.fp8 import quantize_linears
+
+    return quantize_linears(language_model(model).layers)
 
 
 def use_flex_attention(model: nn.Module) -> str | None:

@@ -54,7 +54,8 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
         shape_from_config(Path(config.target) / "config.json")
     result = plan(PlanInputs(target=shape, samples=samples, mean_tokens=mean_tokens,
                              drafter_layers=config.drafter.num_layers, block_size=config.drafter.block_size,
-                             token_budget=config.token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus))
+                             token_budget=config.token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,
+                             target_fp8=config.target_fp8))
     if not any(layout.fits for layout in result.layouts):
         raise NoLayoutFits("; ".join(f"{v.layout}: {v.note}" for v in result.layouts))
     return result
@@ -89,7 +90,7 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
                 update_progress_artifact(progress, progress=100.0 * int(done) / int(total))
             hosted_rank_0 = hosted_rank_0 or line.startswith('{"final_step"')  # printed by global rank 0 only
     if process.returncode == 143:
-        raise TrainingFailed(f"training was stopped by SIGTERM after a checkpoint; a retry resumes it")
+        raise TrainingFailed("training was stopped by SIGTERM after a checkpoint; a retry resumes it")
     if process.returncode == 1 and tail and tail[-1].startswith("error: "):
         raise TrainingRefused(tail[-1].removeprefix("error: "))
     if process.returncode != 0:

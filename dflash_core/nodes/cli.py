@@ -5,7 +5,6 @@ Also `python -m dflash_core.nodes provision --local ...` (the same commands), fo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 

@@ -33,8 +33,8 @@ from dflash_core.model.dflash2 import config_from_dict, variant_of
 from dflash_core.model.init_from_target import init_from_target_layers
 from dflash_core.provenance import current_producer
 from dflash_core.target import (
-    HiddenStateCapture, compile_decoder_layers, has_recurrent_layers, language_model, target_heads,
-    use_flex_attention, validate_capture,
+    HiddenStateCapture, compile_decoder_layers, has_recurrent_layers, language_model, quantize_decoder_layers_fp8,
+    target_heads, use_flex_attention, validate_capture,
 )
 from dflash_core.train import checkpoint as ckpt
 from dflash_core.train.config import TrainConfig
@@ -107,6 +107,19 @@ def _devices(config: TrainConfig, dist_info: Distributed) -> tuple[torch.device,
     return target, drafter
 
 
+def quantize_target(target, *, device: torch.device, log: bool) -> None:
+    """The target's decoder-layer GEMMs to FP8, or a ValueError saying why this device cannot."""
+    from dflash_core.fp8 import supports_fp8
+
+    why = supports_fp8(device)
+    if why is not None:
+        raise ValueError(f"target_fp8: {why}; set target_fp8: false to keep the target in its own dtype")
+    quantized, kept = quantize_decoder_layers_fp8(target)
+    if log:
+        print(f"target GEMMs: fp8 ({quantized} linears; {kept} kept in their dtype: widths not multiples of 16)",
+              file=sys.stderr, flush=True)
+
+
 def record_target_kernels(run_dir: Path, kernels: GDNKernels) -> None:
     """`target_kernels` in the run's provenance.json (written beside run.yaml, created if absent)."""
     path = run_dir / "provenance.json"
@@ -177,6 +190,8 @@ class Trainer:
             heads = type(heads)(**{name: copy.deepcopy(module).to(self.drafter_device)
                                    for name, module in vars(heads).items()})
         drafter.attach_target(heads)
+        if config.target_fp8:  # after the drafter copied what it needs (heads, init layers) from the target
+            quantize_target(self.target, device=self.target_device, log=self.dist.is_main)
         if config.compile:
             drafter.compile_layers()
             compile_decoder_layers(self.target)

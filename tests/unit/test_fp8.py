@@ -1,0 +1,107 @@
+"""FP8 target GEMMs (dflash_core.fp8, TrainConfig.target_fp8): the scales are wired the right way
+round, the quantized target stays close to its own dtype, what must not change does not, and the
+trainer trains on it. CPU runs torch._scaled_mm too, so all of this runs here.
+
+Run: .venv/bin/python -m pytest tests/unit/test_fp8.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dflash_core.fp8 import FP8, Fp8Linear, quantize_linears, quantize_rows, supports_fp8
+from dflash_core.planner import PRESETS, PlanInputs, plan
+from dflash_core.target import (
+    HiddenStateCapture, build_target, language_model, quantize_decoder_layers_fp8, tiny_target_config,
+)
+from dflash_core.train.checkpoint import load_checkpoint
+from dflash_core.train.loop import Trainer
+from tests.unit.test_trainer import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_is_the_gemm_of_its_quantized_operands(dtype):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True).to(dtype)
+    x = torch.randn(3, 7, 64, dtype=dtype) * torch.linspace(0.01, 100, 7)[None, :, None].to(dtype)  # rows far apart
+    fp8 = Fp8Linear(linear)
+    with torch.no_grad():
+        got = fp8(x)
+        x_fp8, x_scale = quantize_rows(x.reshape(-1, 64))
+        w_fp8, w_scale = quantize_rows(linear.weight)
+        want = (x_fp8.double() * x_scale.double()) @ (w_fp8.double() * w_scale.double()).T + linear.bias.double()
+        assert got.dtype == dtype and got.shape == (3, 7, 48)
+        assert _relative_error(got.reshape(-1, 48), want) < (1e-6 if dtype == torch.float32 else 1e-2)
+        assert _relative_error(got, linear(x)) < 0.06  # e4m3: 3 mantissa bits
+
+
+def test_quantize_rows_scales_each_row_to_the_fp8_range():
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [1e-3, 3e-3, -1e-3]])
+    x_fp8, scale = quantize_rows(x)
+    assert x_fp8.dtype == FP8 and scale.shape == (3, 1)
+    assert x_fp8.float().abs().amax(dim=1).tolist() == [448.0, 0.0, 448.0]  # an all-zero row stays zero
+    torch.testing.assert_close(x_fp8.float() * scale, x, rtol=0.07, atol=0)
+
+
+def test_only_linears_of_aligned_widths_are_quantized():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 4)))
+    assert quantize_linears(model) == (2, 1)
+    assert [type(m).__name__ for m in (model[0], model[2][0], model[2][1])] == ["Fp8Linear", "Fp8Linear", "Linear"]
+    assert not any(p.dtype == FP8 for p in model.parameters())  # FP8 weights are buffers: no optimizer sees them
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+def test_quantized_target_keeps_its_heads_and_stays_close(family):
+    torch.manual_seed(0)
+    # the usual init range (0.02): tiny_target_config's default 0.1 makes a chaotic random model that
+    # amplifies any rounding (12-36% apart at its last layer, the same for any 3.5%-per-GEMM change)
+    target = build_target(tiny_target_config(family, num_layers=4, hidden_size=64, initializer_range=0.02))
+    heads_before = {name: param.clone() for name, param in target.named_parameters()
+                    if "embed_tokens" in name or "lm_head" in name or name.endswith("model.norm.weight")}
+    input_ids = torch.randint(1, 256, (2, 40))
+    reference = HiddenStateCapture(target, layer_ids=[0, 2], capture_final=True)(input_ids)
+    quantized, kept = quantize_decoder_layers_fp8(target)
+    assert quantized > 0
+    if family == "qwen3_5":
+        assert kept > 0  # its GDN layers' beta / decay projections are 4 wide: they keep their dtype
+    got = HiddenStateCapture(target, layer_ids=[0, 2], capture_final=True)(input_ids)
+    assert _relative_error(got.tapped_hidden, reference.tapped_hidden) < 0.1
+    assert _relative_error(got.final_hidden, reference.final_hidden) < 0.1
+    after = dict(target.named_parameters())
+    for name, before in heads_before.items():
+        assert torch.equal(after[name], before), name
+    assert type(target.get_output_embeddings()) is nn.Linear
+    assert all(type(m) is not nn.Linear or m.out_features % 16 or m.in_features % 16
+               for m in language_model(target).layers.modules())
+
+
+def test_trainer_trains_on_an_fp8_target_and_says_so(tmp_path, capsys):
+    trainer = Trainer(tiny_config(tmp_path, max_steps=2, checkpoint_every=2, target_fp8=True))
+    assert "target GEMMs: fp8" in capsys.readouterr().err
+    assert any(isinstance(m, Fp8Linear) for m in trainer.target.modules())
+    assert not any(isinstance(m, Fp8Linear) for m in trainer.drafter.modules())
+    result = trainer.run()
+    trainer.close()
+    assert result.final_step == 2
+    assert load_checkpoint(result.checkpoint)[2]["config"]["target_fp8"] is True  # the run says what it trained on
+
+
+def test_a_device_without_fp8_gemms_is_refused_by_name():
+    assert supports_fp8(torch.device("cpu")) is None
+    assert "meta" in supports_fp8(torch.device("meta"))
+
+
+def test_planner_counts_fp8_decoder_weights_at_one_byte():
+    shape = PRESETS["qwen3-8b"]
+    bf16, fp8 = (plan(PlanInputs(target=shape, samples=1, mean_tokens=2000, target_fp8=flag)).target_weight_bytes
+                 for flag in (False, True))
+    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    assert bf16 - fp8 == shape.params() - embeddings
