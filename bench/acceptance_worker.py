@@ -85,7 +85,7 @@ def train_config(job: Job, variant: Variant, run_dir: Path):
                        max_steps=job.steps, seed=job.seed, checkpoint_every=job.steps, keep_last=1,
                        upload_checkpoints=False, log_every=max(1, min(25, job.steps // 4)),
                        validate_capture_batches=0, attention_backend=WORKER["attention"], drafter=drafter,
-                       optim=variant.optim)
+                       optim=variant.optim, **variant.train)
 
 
 

@@ -114,6 +114,7 @@ class Variant:
     drafter: dict = dataclasses.field(default_factory=dict)
     optim: dict = dataclasses.field(default_factory=dict)
     kind: str = "ours"
+    train: dict = dataclasses.field(default_factory=dict)  # TrainConfig fields, e.g. target_fp8
     force_mask_token_id: int | None = None  # bypasses the trainer's end-token refusal, to measure it
 
 
@@ -175,6 +176,9 @@ def variants() -> dict[str, Variant]:
                 drafter=_default(label_smoothing=0.1)),
         Variant("default+noise=0.2+dropout=0.1", "the default, feature noise 0.2 and dropout 0.1",
                 drafter=_default(feature_noise=0.2, dropout=0.1)),
+        Variant("default+target_fp8", "the default, trained on the target's FP8 GEMMs (TrainConfig.target_fp8); "
+                "evaluated against the full-precision target, as a bf16-served target would be",
+                drafter=_default(), train={"target_fp8": True}),
         Variant("default+warmup=20", "the default, warmup 20 steps instead of 100 (half of a 200-step budget)",
                 drafter=_default(), optim={"warmup_steps": 20}),
         Variant("default+warmup=20+lr=1.2e-3", "the default, warmup 20 and twice the learning rate",
