@@ -25,6 +25,7 @@ whose GDN layer repeats q and k to the value heads before the kernel (15 ms a st
 The Trainer's first line says which kernels ran (`target kernels: GDN recurrence: fla, conv: fla`);
 without fla on the path the GDN layers run transformers' torch path (a warning says why): the
 same table, slower.
+--target-fp8 runs the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8; not measured yet).
 CPU smoke (tiny:qwen3_5 target, 512-token rows, < 1 min): .venv/bin/python bench/bench_hybrid_step.py --tiny
 --profile prints the top ops, the copies, concatenations and fills by the code that asked for them,
 the GPU's idle time with its longest gaps, and where the host waited on the GPU.

@@ -18,6 +18,7 @@ carry=[".carry/node"]; a wheel is a zip, so no pip):
     && python3 bench/bench_train_e2e.py --json $OUT/e2e.json --profile --profile-out $OUT/e2e_trace.json.gz
   python3 bench/bench_train_e2e.py --variant dflash2        (the same step for a DFlash 2 drafter)
   python3 bench/bench_train_e2e.py --prefetch 0 --log-every 1   (the old loop: inline packing, a sync a step)
+  python3 bench/bench_train_e2e.py --target-fp8    (the target's decoder-layer GEMMs in FP8: TrainConfig.target_fp8)
 CPU smoke: .venv/bin/python bench/bench_train_e2e.py --tiny [--variant dflash2] [--profile]
 
 --profile: after the timed steps, one profiler warm-up step, then --profile-steps steps under
