@@ -42,7 +42,6 @@ from dflash_core.target import (  # noqa: E402
     build_target,
     build_target_on_device,
     compile_decoder_layers,
-    language_model,
     real_shape_config,
     target_heads,
     tiny_target_config,
