@@ -38,7 +38,8 @@ def supports_fp8(device: torch.device) -> str | None:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x in FP8, fp32 scales [M, 1]) with x ~= fp8 * scale, each row scaled to its max."""
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / _FP8_MAX
-    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scale
+    # row-major whatever x's strides: _scaled_mm takes its first operand row-major only
+    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8).contiguous(), scale
 
 
 class Fp8Linear(nn.Module):

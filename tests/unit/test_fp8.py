@@ -43,6 +43,15 @@ def test_fp8_linear_is_the_gemm_of_its_quantized_operands(dtype):
         assert _relative_error(got, linear(x)) < 0.06  # e4m3: 3 mantissa bits
 
 
+def test_fp8_linear_takes_a_transposed_input():
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 16, bias=False)
+    x = torch.randn(32, 5).t()  # [5, 32] with column-major strides: reshape keeps the view
+    assert quantize_rows(x)[0].is_contiguous()  # CUDA's FP8 GEMM takes its first operand row-major only
+    with torch.no_grad():
+        torch.testing.assert_close(Fp8Linear(linear)(x), Fp8Linear(linear)(x.contiguous()), atol=0, rtol=0)
+
+
 def test_quantize_rows_scales_each_row_to_the_fp8_range():
     x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [1e-3, 3e-3, -1e-3]])
     x_fp8, scale = quantize_rows(x)
