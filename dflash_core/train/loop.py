@@ -264,6 +264,11 @@ class Trainer:
         if saved != ours:
             raise ValueError(f"{path} holds a {saved} drafter but this run's drafter.variant is {ours!r}: resume "
                              "with the variant it was trained as, or start a new run_name")
+        saved_fp8 = bool((meta.get("config") or {}).get("target_fp8", False))
+        if saved_fp8 != self.config.target_fp8:
+            warnings.warn(f"{path} was trained with target_fp8={saved_fp8}; this run continues it with "
+                          f"target_fp8={self.config.target_fp8}, on states of a differently rounded target",
+                          stacklevel=2)
         self.drafter.load_state_dict(model_state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

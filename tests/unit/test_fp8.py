@@ -103,6 +103,16 @@ def test_trainer_trains_on_an_fp8_target_and_says_so(tmp_path, capsys):
     assert load_checkpoint(result.checkpoint)[2]["config"]["target_fp8"] is True  # the run says what it trained on
 
 
+def test_resuming_with_the_other_target_precision_warns(tmp_path):
+    first = Trainer(tiny_config(tmp_path, max_steps=2, checkpoint_every=2))
+    first.run()
+    first.close()
+    again = Trainer(tiny_config(tmp_path, max_steps=4, checkpoint_every=2, target_fp8=True))
+    with pytest.warns(UserWarning, match="trained with target_fp8=False"):
+        assert again.resume()
+    again.close()
+
+
 def test_a_device_without_fp8_gemms_is_refused_by_name():
     assert supports_fp8(torch.device("cpu")) is None
     assert "meta" in supports_fp8(torch.device("meta"))
