@@ -1,4 +1,4 @@
-"""FP8 GEMMs for the frozen target's forward (opt-in: `TrainConfig.target_precision: fp8`).
+"""FP8 GEMMs for the frozen target's forward (opt-in: `TrainConfig.target_fp8: true`).
 
 The target only runs forward, and its GEMMs are most of a training step (the Qwen3.5-27B hybrid's
 target forward is ~70% of it, at ~650 TFLOP/s in bf16 on an H200). FP8 e4m3 with row-wise scales
@@ -9,7 +9,10 @@ FP8-served target should learn from, and close to, not equal to, the bf16 target
 
 Only the decoder layers' linears are quantized; the embedding and the LM head stay as loaded (the
 drafter reads the LM head's weight for its loss, and the teacher's logits come from it). A linear
-whose input or output width is not a multiple of 16 (the FP8 GEMM's alignment) keeps its dtype.
+whose input or output width is not a multiple of 16 (the FP8 GEMM's alignment) keeps its dtype, and
+so does a narrow one (fewer outputs than min(256, its inputs), e.g. a 27B GDN layer's 48-wide gate
+projections of a 5,120-wide input): its GEMM is bound by reading the input, which quantizing would
+read once more.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8).max  # 448
 _ALIGN = 16
+_MIN_OUT_FEATURES = 256
 
 
 def supports_fp8(device: torch.device) -> str | None:
@@ -56,27 +60,43 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_zeros(*x.shape[:-1], self.out_features)
         x_fp8, x_scale = quantize_rows(rows)
         out_dtype = torch.bfloat16 if x.is_cuda else x.dtype  # CUDA's row-wise FP8 GEMM writes bf16
         y = torch._scaled_mm(x_fp8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                             out_dtype=out_dtype)
+                             out_dtype=out_dtype).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` moves the FP8 weight and its scales; a dtype change (`.half()`, `.to(bf16)`)
+        leaves them as they are (they are the quantization, not the module's compute dtype)."""
+        kept = {name: self._buffers.pop(name) for name in ("weight_fp8", "weight_scale")}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buffer in kept.items():
+                device = fn(torch.empty(0, dtype=buffer.dtype, device=buffer.device)).device
+                self._buffers[name] = buffer.to(device)
+        return self
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
 
 
 def quantize_linears(module: nn.Module) -> tuple[int, int]:
-    """Replace every nn.Linear under `module` whose widths are multiples of 16 by an Fp8Linear, in
-    place (the original weights are freed). Returns (quantized, kept) counts."""
+    """Replace every nn.Linear under `module` whose widths are multiples of 16 and that is not narrow
+    (module docstring) by an Fp8Linear, in place (the original weights are freed). Returns (quantized,
+    kept)."""
     quantized = kept = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue
-            if child.in_features % _ALIGN or child.out_features % _ALIGN:
+            narrow = child.out_features < min(_MIN_OUT_FEATURES, child.in_features)
+            if child.in_features % _ALIGN or child.out_features % _ALIGN or narrow:
                 kept += 1
                 continue
             setattr(parent, name, Fp8Linear(child))

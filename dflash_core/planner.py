@@ -117,7 +117,8 @@ class PlanInputs(BaseModel):
     tapped_layers: int = Field(5, gt=0, description="Target layers whose hidden states the drafter reads.")
     dtype_bytes: int = Field(2, gt=0, description="Bytes per hidden-state value (bf16 = 2).")
     target_fp8: bool = Field(False, description="The target's decoder-layer weights in FP8 (1 byte each; the "
-                             "embedding and LM head stay at dtype_bytes): TrainConfig.target_fp8.")
+                             "embedding and LM head stay at dtype_bytes; the whole target is loaded first, a peak "
+                             "of its own): TrainConfig.target_fp8.")
     samples: int = Field(gt=0)
     mean_tokens: float = Field(gt=0, description="Mean tokens per sample (prompt + completion).")
     mean_completion_tokens: float | None = Field(None, gt=0, description="For generation time; defaults to mean_tokens.")
@@ -208,7 +209,10 @@ def plan(inputs: PlanInputs) -> Plan:
 
     target_params = shape.params()
     target_weights = target_params * inputs.dtype_bytes if target_params is not None else None
-    if target_weights is not None and inputs.target_fp8:
+    # FP8 layers are quantized after the target loads whole: the load is a peak of its own. Without a
+    # vocabulary size the embedding can't be told apart, so nothing is counted at 1 byte.
+    loaded_target_weights = target_weights
+    if target_weights is not None and inputs.target_fp8 and shape.vocab_size is not None:
         target_weights -= (target_params - _embedding_params(shape)) * (inputs.dtype_bytes - 1)
     draft_params = drafter_params(shape, drafter_layers=inputs.drafter_layers, tapped_layers=inputs.tapped_layers,
                                   variant=inputs.variant, conv_kernel_size=inputs.conv_kernel_size,
@@ -229,7 +233,8 @@ def plan(inputs: PlanInputs) -> Plan:
 
     transfer_bytes = budget * (inputs.tapped_layers + 1) * hidden * inputs.dtype_bytes
     layouts = _layouts(inputs, target_weights, drafter_state, target_activations, drafter_activations,
-                       transfer_bytes)
+                       transfer_bytes, loaded_target_weights=loaded_target_weights,
+                       drafter_weights=draft_params * 4)
     completion = inputs.mean_completion_tokens or inputs.mean_tokens
     generation_s = inputs.samples * completion / (inputs.generation_tokens_per_s * inputs.inference_instances)
     return Plan(
@@ -252,7 +257,8 @@ def plan(inputs: PlanInputs) -> Plan:
 
 
 def _layouts(inputs: PlanInputs, target_weights: int | None, drafter_state: int, target_act: int,
-             drafter_act: int, transfer_bytes: int) -> list[LayoutVerdict]:
+             drafter_act: int, transfer_bytes: int, *, loaded_target_weights: int | None,
+             drafter_weights: int) -> list[LayoutVerdict]:
     capacity = inputs.gpu_memory_gib * GiB
     if target_weights is None:
         unknown = "target size unknown: pass --preset, --model-config or --target-params for a verdict"
@@ -260,6 +266,9 @@ def _layouts(inputs: PlanInputs, target_weights: int | None, drafter_state: int,
                               note=unknown) for layout, n in (("colocated", 1), ("pair", 2))]
     colocated = target_weights + drafter_state + target_act + drafter_act + _RESERVED_BYTES
     target_gpu = target_weights + target_act + transfer_bytes + _RESERVED_BYTES
+    if loaded_target_weights is not None:  # the moment before the layers are quantized (target_fp8)
+        colocated = max(colocated, loaded_target_weights + drafter_weights + _RESERVED_BYTES)
+        target_gpu = max(target_gpu, loaded_target_weights + _RESERVED_BYTES)
     drafter_gpu = drafter_state + drafter_act + transfer_bytes + _RESERVED_BYTES
     verdicts = []
     for layout, per_replica, peak in (("colocated", 1, colocated), ("pair", 2, max(target_gpu, drafter_gpu))):

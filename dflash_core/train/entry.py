@@ -127,6 +127,18 @@ def process_devices(config: TrainConfig, dist_info: Distributed) -> TrainConfig:
                                      "drafter_device": config.drafter_device or f"cuda:{drafter}"})
 
 
+def refuse_unsupported_fp8(config: TrainConfig, *, default: torch.device) -> None:
+    """target_fp8 on a device without row-wise FP8 GEMMs: an `error:` line before the target loads (the
+    flow reads it as a refusal, which no retry can fix)."""
+    from dflash_core.fp8 import supports_fp8
+
+    if not config.target_fp8:
+        return
+    why = supports_fp8(torch.device(config.target_device) if config.target_device else default)
+    if why is not None:
+        raise SystemExit(f"error: target_fp8: {why}; set target_fp8: false to keep the target in its own dtype")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one DFlash training process.")
     parser.add_argument("--config", type=Path, required=True, help="run.yaml (TrainConfig)")
@@ -157,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank if device.index is None else device.index)
         torch.cuda.set_device(device)
+    refuse_unsupported_fp8(devices, default=device)
     if dist_info.world_size > 1:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=args.pg_timeout_s),

@@ -11,12 +11,14 @@ import pytest
 import torch
 from torch import nn
 
+from dflash_core import fp8 as fp8_module
 from dflash_core.fp8 import FP8, Fp8Linear, quantize_linears, quantize_rows, supports_fp8
-from dflash_core.planner import PRESETS, PlanInputs, plan
+from dflash_core.planner import PRESETS, ModelShape, PlanInputs, plan
 from dflash_core.target import (
     HiddenStateCapture, build_target, language_model, quantize_decoder_layers_fp8, tiny_target_config,
 )
 from dflash_core.train.checkpoint import load_checkpoint
+from dflash_core.train.entry import refuse_unsupported_fp8
 from dflash_core.train.loop import Trainer
 from tests.unit.test_trainer import tiny_config
 
@@ -52,6 +54,16 @@ def test_fp8_linear_takes_a_transposed_input():
         torch.testing.assert_close(Fp8Linear(linear)(x), Fp8Linear(linear)(x.contiguous()), atol=0, rtol=0)
 
 
+def test_a_dtype_change_leaves_the_quantization_alone_and_empty_inputs_work():
+    fp8 = Fp8Linear(nn.Linear(32, 64, bias=False))
+    x = torch.randn(4, 32)
+    before = fp8(x)
+    fp8.half().to(torch.bfloat16).float()
+    assert (fp8.weight_fp8.dtype, fp8.weight_scale.dtype) == (FP8, torch.float32)
+    torch.testing.assert_close(fp8(x), before, atol=0, rtol=0)
+    assert fp8(torch.randn(2, 0, 32)).shape == (2, 0, 64)
+
+
 def test_quantize_rows_scales_each_row_to_the_fp8_range():
     x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [1e-3, 3e-3, -1e-3]])
     x_fp8, scale = quantize_rows(x)
@@ -60,10 +72,12 @@ def test_quantize_rows_scales_each_row_to_the_fp8_range():
     torch.testing.assert_close(x_fp8.float() * scale, x, rtol=0.07, atol=0)
 
 
-def test_only_linears_of_aligned_widths_are_quantized():
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 4)))
-    assert quantize_linears(model) == (2, 1)
-    assert [type(m).__name__ for m in (model[0], model[2][0], model[2][1])] == ["Fp8Linear", "Fp8Linear", "Linear"]
+def test_only_aligned_linears_that_are_not_narrow_are_quantized():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 4)),
+                          nn.Linear(5120, 48), nn.Linear(5120, 256))  # a 27B GDN gate projection; a wide one
+    assert quantize_linears(model) == (2, 3)
+    assert [type(m).__name__ for m in (model[0], model[2][0], model[2][1], model[3], model[4])] == [
+        "Fp8Linear", "Linear", "Linear", "Linear", "Fp8Linear"]
     assert not any(p.dtype == FP8 for p in model.parameters())  # FP8 weights are buffers: no optimizer sees them
 
 
@@ -80,7 +94,7 @@ def test_quantized_target_keeps_its_heads_and_stays_close(family):
     quantized, kept = quantize_decoder_layers_fp8(target)
     assert quantized > 0
     if family == "qwen3_5":
-        assert kept > 0  # its GDN layers' beta / decay projections are 4 wide: they keep their dtype
+        assert kept > 0  # its GDN layers' beta / decay projections (4 wide here) keep their dtype
     got = HiddenStateCapture(target, layer_ids=[0, 2], capture_final=True)(input_ids)
     assert _relative_error(got.tapped_hidden, reference.tapped_hidden) < 0.1
     assert _relative_error(got.final_hidden, reference.final_hidden) < 0.1
@@ -88,7 +102,7 @@ def test_quantized_target_keeps_its_heads_and_stays_close(family):
     for name, before in heads_before.items():
         assert torch.equal(after[name], before), name
     assert type(target.get_output_embeddings()) is nn.Linear
-    assert all(type(m) is not nn.Linear or m.out_features % 16 or m.in_features % 16
+    assert all(type(m) is not nn.Linear or m.out_features % 16 or m.in_features % 16 or m.out_features < m.in_features
                for m in language_model(target).layers.modules())
 
 
@@ -113,14 +127,40 @@ def test_resuming_with_the_other_target_precision_warns(tmp_path):
     again.close()
 
 
-def test_a_device_without_fp8_gemms_is_refused_by_name():
+def test_a_device_without_fp8_gemms_is_refused_by_name_before_the_target_loads(tmp_path, monkeypatch):
     assert supports_fp8(torch.device("cpu")) is None
     assert "meta" in supports_fp8(torch.device("meta"))
+    monkeypatch.setattr(fp8_module, "supports_fp8", lambda device: f"{device} has compute capability 8.0")
+    config = tiny_config(tmp_path, target_fp8=True)
+    with pytest.raises(SystemExit, match=r"^error: target_fp8: cpu has compute capability 8.0; set target_fp8: false"):
+        refuse_unsupported_fp8(config, default=torch.device("cpu"))
+    refuse_unsupported_fp8(config.model_copy(update={"target_fp8": False}), default=torch.device("cpu"))
 
 
-def test_planner_counts_fp8_decoder_weights_at_one_byte():
-    shape = PRESETS["qwen3-8b"]
+@pytest.mark.parametrize("preset", ["qwen3-8b", "smollm2-135m"])  # untied and tied embeddings
+def test_planner_counts_fp8_decoder_weights_at_one_byte(preset):
+    shape = PRESETS[preset]
     bf16, fp8 = (plan(PlanInputs(target=shape, samples=1, mean_tokens=2000, target_fp8=flag)).target_weight_bytes
                  for flag in (False, True))
-    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-    assert bf16 - fp8 == shape.params() - embeddings
+    embedding_rows = shape.vocab_size * (1 if shape.tie_word_embeddings else 2)
+    assert bf16 - fp8 == shape.params() - embedding_rows * shape.hidden_size
+
+
+def test_planner_without_a_vocabulary_counts_no_fp8_saving():
+    shape = PRESETS["qwen3-8b"].model_copy(update={"vocab_size": None, "num_params": 8_000_000_000})
+    bf16, fp8 = (plan(PlanInputs(target=shape, samples=1, mean_tokens=2000, target_fp8=flag)).target_weight_bytes
+                 for flag in (False, True))
+    assert bf16 == fp8  # the embedding can't be told apart: nothing is assumed to shrink
+
+
+def test_planner_peak_covers_the_whole_target_loading_before_it_is_quantized():
+    # a deep narrow target: its FP8 layers + drafter + activations fit 26 GiB (23.6); its bf16 load
+    # (23.7 GiB of weights + the drafter's + the reserve: 29.0) does not
+    deep = ModelShape(num_layers=200, hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, vocab_size=32000)
+    inputs = dict(target=deep, samples=1, mean_tokens=2000, token_budget=1024, gpu_memory_gib=26.0)
+    full_weights = plan(PlanInputs(**inputs)).target_weight_bytes
+    colocated = plan(PlanInputs(**inputs, target_fp8=True)).layouts[0]
+    assert colocated.layout == "colocated"
+    assert colocated.peak_bytes_per_gpu > full_weights + 4 * 2**30
+    assert colocated.fits is False
