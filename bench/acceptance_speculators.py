@@ -109,6 +109,8 @@ def stand_in_for_missing(names: tuple[str, ...] = ("openai", "datasets")) -> lis
 
 
 def run_speculators(job: Job, variant: Variant) -> dict:
+    if variant.train:  # this loop builds its own target and batches: it would silently ignore them
+        raise ValueError(f"variant {variant.name!r}: speculators rows take no TrainConfig changes ({variant.train})")
     stood_in = stand_in_for_missing()
     if stood_in:
         print(f"speculators: stand-ins for its unused data-module imports {stood_in}", flush=True)

@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -153,7 +154,9 @@ def row_fill(*, num_samples: int, mean_tokens: float, token_budget: int) -> list
 def planner_peak_gib(trainer: Trainer, *, preset: str | None, token_budget: int, anchors: int) -> float:
     """The planner's colocated peak per GPU for this run's shapes (its 4 GiB reserve included)."""
     text = getattr(trainer.target.config, "text_config", None) or trainer.target.config
-    params = sum(p.numel() for p in trainer.target.parameters())
+    # FP8 weights (target_fp8) are buffers, not parameters
+    params = sum(p.numel() for p in trainer.target.parameters()) + sum(
+        b.numel() for name, b in trainer.target.named_buffers() if name.endswith("weight_fp8"))
     if preset is not None:
         shape = PRESETS[preset].model_copy(update={"num_params": params})
     else:
@@ -327,16 +330,23 @@ def print_copy_sources(profiler, *, cuda: bool, steps: int, rows: int = 15) -> N
 def _caller(event) -> str:
     ops, node = [], event.cpu_parent
     while node is not None:
-        stack = [frame for frame in (getattr(node, "stack", None) or []) if "profiler" not in frame and not frame.startswith("<built-in")]
+        stack = [frame for frame in (getattr(node, "stack", None) or [])
+                 if "profiler" not in frame and not frame.startswith("<built-in") and "torch/nn/modules/" not in frame]
         if stack:
             own = [frame for frame in stack if any(part in frame for part in _OWN_CODE)][:2] or stack[:1]
             shown = [frame.split("site-packages/")[-1].split("/tmp/pylib/")[-1].split(str(Path.cwd()) + "/")[-1]
                      for frame in own]
             return " <- ".join(ops[:2] + shown)
-        if not node.name.startswith("<built-in"):  # their names carry an object's address
-            ops.append(node.name)
+        name = _module_class(node.name)
+        if not name.startswith("<built-in") and "torch/nn/modules/" not in name and (not ops or ops[-1] != name):  # <built-in ...> names carry an object's address
+            ops.append(name)
         node = node.cpu_parent
     return " <- ".join(ops[:4]) or "-"
+
+
+def _module_class(name: str) -> str:
+    """`nn.Module: Layer_5` -> `nn.Module: Layer` (one row per call site, not per layer instance)."""
+    return re.sub(r"^(nn\.Module: .*?)_\d+$", r"\1", name)
 
 
 _WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
@@ -394,8 +404,8 @@ def main(argv=None) -> None:
     parser.add_argument("--variant", choices=["dflash", "dflash2"], default=None, help="default: the trainer's")
     parser.add_argument("--packing", default="packed,unpacked",
                         help="comma list of packed (best-fit, the default), greedy (next-fit), unpacked")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3, choices=range(1, 1000), metavar="N>=1")
+    parser.add_argument("--steps", type=int, default=8, choices=range(1, 1000), metavar="N>=1")
     parser.add_argument("--log-every", type=int, default=TrainConfig.model_fields["log_every"].default,
                         help="the Trainer's metrics sync (one device->host copy) every N steps, as in a run")
     parser.add_argument("--target-fp8", action="store_true",

@@ -96,6 +96,17 @@ def test_flex_and_sdpa_attention_agree_forward(window):
     torch.testing.assert_close(sdpa_out, explicit, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("capability, head_dim, tuned", [((9, 0), 256, True), ((9, 0), 192, True),
+                                                       ((9, 0), 128, False), ((10, 0), 256, False), ((8, 0), 256, False)])
+def test_the_tuned_backward_is_for_wide_heads_on_hopper_only(monkeypatch, capability, head_dim, tuned):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    options = tuned_flex_options(head_dim, torch.device("cuda", 0))
+    assert (options is not None) == tuned
+    if tuned:
+        assert options == {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                           "bwd_num_stages": 2, "bwd_num_warps": 8}
+
+
 def test_tuned_options_go_to_flex_for_16_bit_inputs_only(monkeypatch):
     assert tuned_flex_options(256, torch.device("cpu")) is None  # CPU: torch's defaults
     calls = []
