@@ -234,7 +234,7 @@ def plan(inputs: PlanInputs) -> Plan:
     transfer_bytes = budget * (inputs.tapped_layers + 1) * hidden * inputs.dtype_bytes
     layouts = _layouts(inputs, target_weights, drafter_state, target_activations, drafter_activations,
                        transfer_bytes, loaded_target_weights=loaded_target_weights,
-                       drafter_weights=draft_params * 4)
+                       drafter_weights=draft_params * 4)  # fp32 weights, before any optimizer state
     completion = inputs.mean_completion_tokens or inputs.mean_tokens
     generation_s = inputs.samples * completion / (inputs.generation_tokens_per_s * inputs.inference_instances)
     return Plan(

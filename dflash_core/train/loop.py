@@ -116,7 +116,7 @@ def quantize_target(target, *, device: torch.device, log: bool) -> None:
         raise ValueError(f"target_fp8: {why}; set target_fp8: false to keep the target in its own dtype")
     quantized, kept = quantize_decoder_layers_fp8(target)
     if log:
-        print(f"target GEMMs: fp8 ({quantized} linears; {kept} kept in their dtype: widths not multiples of 16)",
+        print(f"target GEMMs: fp8 ({quantized} linears; {kept} kept in their dtype: unaligned or narrow)",
               file=sys.stderr, flush=True)
 
 
