@@ -10,19 +10,20 @@ import pytest
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "bench_hybrid_step.py"
 _SPEC = importlib.util.spec_from_file_location("bench_hybrid_step", _PATH)
 bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
+_SPEC.loader.exec_module(bench)  # puts bench/ on the path, where its profile readers live
+import hybrid_profile as profile  # noqa: E402
 
 
 def test_gpu_idle_counts_only_time_no_kernel_ran():
     kernels = [(0, 10, "a"), (5, 20, "b"), (20, 30, "c"), (1030, 1040, "d"), (1100, 1200, "e"), (1150, 1160, "f")]
-    span, idle, gaps = bench.gpu_idle(kernels)
+    span, idle, gaps = profile.gpu_idle(kernels)
     assert span == 1200
     assert idle == 1000 + 60  # 30 -> 1030 and 1040 -> 1100; f lies inside e
     assert gaps == [(1000, "c", "d")]  # 60 µs is under the 200 µs floor
 
 
 def test_gpu_idle_names_the_kernel_that_ended_last_before_a_gap():
-    span, idle, gaps = bench.gpu_idle([(0, 500, "long"), (10, 20, "short"), (900, 950, "next")])
+    span, idle, gaps = profile.gpu_idle([(0, 500, "long"), (10, 20, "short"), (900, 950, "next")])
     assert (span, idle) == (950, 400)
     assert gaps == [(400, "long", "next")]
 
@@ -30,7 +31,7 @@ def test_gpu_idle_names_the_kernel_that_ended_last_before_a_gap():
 @pytest.mark.parametrize("order", [1, -1])
 def test_gpu_idle_does_not_depend_on_the_order_events_arrive_in(order):
     kernels = [(0, 10, "a"), (300, 310, "b"), (700, 710, "c")]
-    assert bench.gpu_idle(kernels[::order]) == bench.gpu_idle(kernels)
+    assert profile.gpu_idle(kernels[::order]) == profile.gpu_idle(kernels)
 
 
 class _Event:
@@ -42,7 +43,7 @@ def test_copies_are_attributed_to_the_nearest_recorded_frames_of_our_code():
     frames = ["/x/site-packages/torch/nn/modules/module.py(1750): _call_impl",
               "/x/site-packages/fla/ops/utils.py(40): wrapper", "/x/site-packages/transformers/models/m.py(9): forward"]
     clone = _Event("aten::clone", _Event("aten::contiguous", _Event("fla op", stack=frames)))
-    assert bench._caller(_Event("aten::copy_", clone)) == (
+    assert profile._caller(_Event("aten::copy_", clone)) == (
         "aten::clone <- aten::contiguous <- fla/ops/utils.py(40): wrapper <- transformers/models/m.py(9): forward")
 
 
@@ -51,7 +52,7 @@ def test_without_frames_one_call_site_in_every_layer_is_one_source():
     for layer in range(6):
         step = _Event("ProfilerStep#3")
         module = _Event(f"nn.Module: Layer_{layer}", _Event("torch/nn/modules/module.py(1750): _call_impl", step))
-        sources.add(bench._caller(_Event("aten::cat", _Event("<built-in method cat of type object at 0x7f00>", module))))
+        sources.add(profile._caller(_Event("aten::cat", _Event("<built-in method cat of type object at 0x7f00>", module))))
     assert sources == {"nn.Module: Layer <- ProfilerStep#3"}
 
 
