@@ -47,13 +47,13 @@ def table(rows: list[dict], *, command: str) -> str:
              "train tau | steps/s | exact | mask | taps | reproduce |",
              "|---|---:|---|---:|---|---|---:|---:|---|---:|---|---|"]
     for r in rows:
-        ratio = r["tau_mean"] / reference[r["steps"]] if reference.get(r["steps"]) else float("nan")
+        ratio = f"{r['tau_mean'] / reference[r['steps']]:.2f}x" if reference.get(r["steps"]) else "-"
         accept = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:4])
         split = " / ".join("-" if v is None else f"{v:.2f}" for v in (r["tau_sharegpt"], r["tau_own"]))
         seeds = " ".join(str(s) for s in r["seeds"])
         reproduce = f"`{command} --variants {r['variant']} --seeds {seeds} --steps {r['steps']} --long-multiplier 0`"
         lines.append(f"| {r['variant']} | {r['steps']} | {r['tau_mean']:.3f} +- {r['tau_sd']:.3f} (n={len(r['seeds'])}) | "
-                     f"{ratio:.2f}x | {accept} | {split} | {r['train_tau']:.2f} | {r['steps_per_s']:.1f} | "
+                     f"{ratio} | {accept} | {split} | {r['train_tau']:.2f} | {r['steps_per_s']:.1f} | "
                      f"{'yes' if r['all_match_target'] else 'NO'} | {r['mask_token_id']} | {r['target_layer_ids']} | "
                      f"{reproduce} |")
     return "\n".join(lines)

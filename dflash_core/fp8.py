@@ -91,7 +91,10 @@ def quantize_linears(module: nn.Module) -> tuple[int, int]:
     (module docstring) by an Fp8Linear, in place (the original weights are freed). Returns (quantized,
     kept)."""
     quantized = kept = 0
-    for parent in list(module.modules()):
+    # Hold the parents only: a list of every module would keep each replaced bf16 linear alive until
+    # the end, a peak of the whole bf16 target plus its FP8 copy (+11 GiB measured on the 27B hybrid).
+    parents = [m for m in module.modules() if type(m) is not nn.Linear]
+    for parent in parents:
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue

@@ -81,6 +81,26 @@ def test_only_aligned_linears_that_are_not_narrow_are_quantized():
     assert not any(p.dtype == FP8 for p in model.parameters())  # FP8 weights are buffers: no optimizer sees them
 
 
+def test_each_replaced_linear_is_freed_as_the_next_is_quantized(monkeypatch):
+    """The peak of quantizing is one bf16 linear on top of the FP8 copies, not the whole bf16 target."""
+    import weakref
+
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)) for _ in range(4))
+    originals = [weakref.ref(m) for m in layers.modules() if type(m) is nn.Linear]
+    alive_at_each_quantization = []
+
+    class CountingFp8Linear(Fp8Linear):
+        def __init__(self, linear):
+            alive_at_each_quantization.append(sum(ref() is not None for ref in originals))
+            super().__init__(linear)
+
+    monkeypatch.setattr(fp8_module, "Fp8Linear", CountingFp8Linear)
+    assert quantize_linears(layers) == (8, 0)
+    # linears still in the model (not yet replaced) + the one being quantized and its sibling in hand
+    assert alive_at_each_quantization == [8 - i + (i % 2) for i in range(8)]
+    assert all(ref() is None for ref in originals)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
 def test_quantized_target_keeps_its_heads_and_stays_close(family):
     torch.manual_seed(0)
