@@ -235,6 +235,9 @@ def plan(inputs: PlanInputs) -> Plan:
     layouts = _layouts(inputs, target_weights, drafter_state, target_activations, drafter_activations,
                        transfer_bytes, loaded_target_weights=loaded_target_weights,
                        drafter_weights=draft_params * 4)  # fp32 weights, before any optimizer state
+    if not inputs.target_fp8 and any(v.fits is False and v.replicas > 0 for v in layouts):
+        with_fp8 = {v.layout: v for v in plan(inputs.model_copy(update={"target_fp8": True})).layouts}
+        layouts = [_suggest_fp8(v, with_fp8[v.layout]) for v in layouts]
     completion = inputs.mean_completion_tokens or inputs.mean_tokens
     generation_s = inputs.samples * completion / (inputs.generation_tokens_per_s * inputs.inference_instances)
     return Plan(
@@ -254,6 +257,14 @@ def plan(inputs: PlanInputs) -> Plan:
         transfer_ms_per_batch=transfer_bytes / (inputs.interconnect_gb_s * 1e9) * 1e3,
         generation_hours=generation_s / 3600,
     )
+
+
+def _suggest_fp8(verdict: LayoutVerdict, with_fp8: LayoutVerdict) -> LayoutVerdict:
+    """A layout that does not fit in the target's dtype but does with FP8 decoder layers says so."""
+    if verdict.fits is not False or not with_fp8.fits:
+        return verdict
+    return verdict.model_copy(update={"note": f"{verdict.note}; or set target_fp8: true (FP8 target GEMMs, compute "
+                                              f"capability >= 9.0), which fits with {with_fp8.note}"})
 
 
 def _layouts(inputs: PlanInputs, target_weights: int | None, drafter_state: int, target_act: int,

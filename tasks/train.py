@@ -52,10 +52,15 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
         return None
     shape = PRESETS["smollm2-135m"] if config.target == "embedded" else \
         shape_from_config(Path(config.target) / "config.json")
-    result = plan(PlanInputs(target=shape, samples=samples, mean_tokens=mean_tokens,
-                             drafter_layers=config.drafter.num_layers, block_size=config.drafter.block_size,
+    drafter = config.drafter
+    tapped = len(drafter.target_layer_ids) if drafter.target_layer_ids else drafter.num_tapped_layers or drafter.num_layers
+    result = plan(PlanInputs(target=shape, samples=samples, mean_tokens=mean_tokens, tapped_layers=tapped,
+                             drafter_layers=drafter.num_layers, block_size=drafter.block_size,
+                             anchors_per_1k_tokens=drafter.num_anchors * 1000 / config.token_budget,
                              token_budget=config.token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,
-                             target_fp8=config.target_fp8))
+                             target_fp8=config.target_fp8, variant=drafter.variant,
+                             conv_kernel_size=drafter.conv_kernel_size, conv_group_size=drafter.conv_group_size,
+                             selector_rank=drafter.selector_rank))
     if not any(layout.fits for layout in result.layouts):
         raise NoLayoutFits("; ".join(f"{v.layout}: {v.note}" for v in result.layouts))
     return result

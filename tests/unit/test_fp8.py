@@ -184,3 +184,15 @@ def test_planner_peak_covers_the_whole_target_loading_before_it_is_quantized():
     assert colocated.layout == "colocated"
     assert colocated.peak_bytes_per_gpu > full_weights + 4 * 2**30
     assert colocated.fits is False
+
+
+def test_planner_suggests_fp8_where_only_fp8_fits():
+    inputs = dict(target=PRESETS["qwen3.5-27b"], samples=1, mean_tokens=2000, num_gpus=2)
+    squeezed = {v.layout: v for v in plan(PlanInputs(**inputs, gpu_memory_gib=110.0)).layouts}
+    assert squeezed["colocated"].fits is False
+    assert "or set target_fp8: true" in squeezed["colocated"].note
+    assert "target_fp8" not in squeezed["pair"].note  # fits as it is
+    too_small = plan(PlanInputs(**inputs, gpu_memory_gib=80.0)).layouts[0]
+    assert too_small.fits is False and "target_fp8" not in too_small.note  # FP8 would not fit either
+    already = plan(PlanInputs(**inputs, gpu_memory_gib=90.0, target_fp8=True)).layouts[0]
+    assert already.fits is False and "target_fp8" not in already.note

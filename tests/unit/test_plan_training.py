@@ -1,0 +1,51 @@
+"""The train flow's fit check (tasks.train.plan_training) plans the run it is given: its drafter
+variant, tapped layers, anchors and target precision, and refuses with the planner's advice.
+
+Run: `.venv/bin/python -m pytest tests/unit/test_plan_training.py -q`
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_core.planner import PRESETS
+from dflash_core.train.config import TrainConfig
+from tasks.train import NoLayoutFits, plan_training
+
+
+def _config(tmp_path, **drafter) -> TrainConfig:
+    target = tmp_path / "target"
+    target.mkdir(exist_ok=True)
+    shape = PRESETS["qwen3.5-27b"]
+    (target / "config.json").write_text(json.dumps({
+        "num_hidden_layers": shape.num_layers, "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size, "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads, "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab_size, "tie_word_embeddings": shape.tie_word_embeddings}))
+    return TrainConfig.model_validate({"run_name": "fit", "target": str(target), "data": ["unused.arrow"],
+                                       "output_dir": str(tmp_path / "runs"), "drafter": drafter})
+
+
+def _plan(config, gpu_memory_gib=139.0):
+    return plan_training.fn(config, gpu_memory_gib=gpu_memory_gib, num_gpus=1, samples=1000, mean_tokens=2000)
+
+
+def test_the_plan_follows_the_runs_drafter(tmp_path):
+    dflash2 = _plan(_config(tmp_path))
+    dflash = _plan(_config(tmp_path, variant="dflash"))
+    shape = PRESETS["qwen3.5-27b"]
+    # DFlash 2's selector codebooks alone are 2 x vocab x rank
+    assert dflash2.drafter_params - dflash.drafter_params > 2 * shape.vocab_size * 256
+    three_taps = _plan(_config(tmp_path, num_tapped_layers=3))
+    assert three_taps.bytes_per_token == 3 * shape.hidden_size * 2
+    assert dflash2.bytes_per_token == 5 * shape.hidden_size * 2  # as many taps as drafter layers
+    fewer_anchors = _plan(_config(tmp_path, num_anchors=512))
+    assert fewer_anchors.drafter_activation_bytes < dflash2.drafter_activation_bytes
+
+
+def test_a_run_that_fits_nowhere_is_refused_with_the_fp8_advice(tmp_path):
+    with pytest.raises(NoLayoutFits, match=r"colocated: short by .* or set target_fp8: true"):
+        _plan(_config(tmp_path), gpu_memory_gib=110.0)
+    assert _plan(_config(tmp_path).model_copy(update={"target_fp8": True}), gpu_memory_gib=110.0) is not None
