@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import warnings
 from collections import deque
 from pathlib import Path
 
@@ -113,7 +114,11 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
 def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str) -> Manifest:
     """Curves and a summary table as artifacts; metrics + PNG to S3 with manifests pointing at the checkpoint."""
     store = ObjectStore.from_settings(settings)
-    records = read_metrics(config.run_dir / "metrics.jsonl")
+    with warnings.catch_warnings(record=True) as skipped:  # torn lines from a crash: into the run's log
+        warnings.simplefilter("always")
+        records = read_metrics(config.run_dir / "metrics.jsonl")
+    for warning in skipped:
+        get_run_logger().warning(str(warning.message))
     png = curves_png(records, title=config.run_name)
     prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "train", config.run_name)
     checkpoint_uri = store.uri(f"{artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)}/"

@@ -43,6 +43,7 @@ from dflash_core.train.data import (
 )
 from dflash_core.train.inputs import fetch_shards, load_target_model
 from dflash_core.train.prefetch import BatchPrefetcher, InlineBatches, batch_preparer
+from dflash_core.train.report import end_torn_line
 from dflash_core.train.drafter_setup import drafter_config_for, load_target_tokenizer
 from dflash_core.train.metrics_window import MetricsWindow, to_host
 from dflash_core.train.step import batch_tensors, capture_batch, drafter_step, step_generator
@@ -302,6 +303,8 @@ class Trainer:
         if self.dist.is_main and self.target_kernels is not None:
             record_target_kernels(self.run_dir, self.target_kernels)
         metrics_path = self.run_dir / "metrics.jsonl"
+        if self.dist.is_main and end_torn_line(metrics_path):
+            print(f"{metrics_path}: the last record was cut short (a crash mid-write); it is logged again", flush=True)
         previous = signal.signal(signal.SIGTERM, self._request_stop)
         batches = self._open_batches()
         last_checkpoint = None

@@ -5,17 +5,45 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import warnings
 from pathlib import Path
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Logged records by step; a step logged twice (before a crash and after resume) keeps the last."""
+    """Logged records by step; a step logged twice (before a crash and after resume) keeps the last.
+    A torn line (a write cut short by a crash, or one still being written) is skipped with a warning
+    that names it: its step is logged again after the resume."""
     by_step: dict[int, dict] = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
+    torn = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
             record = json.loads(line)
-            by_step[record["step"]] = record
+            by_step[int(record["step"])] = record
+        except (ValueError, TypeError, KeyError):
+            torn.append(number)
+    if torn:
+        warnings.warn(f"{path}: skipped {len(torn)} torn or malformed line(s) (line {', '.join(map(str, torn[:10]))}): "
+                      "a record cut short by a crash is logged again after the resume", stacklevel=2)
     return [by_step[step] for step in sorted(by_step)]
+
+
+def end_torn_line(path: Path) -> bool:
+    """A crash mid-write leaves the last record without its newline: end that line, so the next record
+    starts one of its own (read_metrics skips the torn one). True when there was one."""
+    try:
+        with open(path, "rb+") as handle:
+            if handle.seek(0, os.SEEK_END) == 0:
+                return False
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) == b"\n":
+                return False
+            handle.write(b"\n")
+            return True
+    except FileNotFoundError:
+        return False
 
 
 def smoothed(record: dict) -> dict:

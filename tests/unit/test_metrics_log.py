@@ -1,0 +1,61 @@
+"""metrics.jsonl survives a crash mid-write: the reader skips a torn record and names it, and a
+resumed run ends the torn line before it appends, so no record is glued to a fragment.
+
+Run: `.venv/bin/python -m pytest tests/unit/test_metrics_log.py -q`
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dflash_core.train.checkpoint import complete_checkpoints
+from dflash_core.train.loop import Trainer
+from dflash_core.train.report import end_torn_line, read_metrics
+from tests.unit.test_trainer import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _line(step: int, loss: float) -> str:
+    return json.dumps({"step": step, "loss": loss}) + "\n"
+
+
+def test_a_torn_record_is_skipped_by_name_and_the_relogged_step_wins(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(_line(1, 3.0) + _line(2, 2.5)[:12] + "\n" + _line(2, 2.4) + '{"loss": 1}\n')
+    with pytest.warns(UserWarning, match=r"metrics.jsonl: skipped 2 torn or malformed line\(s\) \(line 2, 4\)"):
+        records = read_metrics(path)
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 3.0), (2, 2.4)]
+
+
+def test_end_torn_line_ends_only_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert end_torn_line(path) is False  # no file yet
+    path.write_text("")
+    assert end_torn_line(path) is False
+    path.write_text(_line(1, 3.0))
+    assert end_torn_line(path) is False and path.read_text() == _line(1, 3.0)
+    path.write_text(_line(1, 3.0) + '{"step": 2, "lo')
+    assert end_torn_line(path) is True
+    assert path.read_text() == _line(1, 3.0) + '{"step": 2, "lo\n'
+
+
+def test_a_resumed_run_appends_after_a_torn_record(tmp_path, capsys):
+    # killed while writing step 50's record, i.e. before step 50's checkpoint
+    config = tiny_config(tmp_path, max_steps=50, log_every=25, checkpoint_every=25)
+    Trainer(config).run()
+    shutil.rmtree(complete_checkpoints(config.run_dir / "checkpoints")[-1])
+    metrics = config.run_dir / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole[: whole.rindex("\n", 0, len(whole) - 1) + 40])
+    resumed = Trainer(config)
+    assert resumed.resume() and resumed.step == 25
+    resumed.run()
+    assert "the last record was cut short" in capsys.readouterr().out
+    with pytest.warns(UserWarning, match="skipped 1 torn"):
+        records = read_metrics(metrics)
+    assert [r["step"] for r in records] == [25, 50]
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == 50  # its own line, not glued on
