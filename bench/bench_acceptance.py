@@ -41,7 +41,7 @@ GGUF, checks its sha256 and converts it):
 $OUT gets table.md, results.jsonl (one line per run), summary.json and log.txt.
 
 FP8 target GEMMs vs the bf16 target (2026-12-01, 200 steps, `--variants default,default+target_fp8 --seeds 0 1 2`):
-default 1.294 +- 0.001, default+target_fp8 1.284 +- 0.010 (0.8% lower, within one sd).
+default 1.294 +- 0.001, default+target_fp8 1.284 +- 0.010 (one call; 0.8% lower, ~one sd: not told apart).
 
 The training-only levers (feature noise, dropout, label smoothing; off in the library) against the
 default, at 200 steps and 10x (2026-12-01, 200 steps, 2 seeds: none better than the default's

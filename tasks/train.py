@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import warnings
 from collections import deque
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from dflash_core.storage import ObjectStore
 from dflash_core.train.checkpoint import latest_checkpoint
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.entry import Rendezvous, training_argv
-from dflash_core.train.report import curves_png, read_metrics, summary_rows
+from dflash_core.train.report import curves_png, load_metrics, summary_rows
 from dflash_core.train.supervise import die_with_parent
 from tasks.plan import NoLayoutFits
 from tasks.provenance import run_producer
@@ -62,8 +61,10 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
                              target_fp8=config.target_fp8, variant=drafter.variant,
                              conv_kernel_size=drafter.conv_kernel_size, conv_group_size=drafter.conv_group_size,
                              selector_rank=drafter.selector_rank))
-    if not any(layout.fits for layout in result.layouts):
-        raise NoLayoutFits("; ".join(f"{v.layout}: {v.note}" for v in result.layouts))
+    chosen = next(v for v in result.layouts if v.layout == config.placement)
+    if chosen.fits is False:
+        others = [f"{v.layout} would fit ({v.note})" for v in result.layouts if v.fits and v is not chosen]
+        raise NoLayoutFits(f"placement {config.placement}: {chosen.note}" + "".join(f"; {o}" for o in others))
     return result
 
 
@@ -114,11 +115,10 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
 def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str) -> Manifest:
     """Curves and a summary table as artifacts; metrics + PNG to S3 with manifests pointing at the checkpoint."""
     store = ObjectStore.from_settings(settings)
-    with warnings.catch_warnings(record=True) as skipped:  # torn lines from a crash: into the run's log
-        warnings.simplefilter("always")
-        records = read_metrics(config.run_dir / "metrics.jsonl")
-    for warning in skipped:
-        get_run_logger().warning(str(warning.message))
+    metrics = load_metrics(config.run_dir / "metrics.jsonl")
+    if metrics.skipped_lines:
+        get_run_logger().warning(metrics.skipped_message())
+    records = metrics.records
     png = curves_png(records, title=config.run_name)
     prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "train", config.run_name)
     checkpoint_uri = store.uri(f"{artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)}/"

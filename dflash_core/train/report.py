@@ -7,27 +7,56 @@ import io
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """Logged records by step; a step logged twice (before a crash and after resume) keeps the last.
-    A torn line (a write cut short by a crash, or one still being written) is skipped with a warning
-    that names it: its step is logged again after the resume."""
+@dataclass(frozen=True)
+class MetricsLog:
+    records: list[dict]  # by step; a step logged twice (before a crash and after resume) keeps the last
+    skipped_lines: list[int]  # 1-based numbers of torn or malformed lines
+    path: Path
+
+    def skipped_message(self) -> str:
+        shown = ", ".join(map(str, self.skipped_lines[:10])) + (", ..." if len(self.skipped_lines) > 10 else "")
+        return (f"{self.path}: skipped {len(self.skipped_lines)} torn or malformed line(s) (line {shown}); a record "
+                "cut short by a crash mid-write is logged again after the resume")
+
+
+def load_metrics(path: Path) -> MetricsLog:
+    """metrics.jsonl's records, skipping lines that are not a record: a write cut short by a crash (or
+    one still being written) or anything else malformed. A record a resumed run glued onto a torn line
+    (logs written before `end_torn_line` existed) is recovered from that line."""
     by_step: dict[int, dict] = {}
-    torn = []
+    skipped = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-            by_step[int(record["step"])] = record
-        except (ValueError, TypeError, KeyError):
-            torn.append(number)
-    if torn:
-        warnings.warn(f"{path}: skipped {len(torn)} torn or malformed line(s) (line {', '.join(map(str, torn[:10]))}): "
-                      "a record cut short by a crash is logged again after the resume", stacklevel=2)
-    return [by_step[step] for step in sorted(by_step)]
+        record = _record(line)
+        if record is None:
+            skipped.append(number)
+            glued = line.rfind('{"step"')
+            record = _record(line[glued:]) if glued > 0 else None
+        if record is not None:
+            by_step[record["step"]] = record
+    return MetricsLog(records=[by_step[step] for step in sorted(by_step)], skipped_lines=skipped, path=Path(path))
+
+
+def _record(text: str) -> dict | None:
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return record if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """load_metrics' records; skipped lines are named in a warning."""
+    metrics = load_metrics(path)
+    if metrics.skipped_lines:
+        warnings.warn(metrics.skipped_message(), stacklevel=2)
+    return metrics.records
 
 
 def end_torn_line(path: Path) -> bool:

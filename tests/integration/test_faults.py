@@ -21,6 +21,7 @@ import pytest
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore, sha256_file
 from dflash_core.train.checkpoint import _FILES, complete_checkpoints, remove_debris
+from dflash_core.train.report import load_metrics
 from dflash_core.train.run_lock import RunLock, RunLocked
 from dflash_core.train.uploader import remote_checkpoints
 from tests.conftest import free_port
@@ -74,7 +75,8 @@ def _logged_step(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return 0
-    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()), default=0)
+    # through a line the trainer is still writing, as the flow's report reads
+    return max((record["step"] for record in load_metrics(path).records), default=0)
 
 
 def _wait(predicate, process: subprocess.Popen | None, *, timeout_s: float, what: str) -> None:

@@ -12,14 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from dflash_core.train.checkpoint import latest_checkpoint, load_checkpoint
-from dflash_core.train.report import read_metrics
+from dflash_core.train.report import load_metrics
 from tests.train_fixtures import synthetic_shard
 
 VENV_BIN = Path(sys.executable).parent
@@ -55,9 +54,7 @@ def _train(config: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedPro
 def _losses(run_dir: Path) -> dict[int, float]:
     """step -> loss; a step logged twice (before a crash and after resume) keeps the last value. A line
     being written (or cut short by the kill) is skipped, as the flow's report skips it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    return {r["step"]: r["loss"] for r in load_metrics(run_dir / "metrics.jsonl").records}
 
 
 def _start(config: Path, tmp_path: Path, *extra: str) -> subprocess.Popen:

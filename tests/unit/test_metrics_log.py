@@ -13,7 +13,7 @@ import pytest
 
 from dflash_core.train.checkpoint import complete_checkpoints
 from dflash_core.train.loop import Trainer
-from dflash_core.train.report import end_torn_line, read_metrics
+from dflash_core.train.report import end_torn_line, load_metrics, read_metrics
 from tests.unit.test_trainer import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,9 +26,23 @@ def _line(step: int, loss: float) -> str:
 def test_a_torn_record_is_skipped_by_name_and_the_relogged_step_wins(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(_line(1, 3.0) + _line(2, 2.5)[:12] + "\n" + _line(2, 2.4) + '{"loss": 1}\n')
-    with pytest.warns(UserWarning, match=r"metrics.jsonl: skipped 2 torn or malformed line\(s\) \(line 2, 4\)"):
+    with pytest.warns(UserWarning, match=r"metrics.jsonl: skipped 2 torn or malformed line\(s\) \(line 2, 4\);"):
         records = read_metrics(path)
     assert [(r["step"], r["loss"]) for r in records] == [(1, 3.0), (2, 2.4)]
+
+
+def test_only_dicts_with_an_integer_step_are_records_and_a_glued_record_is_recovered(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    bad = ['{"step": "3", "loss": 1}', '{"step": 2.7}', '{"step": true}', "[1, 2]", '"step"', "null"]
+    # a log from before end_torn_line: the resumed run's record glued onto the torn one
+    glued = '{"step": 2, "lo' + _line(2, 2.4).strip()
+    path.write_text("\n".join([_line(1, 3.0).strip(), *bad, glued]) + "\n")
+    metrics = load_metrics(path)
+    assert [(r["step"], r["loss"]) for r in metrics.records] == [(1, 3.0), (2, 2.4)]
+    assert metrics.skipped_lines == [2, 3, 4, 5, 6, 7, 8]
+    path.write_text("x\n" * 12)
+    assert load_metrics(path).skipped_message().endswith("(line 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ...); a record cut short by a crash "
+                                           "mid-write is logged again after the resume")
 
 
 def test_end_torn_line_ends_only_a_torn_line(tmp_path):

@@ -45,7 +45,16 @@ def test_the_plan_follows_the_runs_drafter(tmp_path):
     assert fewer_anchors.drafter_activation_bytes < dflash2.drafter_activation_bytes
 
 
-def test_a_run_that_fits_nowhere_is_refused_with_the_fp8_advice(tmp_path):
-    with pytest.raises(NoLayoutFits, match=r"colocated: short by .* or set target_fp8: true"):
+def test_a_run_that_does_not_fit_is_refused_with_the_fp8_advice(tmp_path):
+    with pytest.raises(NoLayoutFits, match=r"placement colocated: short by .* or set target_fp8: true"):
         _plan(_config(tmp_path), gpu_memory_gib=110.0)
     assert _plan(_config(tmp_path).model_copy(update={"target_fp8": True}), gpu_memory_gib=110.0) is not None
+
+
+def test_the_check_is_of_the_runs_own_placement(tmp_path):
+    colocated = _config(tmp_path)
+    # two GPUs: the pair layout fits, the colocated run asked for does not
+    with pytest.raises(NoLayoutFits, match=r"placement colocated: short by .*; pair would fit"):
+        plan_training.fn(colocated, gpu_memory_gib=110.0, num_gpus=2, samples=1000, mean_tokens=2000)
+    pair = colocated.model_copy(update={"placement": "pair"})
+    assert plan_training.fn(pair, gpu_memory_gib=110.0, num_gpus=2, samples=1000, mean_tokens=2000) is not None
