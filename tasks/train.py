@@ -53,8 +53,8 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
     shape = PRESETS["smollm2-135m"] if config.target == "embedded" else \
         shape_from_config(Path(config.target) / "config.json")
     drafter = config.drafter
-    tapped = len(drafter.target_layer_ids) if drafter.target_layer_ids else drafter.num_tapped_layers or drafter.num_layers
-    result = plan(PlanInputs(target=shape, samples=samples, mean_tokens=mean_tokens, tapped_layers=tapped,
+    result = plan(PlanInputs(target=shape, samples=samples, mean_tokens=mean_tokens,
+                             tapped_layers=drafter.tapped_layer_count,
                              drafter_layers=drafter.num_layers, block_size=drafter.block_size,
                              anchors_per_1k_tokens=drafter.num_anchors * 1000 / config.token_budget,
                              token_budget=config.token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,

@@ -137,6 +137,13 @@ class DrafterSettings(BaseModel):
         """The DFlash 2 settings, as `dflash_core.model.dflash2.drafter_config` takes them."""
         return {name: getattr(self, name) for name in DFLASH2_FIELDS}
 
+    @property
+    def tapped_layer_count(self) -> int:
+        """How many target layers the drafter reads (known before the target's depth is)."""
+        if self.target_layer_ids is not None:
+            return len(self.target_layer_ids)
+        return self.num_tapped_layers or self.num_layers
+
     def tapped_layer_ids(self, *, num_target_layers: int) -> list[int]:
         """Native ids of the tapped target layers, checked against a target of `num_target_layers`."""
         last = num_target_layers - 2  # the last layer's transformers output is already final-normed
@@ -147,7 +154,7 @@ class DrafterSettings(BaseModel):
                                  f"tapped at native ids 0..{last} (id k is the output of decoder layer k)")
             return list(self.target_layer_ids)
         return tapped_layer_ids(num_target_layers=num_target_layers,
-                                num_tapped_layers=self.num_tapped_layers or self.num_layers)
+                                num_tapped_layers=self.tapped_layer_count)
 
 
 class OptimSettings(BaseModel):
