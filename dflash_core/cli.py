@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -46,7 +47,7 @@ def plan(
     tapped_layers: Annotated[int, typer.Option(help="Target layers the drafter reads.")] = 5,
     dtype_bytes: Annotated[int, typer.Option(help="Bytes per stored value (bf16 = 2).")] = 2,
     target_fp8: Annotated[bool, typer.Option(help="Target decoder-layer weights in FP8 (train's target_fp8).")] = False,
-    samples: Annotated[int, typer.Option(help="Training samples.")] = 100_000,
+    samples: Annotated[float, typer.Option(help="Training samples (1e6 is fine).")] = 100_000,
     mean_tokens: Annotated[float, typer.Option(help="Mean tokens per sample.")] = 2000,
     mean_completion_tokens: Annotated[Optional[float], typer.Option(help="Mean generated tokens per sample.")] = None,
     anchors_per_sample: Annotated[int, typer.Option(help="Anchors per sample (anchor-only storage).")] = 512,
@@ -71,13 +72,40 @@ def plan(
             interconnect_gb_s=interconnect_gb_s, generation_tokens_per_s=generation_tokens_per_s,
             inference_instances=inference_instances,
         )
+    except ValidationError as error:
+        raise _fail(_plan_input_errors(error)) from None
     except ValueError as error:
         raise _fail(str(error)) from None
     result = planner.plan(inputs)
-    if as_json:
-        print(json.dumps({"inputs": inputs.model_dump(), **result.model_dump()}, indent=2))
+    if as_json:  # the input ranges keep every figure finite; allow_nan=False makes sure it is JSON
+        print(json.dumps({"inputs": inputs.model_dump(), **result.model_dump()}, indent=2, allow_nan=False))
     else:
         console.print(planner_table(result))
+
+
+def _plan_input_errors(error: ValidationError) -> str:
+    """Each bad plan input as its flag, the value given, what is wrong and the range it must be in."""
+    lines = []
+    for problem in error.errors(include_url=False):
+        if not problem["loc"]:  # a check across inputs: its message names the flags
+            lines.append(str(problem.get("ctx", {}).get("error", problem["msg"])))
+            continue
+        *parents, name = problem["loc"]
+        model = planner.ModelShape if parents == ["target"] else planner.PlanInputs
+        out_of_range = problem["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+        bounds = _valid_range(model.model_fields[name].metadata)
+        lines.append(f"--{str(name).replace('_', '-')} {problem['input']}: "
+                     f"{'out of range' if out_of_range else problem['msg']}" + (f"; it must be {bounds}" if bounds else ""))
+    return "\n".join(lines)
+
+
+def _valid_range(constraints: list) -> str:
+    """Pydantic field bounds as text: `> 0 and <= 1,000,000`."""
+    symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    bounds = [f"{symbol} {value:,}" if isinstance(value, int) else f"{symbol} {value:g}"
+              for constraint in constraints for attr, symbol in symbols.items()
+              if (value := getattr(constraint, attr, None)) is not None]
+    return " and ".join(bounds)
 
 
 def _resolve_shape(preset, model_config, hidden_size, num_layers, target_params) -> planner.ModelShape:
@@ -237,13 +265,14 @@ def deploy(
 def demo() -> None:
     """Run the main job on the embedded default: local services up, then the pipeline as a deployment run."""
     services_up()
-    run_flow("pipeline")
+    run_flow("embedded-demo")
 
 
 @app.command("run")
 def run_flow(
-    flow: Annotated[str, typer.Argument(help="Flow module under flows/ (e.g. pipeline).")],
-    params: Annotated[str, typer.Option(help="Flow parameters as JSON.")] = "{}",
+    flow: Annotated[str, typer.Argument(help="A deployment name (embedded-demo, train-demo, ...) or a flow module "
+                                             "under flows/ (pipeline, generate, tokenize, ...).")],
+    params: Annotated[str, typer.Option(help="Flow parameters as JSON, or the path of a .json/.yaml file of them.")] = "{}",
 ) -> None:
     """Run a flow as a run of its deployment on the stage server (started if need be), so it and its
     stages can be retried from the UI; waits and prints its result (`python -m flows.launch`)."""
@@ -256,6 +285,7 @@ def run_flow(
     except local.ServiceError as error:
         raise _fail(f"{error} (is the Prefect server up? `dflash services up`)") from None
     env = {**os.environ, **local.prefect_client_env(settings), **result_store_env(settings)}
+    params = _params_json(params)
     process = subprocess.Popen([sys.executable, "-m", "flows.launch", flow, "--params", params], env=env,
                                stdout=subprocess.PIPE, text=True, bufsize=1)
     lines = []
@@ -263,10 +293,25 @@ def run_flow(
         sys.stdout.write(line)
         lines.append(line)
     returncode = process.wait()
-    if flow == "pipeline":
+    if flow in ("pipeline", "embedded-demo"):
         _print_summary(settings, lines)
     if returncode != 0:
         raise typer.Exit(code=returncode)
+
+
+def _params_json(params: str) -> str:
+    """`params` as JSON text: given inline, or read from a .json / .yaml file."""
+    path = Path(params)
+    if not params.lstrip().startswith("{") and path.suffix in (".json", ".yaml", ".yml"):
+        if not path.is_file():
+            raise _fail(f"--params {params}: no such file")
+        import yaml
+
+        try:
+            return json.dumps(yaml.safe_load(path.read_text()) or {})
+        except yaml.YAMLError as error:
+            raise _fail(f"--params {params}: not JSON or YAML ({error})") from None
+    return params
 
 
 def _print_summary(settings, launch_output: list[str]) -> None:

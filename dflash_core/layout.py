@@ -1,15 +1,17 @@
 """The one key layout of the bucket: every artifact kind has a prefix and a key shape.
 
-    prompts/<dataset>/<version>/prompts-00000.jsonl
-    completions/<dataset>/<run>/shard-00000.jsonl
-    tokenized/<dataset>/<run>/shard-00000.arrow
+    prompts/<dataset>/<version>/prompts-00000.jsonl, heldout-00000.jsonl   (the held-out split: never trained on)
+    completions/<dataset>/<run>/shard-00000.jsonl, heldout-00000.jsonl
+    tokenized/<dataset>/<run>/shard-00000.arrow, heldout-00000.arrow
     checkpoints/<run>/step-000100/...
+    checkpoints/<run>/lease.json                (the live run's claim on the name)
     exports/<run>/<format>/...
     node-backups/<node>/<timestamp>/...
     reports/<kind>/<run>/...                    (plan, training metrics)
     reports/tokenize/<dataset>/<run>/<flow run>/attempt-<n>/stats.json, loss-histogram.png
     reports/generate/<dataset>/<run>/<flow run>/attempt-<n>/summary.json
     reports/evaluate/<run>/<flow run>/attempt-<n>/report.json, acceptance.png
+    reports/<stage>/.../<flow run>/attempt-<n>/result.json   (each stage's typed result, dflash_core.stage_results)
     manifests live beside their artifact: <key>.manifest.json
 """
 
@@ -20,6 +22,7 @@ from enum import StrEnum
 
 MANIFEST_SUFFIX = ".manifest.json"
 QUARANTINE_SUFFIX = ".quarantine.jsonl"
+RUN_LEASE_FILE = "lease.json"
 
 
 class ArtifactKind(StrEnum):
@@ -61,8 +64,30 @@ def artifact_key(prefixes: dict[ArtifactKind, str], kind: ArtifactKind, *segment
     return "/".join([prefixes[kind], *(_check_segment(s) for s in segments)])
 
 
+def run_lease_key(prefixes: dict[ArtifactKind, str], run_name: str) -> str:
+    """`checkpoints/<run>/lease.json`: which process trains `run_name` now (dflash_core.train.run_lease)."""
+    return artifact_key(prefixes, ArtifactKind.CHECKPOINT, run_name, RUN_LEASE_FILE)
+
+
+HELDOUT_STEM = "heldout"  # shards of the held-out split: prompts never trained on
+
+
 def shard_name(index: int, *, stem: str = "shard", suffix: str) -> str:
     return f"{stem}-{index:05d}.{suffix.lstrip('.')}"
+
+
+def is_heldout_key(key: str) -> bool:
+    """A shard of the held-out split (prompts, completions or tokenized)."""
+    return key.rsplit("/", 1)[-1].startswith(f"{HELDOUT_STEM}-")
+
+
+def downstream_shard_name(upstream_key: str, *, suffix: str) -> str:
+    """The name a stage gives the shard it makes from `upstream_key`: same split, same index
+    (prompts-00003.jsonl -> shard-00003.<suffix>, heldout-00001.jsonl -> heldout-00001.<suffix>)."""
+    name = upstream_key.rsplit("/", 1)[-1]
+    stem, _, rest = name.partition("-")
+    index = int(rest.split(".", 1)[0])
+    return shard_name(index, stem=HELDOUT_STEM if stem == HELDOUT_STEM else "shard", suffix=suffix)
 
 
 def manifest_key(key: str) -> str:

@@ -32,6 +32,12 @@ _TARGET_TRANSIENT_PER_I = 3
 _TRAINABLE_BYTES_PER_PARAM = 16
 # CUDA context, allocator fragmentation, NCCL buffers.
 _RESERVED_BYTES = 4 * GiB
+# Input ranges: many times any model, dataset or cluster of today, and narrow enough that every figure of a
+# plan stays finite (`dflash plan --json` must stay JSON: no Infinity, no NaN).
+MAX_SIZE = 10**7  # widths, vocabulary, counts (layers, heads, GPUs, instances), GiB of a GPU, GB/s of a link
+MAX_TOKENS = 10**8  # tokens in one sample or one micro-batch, anchors per 1,000 tokens, tokens/s
+MAX_SAMPLES = 10**12
+MAX_PARAMS = 10**15
 
 
 class ModelShape(BaseModel):
@@ -40,15 +46,15 @@ class ModelShape(BaseModel):
     # A preset changed by `model_copy(update=...)` skips validation; PlanInputs validates it again.
     model_config = ConfigDict(revalidate_instances="always", allow_inf_nan=False)
 
-    num_layers: int | None = Field(None, gt=0)
-    hidden_size: int = Field(gt=0)
-    intermediate_size: int | None = Field(None, gt=0)
-    num_attention_heads: int | None = Field(None, gt=0)
-    num_key_value_heads: int | None = Field(None, gt=0)
-    head_dim: int | None = Field(None, gt=0)
-    vocab_size: int | None = Field(None, gt=0)
+    num_layers: int | None = Field(None, gt=0, le=MAX_SIZE)
+    hidden_size: int = Field(gt=0, le=MAX_SIZE)
+    intermediate_size: int | None = Field(None, gt=0, le=MAX_SIZE)
+    num_attention_heads: int | None = Field(None, gt=0, le=MAX_SIZE)
+    num_key_value_heads: int | None = Field(None, gt=0, le=MAX_SIZE)
+    head_dim: int | None = Field(None, gt=0, le=MAX_SIZE)
+    vocab_size: int | None = Field(None, gt=0, le=MAX_SIZE)
     tie_word_embeddings: bool = False
-    num_params: int | None = Field(None, gt=0, description="Overrides the estimate from the shape.")
+    num_params: int | None = Field(None, gt=0, le=MAX_PARAMS, description="Overrides the estimate from the shape.")
 
     def layer_params(self) -> int | None:
         if None in (self.intermediate_size, self.num_attention_heads):
@@ -83,9 +89,9 @@ PRESETS: dict[str, ModelShape] = {
 
 
 def params_from_billions(billions: float) -> int:
-    """`--target-params` in billions as a parameter count; refuses what is not a positive finite number."""
-    if not math.isfinite(billions) or billions <= 0:
-        raise ValueError(f"--target-params must be a positive number of billions, got {billions}")
+    """`--target-params` in billions as a parameter count; refuses what is not in (0, MAX_PARAMS / 1e9]."""
+    if not 0 < billions <= MAX_PARAMS / 1e9:  # False for NaN too
+        raise ValueError(f"--target-params {billions}: it must be > 0 and <= {MAX_PARAMS // 10**9:,} (billions)")
     return round(billions * 1e9)
 
 
@@ -114,30 +120,34 @@ class PlanInputs(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
 
     target: ModelShape
-    tapped_layers: int = Field(5, gt=0, description="Target layers whose hidden states the drafter reads.")
-    dtype_bytes: int = Field(2, gt=0, description="Bytes per hidden-state value (bf16 = 2).")
+    tapped_layers: int = Field(5, gt=0, le=MAX_SIZE, description="Target layers whose hidden states the drafter reads.")
+    dtype_bytes: int = Field(2, gt=0, le=8, description="Bytes per hidden-state value (bf16 = 2).")
     target_fp8: bool = Field(False, description="The target's decoder-layer weights in FP8 (1 byte each; the "
                              "embedding and LM head stay at dtype_bytes; the whole target is loaded first, a peak "
                              "of its own): TrainConfig.target_fp8.")
-    samples: int = Field(gt=0)
-    mean_tokens: float = Field(gt=0, description="Mean tokens per sample (prompt + completion).")
-    mean_completion_tokens: float | None = Field(None, gt=0, description="For generation time; defaults to mean_tokens.")
-    anchors_per_sample: int = Field(512, gt=0)
-    drafter_layers: int = Field(5, gt=0)
-    block_size: int = Field(16, gt=1)
-    token_budget: int = Field(8192, gt=0, description="Tokens per training micro-batch per GPU.")
-    anchors_per_1k_tokens: float = Field(250.0, gt=0, description="Anchors per 1,000 batch tokens (512 per 2,048).")
-    gpu_memory_gib: float = Field(139.0, gt=0, description="Usable memory of one GPU (H200: ~139 GiB).")
-    num_gpus: int = Field(1, gt=0)
-    interconnect_gb_s: float = Field(450.0, gt=0, description="GPU-to-GPU bandwidth, GB/s (NVLink ~450, PCIe 5 ~50).")
-    generation_tokens_per_s: float = Field(2000.0, gt=0, description="Output tokens/s of one inference instance.")
-    inference_instances: int = Field(1, gt=0)
+    samples: int = Field(gt=0, le=MAX_SAMPLES)
+    mean_tokens: float = Field(gt=0, le=MAX_TOKENS, description="Mean tokens per sample (prompt + completion).")
+    mean_completion_tokens: float | None = Field(None, gt=0, le=MAX_TOKENS,
+                                                 description="For generation time; defaults to mean_tokens.")
+    anchors_per_sample: int = Field(512, gt=0, le=MAX_TOKENS)
+    drafter_layers: int = Field(5, gt=0, le=MAX_SIZE)
+    block_size: int = Field(16, gt=1, le=MAX_SIZE)
+    token_budget: int = Field(8192, gt=0, le=MAX_TOKENS, description="Tokens per training micro-batch per GPU.")
+    anchors_per_1k_tokens: float = Field(250.0, gt=0, le=MAX_TOKENS,
+                                         description="Anchors per 1,000 batch tokens (512 per 2,048).")
+    gpu_memory_gib: float = Field(139.0, gt=0, le=MAX_SIZE, description="Usable memory of one GPU (H200: ~139 GiB).")
+    num_gpus: int = Field(1, gt=0, le=MAX_SIZE)
+    interconnect_gb_s: float = Field(450.0, ge=0.001, le=MAX_SIZE,
+                                     description="GPU-to-GPU bandwidth, GB/s (NVLink ~450, PCIe 5 ~50).")
+    generation_tokens_per_s: float = Field(2000.0, ge=0.001, le=MAX_TOKENS,
+                                           description="Output tokens/s of one inference instance.")
+    inference_instances: int = Field(1, gt=0, le=MAX_SIZE)
     variant: Literal["dflash", "dflash2"] = Field(
         "dflash2", description="Drafter variant (the trainer's default is dflash2): DFlash 2 adds conv pairs and a "
         "candidate selector (two vocab x rank codebooks).")
-    conv_kernel_size: int = Field(2, gt=0, description="DFlash 2: conv taps.")
-    conv_group_size: int = Field(16, gt=0, description="DFlash 2: channels per dynamic-kernel group.")
-    selector_rank: int = Field(256, gt=0, description="DFlash 2: rank of the selector's codebooks.")
+    conv_kernel_size: int = Field(2, gt=0, le=MAX_SIZE, description="DFlash 2: conv taps.")
+    conv_group_size: int = Field(16, gt=0, le=MAX_SIZE, description="DFlash 2: channels per dynamic-kernel group.")
+    selector_rank: int = Field(256, gt=0, le=MAX_SIZE, description="DFlash 2: rank of the selector's codebooks.")
 
     @model_validator(mode="after")
     def _tapped_fit(self) -> PlanInputs:
@@ -158,6 +168,8 @@ class LayoutVerdict(BaseModel):
 
 
 class Plan(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)  # the input ranges keep every figure finite
+
     bytes_per_token: int
     total_tokens: int
     offline_bytes: int

@@ -21,9 +21,10 @@ from rich.table import Table
 
 from dflash_core.lineage import flow_run_url
 
-# Which part of the pipeline's result each stage's flow returned.
+# Which part of the pipeline's result (flows/pipeline.py PipelineResult) each stage's flow returned.
 STAGE_RESULTS = {"generate": ("generation",), "tokenize": ("tokenization",), "train": ("training",),
-                 "evaluate": ("training", "evaluation"), "export": ("training", "export")}
+                 "evaluate": ("evaluation",), "export": ("export",), "provision": ("provision",),
+                 "preserve": ("preserve",), "s3-audit": ("audit",)}
 _FLOW_RUN_LINK = re.compile(r"/runs/flow-run/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
 
 
@@ -114,11 +115,18 @@ def stage_table(result: dict, stages: list[StageRun], *, title: str) -> Table:
     return table
 
 
+SPLIT_LABELS = {"heldout": "held-out prompts (never trained on)", "train": "IN-SAMPLE training prompts",
+                "file": "a prompt file"}
+
+
 def drafter_table(result: dict) -> Table:
-    table = Table(title="drafter: speculative decoding against the target", title_justify="left")
+    evaluation = _stage_result(result, "evaluate")
+    on = SPLIT_LABELS.get(evaluation.get("split"), "")
+    table = Table(title="drafter: speculative decoding against the target" + (f", on {on}" if on else ""),
+                  title_justify="left")
     for column in ("mode", "responses", "tau (acceptance length)", "speedup", "tokens/s", "matches target"):
         table.add_column(column, justify="left" if column in ("mode", "matches target") else "right")
-    for s in _stage_result(result, "evaluate").get("summaries", []):
+    for s in evaluation.get("summaries", []):
         table.add_row(str(s.get("mode")), str(s.get("num_responses", "-")), _number(s.get("tau"), "{:.3f}"),
                       _number(s.get("speedup"), "{:.2f}x"), _number(s.get("tokens_per_s"), "{:.1f}"),
                       str(s.get("all_match_target", "-")))
@@ -138,12 +146,6 @@ def artifact_table(result: dict) -> Table:
         uri = record["uri"]
         folder = uri.rsplit("/", 1)[0] + "/"
         groups[(record.get("kind", "?"), folder if record.get("kind") in ("checkpoint", "export") else uri)].append(record)
-    bucket = _bucket(result)
-    for kind, keys in (("completions", _stage_result(result, "generate").get("shards")),
-                       ("tokenized", _stage_result(result, "tokenize").get("outputs"))):
-        if keys and bucket and not any(k == kind for k, _ in groups):
-            folder = f"s3://{bucket}/{_common_prefix(keys)}"
-            groups[(kind, folder)] = [{"uri": f"s3://{bucket}/{key}"} for key in keys]
     for (kind, where), records in groups.items():
         table.add_row(kind, where, str(len(records)))
     if not table.row_count:
@@ -166,19 +168,25 @@ def _made(run: StageRun, result: dict) -> str:
     if not part:
         return ""
     if run.stage == "generate":
-        if part.get("completed") is None:
-            return f"{len(part.get('shards', []))} shards, all generated before (no server started)"
-        return f"{part.get('completed')} completions ({part.get('failed', 0)} failed) in {len(part.get('shards', []))} shards"
+        shards = part.get("shards", [])
+        heldout = sum(1 for s in shards if isinstance(s, dict) and s.get("split") == "heldout")
+        outcomes = part.get("outcomes") or {}
+        made = f"{len(shards)} shards ({heldout} held out)"
+        if outcomes.get("completed") is None:
+            return f"{made}, all generated before (no server started)"
+        return f"{outcomes['completed']} completions ({outcomes.get('failed', 0)} failed) in {made}"
     if run.stage == "tokenize":
         samples = (part.get("overall") or {}).get("samples")
-        return f"{samples if samples is not None else '?'} samples, quality gate {part.get('quality_gate', '?')}"
-    exports = part.get("exports") if isinstance(part.get("exports"), dict) else {}
+        return (f"{samples if samples is not None else '?'} samples in {len(part.get('train_shards', []))} training + "
+                f"{len(part.get('heldout_shards', []))} held-out shards, quality gate {part.get('quality_gate', '?')}")
     if run.stage == "train":
-        return f"checkpoint {part.get('checkpoint')}" + (f"; exports {', '.join(exports)}" if exports else "")
+        return f"checkpoint {part.get('uri')} (step {part.get('step', '?')}, {len(part.get('data', []))} shards)"
     if run.stage == "export":
+        exports = part.get("exports") if isinstance(part.get("exports"), dict) else {}
         return "; ".join(f"{name} {uri}" for name, uri in exports.items())
     if run.stage == "evaluate":
-        return "; ".join(f"{s.get('mode')}: tau {_number(s.get('tau'), '{:.3f}')}" for s in part.get("summaries", []))
+        return f"on {part.get('split', '?')} prompts: " + "; ".join(
+            f"{s.get('mode')}: tau {_number(s.get('tau'), '{:.3f}')}" for s in part.get("summaries", []))
     return ""
 
 
@@ -199,16 +207,6 @@ def _records(result: Any) -> list[dict]:
 
     walk(result)
     return list(found.values())
-
-
-def _bucket(result: dict) -> str | None:
-    uri = result.get("report") or next((r["uri"] for r in _records(result)), None)
-    return uri.removeprefix("s3://").split("/", 1)[0] if isinstance(uri, str) and uri.startswith("s3://") else None
-
-
-def _common_prefix(keys: list[str]) -> str:
-    folders = {key.rsplit("/", 1)[0] for key in keys}
-    return f"{folders.pop()}/" if len(folders) == 1 else ""
 
 
 def _duration(seconds: float | None) -> str:

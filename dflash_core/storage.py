@@ -149,6 +149,15 @@ class ObjectStore:
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
+    def key_of(self, uri_or_key: str) -> str:
+        """The key of `s3://<this bucket>/<key>` (a bare key as it is); a ValueError for another bucket's URI."""
+        if not uri_or_key.startswith("s3://"):
+            return uri_or_key
+        bucket, _, key = uri_or_key.removeprefix("s3://").partition("/")
+        if bucket != self.bucket:
+            raise ValueError(f"{uri_or_key!r} is in bucket {bucket!r}, not this store's {self.bucket!r}")
+        return key
+
     # ---- health -----------------------------------------------------------------------------
 
     def check(self, *, create_bucket: bool = False) -> None:

@@ -7,13 +7,19 @@ import json
 from collections.abc import Callable
 
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 
 def run_from_command_line(flow: Callable, params_model: type[BaseModel]) -> None:
     parser = argparse.ArgumentParser(description=f"Run the {getattr(flow, 'name', flow.__name__)} flow.")
     parser.add_argument("--params", default="{}", help=f"{params_model.__name__} as JSON")
     args = parser.parse_args()
-    print(json.dumps(flow(params_model.model_validate_json(args.params)), indent=2, default=str))
+    print(result_json(flow(params_model.model_validate_json(args.params))))
+
+
+def result_json(result) -> str:
+    """A flow's result (a typed stage record, a dict) as indented JSON."""
+    return json.dumps(to_jsonable_python(result, fallback=str), indent=2)
 
 
 def run_chosen_from_command_line(flows: dict[str, tuple[Callable, type[BaseModel]]]) -> None:
@@ -24,4 +30,4 @@ def run_chosen_from_command_line(flows: dict[str, tuple[Callable, type[BaseModel
                         + " as JSON")
     args = parser.parse_args()
     flow, params_model = flows[args.which]
-    print(json.dumps(flow(params_model.model_validate_json(args.params)), indent=2, default=str))
+    print(result_json(flow(params_model.model_validate_json(args.params))))

@@ -15,12 +15,20 @@ from dflash_core.services.stages import WORK_POOL
 
 
 @dataclass(frozen=True)
+class ScheduleSpec:
+    slug: str  # the name the UI shows: it says the time zone
+    cron_utc: str
+    parameters: Callable[[], dict[str, Any]] | None = None  # the schedule's own parameters
+    active: bool = True
+
+
+@dataclass(frozen=True)
 class DeploymentSpec:
     name: str
     entrypoint: str  # relative to the repo root, as a worker's pull step sets it
     description: str
     parameters: Callable[[], dict[str, Any]] | None = None  # called at registration (may import flows)
-    cron_utc: str | None = None
+    schedule: ScheduleSpec | None = None
     concurrency_limit: int | None = None
 
     @property
@@ -29,69 +37,108 @@ class DeploymentSpec:
         return self.entrypoint.split(":")[0].removeprefix("flows/").removesuffix(".py")
 
 
-def _nightly_tokenize() -> dict:
-    return {"params": {"dataset": "demo", "run": "smollm2"}}
+def _demo_pipeline() -> dict:
+    from flows.pipeline import demo_pipeline
 
-
-def _full_training() -> dict:
-    from flows.pipeline import demo_training
-
-    config = demo_training().config
-    return {"params": {"config": {"run_name": config.run_name, "target": config.target, "data": config.data}}}
+    return {"params": demo_pipeline().model_dump(mode="json", exclude_defaults=True)}
 
 
 def _demo_training() -> dict:
-    from flows.pipeline import demo_training
+    from flows.pipeline import demo_pipeline
 
-    return {"params": demo_training().model_dump(mode="json", exclude_defaults=True)}
+    return {"params": demo_pipeline().training.model_dump(mode="json", exclude_defaults=True)}
 
+
+def _demo_completions() -> dict:
+    """The nightly schedule's parameters: the demo's completion run, until a user points it at theirs."""
+    from dflash_core.settings import load_settings
+    from flows.pipeline import demo_completions_prefix
+
+    return {"params": {"completions": demo_completions_prefix(load_settings())}}
+
+
+# Prefect offers no Retry on a Completed run: each stage says how to run it again.
+_RERUN_CACHED = (" To rerun a finished run (Prefect has no Retry for it), start a new run with refresh=true: cached "
+                 "results are ignored.")
+_RERUN_TRAIN = (" To rerun a finished run (Prefect has no Retry for it), start a new run: it resumes from the run's "
+                "latest checkpoint, so raise max_steps to train on, or change run_name to start over.")
+_RERUN_FRESH = (" To rerun a finished run (Prefect has no Retry for it), start a new run: nothing is cached across "
+                "runs.")
 
 DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
     DeploymentSpec("embedded-demo", "flows/pipeline.py:pipeline",
-                   "The main job on the embedded default: plan, on-policy generation with SmolLM2, tokenization with "
-                   "the quality gate, a short training run, evaluation and export, each stage its own run."),
+                   "The main job on the embedded default (what `dflash demo` runs): plan, on-policy generation with "
+                   "SmolLM2 (a held-out split of the prompts kept apart), tokenization with the quality gate, a short "
+                   "training run, evaluation on the held-out split and export; each stage its own run, each taking "
+                   "the one before's result. To rerun it, start a new run: what is already made is reused.",
+                   parameters=_demo_pipeline),
+    DeploymentSpec("pipeline", "flows/pipeline.py:pipeline",
+                   "A whole real run from one form: (provision a node) -> generate -> tokenize -> train -> evaluate on "
+                   "the held-out split -> export -> (preserve the node) -> S3 audit. Each stage takes the previous "
+                   "stage's result; fill the stages you want (infra/examples/ has a parameter file for Qwen3.6-27B "
+                   "on 4 GPUs: `dflash run pipeline --params infra/examples/qwen3.6-27b-4gpu.json`). To rerun a finished "
+                   "run, start a new one: tokenized shards and checkpoints already made are reused; set a stage's "
+                   "refresh=true to redo it."),
     DeploymentSpec("generate", "flows/generate.py:generate",
-                   "On-policy generation with data-parallel inference servers (vLLM, SGLang or transformers serve).",
-                   concurrency_limit=1),
-    DeploymentSpec("tokenize-nightly", "flows/tokenize.py:tokenize",
-                   "Re-tokenize a completion run every night at 03:00 UTC; only shards whose input, tokenizer or "
-                   "config changed are redone.", parameters=_nightly_tokenize, cron_utc="0 3 * * *"),
+                   "On-policy generation with data-parallel inference servers (vLLM, SGLang or transformers serve); "
+                   "holds out a share of the prompts for evaluation." + _RERUN_CACHED, concurrency_limit=1),
+    DeploymentSpec("tokenize", "flows/tokenize.py:tokenize",
+                   "Tokenize a completion run (the generate stage's result, or its result.json or prefix URI) into "
+                   "training and held-out shards with the quality gate; only shards whose input, tokenizer or config "
+                   "changed are redone. Its schedule nightly-03-00-utc (inactive until you point its completions at "
+                   "yours and turn it on) reruns it every night." + _RERUN_CACHED,
+                   schedule=ScheduleSpec("nightly-03-00-utc", "0 3 * * *", parameters=_demo_completions,
+                                         active=False)),
     DeploymentSpec("train", "flows/train.py:train",
-                   "The full training job (1,000 steps by default); a Retry resumes from the latest checkpoint. "
-                   "For the small demo run use train-demo.", parameters=_full_training, concurrency_limit=1),
-    DeploymentSpec("train-demo", "flows/train.py:train",
-                   "The small demo run (20 CPU steps of a 2-layer drafter against SmolLM2, about 2 minutes); the "
-                   "train deployment's defaults are the full 1,000-step job.", parameters=_demo_training,
+                   "Train a drafter on a tokenize result's training shards (1,000 steps by default); a Retry resumes "
+                   "from the latest checkpoint. For the small demo run use train-demo." + _RERUN_TRAIN,
                    concurrency_limit=1),
+    DeploymentSpec("train-demo", "flows/train.py:train",
+                   "The demo's training (20 CPU steps of a 2-layer drafter against SmolLM2, about 2 minutes): what "
+                   "embedded-demo's training stage runs; give it a tokenize result as dataset." + _RERUN_TRAIN,
+                   parameters=_demo_training, concurrency_limit=1),
     DeploymentSpec("evaluate", "flows/evaluate.py:evaluate",
-                   "Measure a drafter checkpoint (S3 key or local dir) by real draft/verify rounds against the "
-                   "target; report with lineage."),
+                   "Measure a drafter checkpoint (the train stage's result) by real draft/verify rounds against the "
+                   "target, on the held-out split of the dataset it was trained on unless told otherwise; report with "
+                   "lineage." + _RERUN_FRESH),
     DeploymentSpec("export", "flows/export.py:export",
-                   "Export a drafter checkpoint (S3 key or local dir) in the formats vLLM and SGLang load (native, "
-                   "speculators), each file to S3 with a manifest."),
+                   "Export a drafter checkpoint (the train stage's result, or a step dir) in the formats vLLM and "
+                   "SGLang load (native, speculators), each file to S3 with a manifest." + _RERUN_FRESH),
     DeploymentSpec("provision", "flows/nodes.py:provision",
                    "Provision a node idempotently (venv on local disk, packages, GPU/disk checks, model on a RAM disk "
                    "when its home is slow); its node record goes to S3."),
     DeploymentSpec("preserve", "flows/nodes.py:preserve_flow",
                    "Before a node is shut down - stop our servers, upload scripts, logs, configs and a system "
                    "inventory with manifests, write a note of what is where."),
-    DeploymentSpec("s3-audit-weekly", "flows/s3.py:s3_audit",
-                   "Every Monday at 04:00 UTC - inventory of the bucket by kind and prefix, dead data, broken "
-                   "manifests, lineage graph; publishes a cleanup plan (plan.json) to review.",
-                   cron_utc="0 4 * * 1"),
+    DeploymentSpec("s3-audit", "flows/s3.py:s3_audit",
+                   "Inventory of the bucket by kind and prefix, dead data, broken manifests, lineage graph; publishes "
+                   "a cleanup plan (plan.json) to review. Its schedule weekly-mon-04-00-utc runs it every Monday.",
+                   schedule=ScheduleSpec("weekly-mon-04-00-utc", "0 4 * * 1")),
     DeploymentSpec("s3-cleanup", "flows/s3.py:s3_cleanup",
                    "Dry run unless confirm=true. Give plan_uri (the plan.json of an s3-audit run) to delete exactly "
                    "what was reviewed; everything is re-checked against live manifests first.",
                    parameters=lambda: {"params": {"confirm": False}}, concurrency_limit=1),
 )
 
-# The pipeline's stages: each runs as the first deployment of its flow module.
-STAGE_MODULES = ("generate", "tokenize", "train", "evaluate", "export")
+# Flow modules whose deployments a pipeline runs as stages.
+STAGE_MODULES = ("generate", "tokenize", "train", "evaluate", "export", "nodes", "s3")
 
 
-def spec_for(module: str) -> DeploymentSpec:
-    """The first deployment whose entrypoint is flows/<module>.py."""
+def spec_named(name: str) -> DeploymentSpec:
+    """The deployment called `name`."""
     for spec in DEPLOYMENTS:
-        if spec.module == module:
+        if spec.name == name:
             return spec
-    raise ValueError(f"no deployment runs flows/{module}.py; deployments: {[s.name for s in DEPLOYMENTS]}")
+    raise ValueError(f"no deployment named {name!r}; deployments: {[s.name for s in DEPLOYMENTS]}")
+
+
+def spec_for(module_or_name: str) -> DeploymentSpec:
+    """The deployment called `module_or_name`, else the first whose entrypoint is flows/<module_or_name>.py."""
+    for spec in DEPLOYMENTS:
+        if spec.name == module_or_name:
+            return spec
+    for spec in DEPLOYMENTS:
+        if spec.module == module_or_name:
+            return spec
+    raise ValueError(f"no deployment named {module_or_name!r} and none runs flows/{module_or_name}.py; deployments: "
+                     f"{[s.name for s in DEPLOYMENTS]}")

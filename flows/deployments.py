@@ -17,7 +17,7 @@ from uuid import UUID
 
 from pydantic import BaseModel
 
-from flows.deployment_table import DEPLOYMENTS, STAGE_MODULES, WORK_POOL, DeploymentSpec, spec_for
+from flows.deployment_table import DEPLOYMENTS, STAGE_MODULES, WORK_POOL, DeploymentSpec, spec_for, spec_named
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 STAGE_POLL_S = 1.0
@@ -82,8 +82,10 @@ def _register(client, spec: DeploymentSpec, *, work_pool: str) -> tuple[str, UUI
     from tasks.provenance import flow_version
 
     flow = _load_flow(spec.entrypoint)
-    schedules = [DeploymentScheduleCreate(schedule=CronSchedule(cron=spec.cron_utc, timezone="UTC"), active=True)] \
-        if spec.cron_utc else []
+    schedules = [DeploymentScheduleCreate(
+        schedule=CronSchedule(cron=spec.schedule.cron_utc, timezone="UTC"), active=spec.schedule.active,
+        slug=spec.schedule.slug, parameters=spec.schedule.parameters() if spec.schedule.parameters else {})] \
+        if spec.schedule else []
     deployment_id = client.create_deployment(
         flow_id=client.create_flow_from_name(flow.name), name=spec.name, version=flow_version(),
         description=spec.description, parameters=spec.parameters() if spec.parameters else {},
@@ -98,39 +100,92 @@ class StageFailed(RuntimeError):
     the pipeline)."""
 
 
-def run_stage(stage: str, params: BaseModel, *, timeout_s: float | None = None) -> Any:
-    """Run `stage` as a deployment run, a subflow of the current flow run, and return its result.
+def run_stage(deployment: str, params: BaseModel, *, timeout_s: float | None = None) -> Any:
+    """Run the deployment named `deployment` (flows/deployment_table.py) as a subflow of the current flow
+    run and return its result.
 
-    The run is keyed by (this flow run, stage): when this flow run is retried, a stage that already
+    The run is keyed by (this flow run, deployment): when this flow run is retried, a stage that already
     completed is not run again (its result is reused), and a failed one is retried in place (same
-    flow run, its finished tasks come back Cached) instead of starting a new one. A flow called
-    directly from Python (not a deployment run: a test, a notebook) runs the stage in-process.
-    Either way a stage that does not complete raises StageFailed, whose message says where to look.
+    flow run, its finished tasks come back Cached) instead of starting a new one. Upstream results in
+    `params` (stage records from dflash_core.stage_results) become the run's task inputs, so the UI draws
+    an edge from each upstream stage to this one. A flow called directly from Python (not a deployment
+    run: a test, a notebook) runs the stage in-process. Either way a stage that does not complete raises
+    StageFailed, whose message says where to look.
     """
     from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-    from prefect.runtime import deployment, flow_run as current
+    from prefect.runtime import deployment as current_deployment, flow_run as current
 
-    if stage not in STAGE_MODULES:
-        raise ValueError(f"unknown stage {stage!r}; stages: {STAGE_MODULES}")
-    if not deployment.id:
-        state = _load_flow(spec_for(stage).entrypoint)(params, return_state=True)
+    spec = spec_named(deployment)
+    if spec.module not in STAGE_MODULES:
+        raise ValueError(f"deployment {deployment!r} runs flows/{spec.module}.py, not a pipeline stage {STAGE_MODULES}")
+    if not current_deployment.id:
+        state = _load_flow(spec.entrypoint)(params, return_state=True)
         if not state.is_completed():
-            raise StageFailed(f"stage {stage} ended {state.name}: {state.message or ''}")
+            raise StageFailed(f"stage {deployment} ended {state.name}: {state.message or ''}")
         return state.result()
-    name = deployment_for(stage)
-    key = f"{current.id}:{stage}" if current.id else None
-    run = run_deployment(name, parameters={"params": params.model_dump(mode="json")}, timeout=0,
-                         idempotency_key=key, flow_run_name=_run_name(current.name, stage))
+    name = f"{flow_name(spec.entrypoint)}/{spec.name}"
     with get_client(sync_client=True) as client:
+        run = _create_stage_run(client, name, params, parent_flow_run_id=current.id,
+                                idempotency_key=f"{current.id}:{deployment}",
+                                flow_run_name=_run_name(current.name, deployment))
         state = client.read_flow_run(run.id).state
         if state is not None and state.is_final() and not state.is_completed():
             retry_flow_run(client, run.id, message=f"retried by {current.flow_name} {current.name}")
         state = wait_final(client, run.id, timeout_s=timeout_s)
     if not state.is_completed():
-        raise StageFailed(f"stage {stage} ({name}, flow run {run.name} {run.id}) ended {state.name}: "
+        raise StageFailed(f"stage {deployment} ({name}, flow run {run.name} {run.id}) ended {state.name}: "
                           f"{state.message or ''}. Fix the cause, then press Retry on that flow run (or on this one).")
     return state.result()
+
+
+def _create_stage_run(client, name: str, params: BaseModel, *, parent_flow_run_id, idempotency_key: str,
+                      flow_run_name: str | None):
+    """What `run_deployment(as_subflow=True)` does, with the upstream stages as task inputs: a task run in
+    the parent that stands for the stage (its state follows the stage's), then the stage's flow run."""
+    from prefect import Task
+    from prefect.client.schemas.objects import TaskRunResult
+    from prefect.states import Pending, Scheduled
+
+    deployment = client.read_deployment_by_name(name)
+    upstream = [TaskRunResult(id=task_run_id) for task_run_id in _upstream_task_runs(client, params, parent_flow_run_id)]
+    stand_in = Task(name=name, fn=lambda: None, version=deployment.version)
+    stand_in.task_key = f"dflash.stage.{spec_named(name.split('/', 1)[1]).name}"
+    task_run = client.create_task_run(task=stand_in, flow_run_id=parent_flow_run_id, dynamic_key=idempotency_key,
+                                      task_inputs={"params": upstream}, state=Pending())
+    return client.create_flow_run_from_deployment(
+        deployment.id, parameters={"params": params.model_dump(mode="json")}, state=Scheduled(),
+        name=flow_run_name, idempotency_key=idempotency_key, parent_task_run_id=task_run.id)
+
+
+def _upstream_task_runs(client, params: BaseModel, parent_flow_run_id) -> list:
+    """The stand-in task runs, in this flow run, of the stages whose results `params` carries."""
+    from dflash_core.stage_results import StageResult
+
+    found: list = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, StageResult) and value.flow_run:
+            found.append(value.flow_run)
+        if isinstance(value, BaseModel):
+            for field in type(value).model_fields:
+                visit(getattr(value, field))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(params)
+    task_runs = []
+    for flow_run_id in dict.fromkeys(found):
+        try:
+            producer = client.read_flow_run(flow_run_id)
+        except Exception:  # noqa: BLE001 - a result from another server or a deleted run: no edge to draw
+            continue
+        if producer.parent_task_run_id is None:
+            continue
+        stand_in = client.read_task_run(producer.parent_task_run_id)
+        if stand_in.flow_run_id == parent_flow_run_id and stand_in.id not in task_runs:
+            task_runs.append(stand_in.id)
+    return task_runs
 
 
 def retry_flow_run(client, flow_run_id, *, message: str = "Retry") -> None:

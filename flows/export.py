@@ -2,7 +2,10 @@
 exports/<run>/<format>/ (every file with a manifest whose inputs are the checkpoint's files) + a
 markdown artifact per format with those manifests. Its own deployment, so a failed export has a Retry.
 
-Run: `dflash run export --params '{"checkpoint": "checkpoints/demo-drafter/step-000020", "run_name": "demo-drafter"}'`
+Its input is the train stage's `Checkpoint` (or its result.json URI, or a bare step dir); its result an
+`ExportResult`, stored as result.json under reports/export/.
+
+Run: `dflash run export --params '{"checkpoint": "s3://dflash/checkpoints/demo-drafter/step-000020"}'`
 """
 
 from __future__ import annotations
@@ -10,23 +13,29 @@ from __future__ import annotations
 from typing import Literal
 
 from prefect import flow
+from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
+from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.settings import load_settings
+from dflash_core.stage_results import RESULT_FILE, Checkpoint, ExportResult
 from flows.command_line import run_from_command_line
 from tasks.artifacts import publish_stored, ui_key
 from tasks.evaluate import fetch_checkpoint
 from tasks.export import export_checkpoint
-from tasks.provenance import flow_version
+from tasks.provenance import attempt_segments, flow_version
+from tasks.results import resolve_checkpoint, store_result
 
 
 class ExportParams(BaseModel):
-    checkpoint: str = Field(description="Drafter checkpoint: an S3 key or URI of a step dir (model.safetensors + "
-                                        "meta.json), or a local dir.")
-    run_name: str = Field(description="Export name: exports/(run_name)/(format)/.")
-    target: str = Field("embedded", description="The target the drafter was trained for: `embedded`, "
-                                                "`tiny:<family>` or a local model dir.")
-    target_seed: int = Field(0, description="Seed of a `tiny:<family>` random target (must match training).")
+    checkpoint: Checkpoint | str | None = Field(None, description=(
+        "The drafter: the train stage's result (the pipeline passes it), its result.json URI, or a step dir "
+        "(model.safetensors + meta.json) as an S3 key/URI or a local dir."))
+    run_name: str | None = Field(None, description="Export name: exports/(run_name)/(format)/; None: the run name.")
+    target: str | None = Field(None, description="The target the drafter was trained for: `embedded`, "
+                                                "`tiny:<family>` or a local model dir; None: the checkpoint record's.")
+    target_seed: int | None = Field(None, description="Seed of a `tiny:<family>` random target (None: the "
+                                                      "checkpoint record's).")
     formats: list[Literal["native", "speculators"]] = Field(
         default_factory=lambda: ["native", "speculators"], min_length=1,
         description="native: z-lab's DFlashDraftModel; speculators: what vLLM reads. A format the drafter cannot "
@@ -34,18 +43,26 @@ class ExportParams(BaseModel):
 
 
 @flow(name="dflash-export", log_prints=True, version=flow_version())
-def export(params: ExportParams) -> dict:
+def export(params: ExportParams) -> ExportResult:
     """checkpoint -> exported formats in S3; the records of every stored file."""
     settings = load_settings()
-    checkpoint_dir, inputs = fetch_checkpoint(settings, checkpoint=params.checkpoint,
+    checkpoint = resolve_checkpoint(settings, params.checkpoint)
+    run_name = params.run_name or checkpoint.run_name
+    checkpoint_dir, inputs = fetch_checkpoint(settings, checkpoint=checkpoint.uri,
                                               cache_dir=settings.work_path("cache", "checkpoints"))
-    exports = export_checkpoint(settings, checkpoint_dir=checkpoint_dir, inputs=inputs, run_name=params.run_name,
-                                target=params.target, target_seed=params.target_seed, formats=list(params.formats))
+    exports = export_checkpoint(
+        settings, checkpoint_dir=checkpoint_dir, inputs=inputs, run_name=run_name,
+        target=params.target or checkpoint.target,
+        target_seed=params.target_seed if params.target_seed is not None else checkpoint.target_seed,
+        formats=list(params.formats))
     records = []
     for name, prefix in exports.items():
-        records += publish_stored(settings, prefix=prefix, key=ui_key("export", params.run_name, name),
-                                  title=f"{name} export of {params.run_name}")
-    return {"exports": exports, "artifacts": records}
+        records += publish_stored(settings, prefix=prefix, key=ui_key("export", run_name, name),
+                                  title=f"{name} export of {run_name}")
+    result = ExportResult(checkpoint=checkpoint.uri, exports=exports, flow_run=str(flow_run.id or ""),
+                          artifacts=records)
+    key = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "export", run_name, *attempt_segments(), RESULT_FILE)
+    return store_result(settings, result, key=key, inputs=inputs)
 
 
 if __name__ == "__main__":

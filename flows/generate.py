@@ -2,7 +2,10 @@
 prompt shard -> stop servers (also when the flow fails or is cancelled) -> a run report
 (reports/generate/<dataset>/<run>/<flow run>/attempt-<n>/summary.json, so a retry never overwrites a failed
 attempt's). More failed prompts than `max_failed_fraction` fail the flow (counts and first errors);
-fewer leave a warning artifact. The result lists the records of the shards and the report.
+fewer leave a warning artifact. The import holds out a seeded share of each source's prompts
+(`holdout`) in shards of their own; their completions are the evaluation split, never trained on.
+The result is a `CompletionsDataset` (dflash_core/stage_results.py), also stored as result.json
+beside the report, which the tokenize stage takes as its input.
 
 Run: `dflash run generate --params '{"prompt_sources": [{"path": "prompts.jsonl", "name": "mine"}]}'`
 """
@@ -16,7 +19,9 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from dflash_core.data.prompts import DEFAULT_MAX_PROMPT_CHARS, PromptSource, TurnPolicy
-from dflash_core.layout import ArtifactKind, artifact_key, shard_name
+from dflash_core.data.holdout import HoldoutSpec
+from dflash_core.layout import HELDOUT_STEM, ArtifactKind, artifact_key, downstream_shard_name, is_heldout_key
+from dflash_core.lineage import InputRef
 from dflash_core.nodes import Node
 from dflash_core.serving import launcher
 from dflash_core.serving.canary import CanaryThresholds
@@ -24,6 +29,7 @@ from dflash_core.serving.client import ClientConfig, SamplingParams
 from dflash_core.serving.generation import GenerationFailed, GenerationTarget, failure_verdict, shard_is_done
 from dflash_core.serving.profiles import EngineProfile, TransformersProfile
 from dflash_core.settings import load_settings
+from dflash_core.stage_results import RESULT_FILE, CompletionsDataset, StoredShard
 from dflash_core.storage import ObjectStore
 from flows.command_line import run_from_command_line
 from flows.failures import fail_run
@@ -31,9 +37,10 @@ from tasks.provenance import attempt_segments, flow_version
 from flows.nodes import preserve_on_failure
 from tasks.artifacts import ui_key
 from tasks.generate import (
-    generate_completion_shard, import_prompt_set, launch_servers, new_progress, publish_generation_report,
+    generate_completion_shard, import_prompt_set, launch_servers, new_progress, prompt_ids, publish_generation_report,
     report_failures, run_canary, stop_servers,
 )
+from tasks.results import store_result
 
 
 class PromptSourceParam(BaseModel):
@@ -48,14 +55,18 @@ class PromptSourceParam(BaseModel):
 
 
 class GenerateParams(BaseModel):
-    dataset: str = Field("demo", description="Dataset name in S3 keys.")
-    prompts_version: str = Field("v1", description="Prompt set version (prompts/<dataset>/<version>/).")
-    run: str = Field("run-1", description="Generation run name (completions/<dataset>/<run>/).")
+    dataset: str = Field(description="Dataset name in S3 keys (prompts/(dataset)/, completions/(dataset)/).")
+    prompts_version: str = Field("v1", description="Prompt set version (prompts/(dataset)/(version)/).")
+    run: str = Field(description="Generation run name (completions/(dataset)/(run)/), e.g. the target's name.")
     prompt_sources: list[PromptSourceParam] = Field(
         default_factory=list, description="Import these first; empty: use the existing prompt shards.")
     total_prompts: int | None = Field(None, gt=0, description="Mix this many prompts (None: all).")
     shard_size: int = Field(512, gt=0, description="Prompts per shard.")
     seed: int = 0
+    refresh: bool = Field(False, description=(
+        "Check every shard again instead of trusting the all-done shortcut and cached task results (shards already "
+        "answered with the same prompts, model and sampling are kept; change `run` to answer anew): how to rerun a "
+        "finished generation, since Prefect offers no Retry on a Completed run."))
     engine: EngineProfile | None = Field(None, description="Server profile; None: transformers serve on the embedded model.")
     node: Node | None = Field(None, description=(
         "The node this runs on (from the inventory): preserved (logs, configs, inventory to S3; nothing deleted) "
@@ -67,6 +78,9 @@ class GenerateParams(BaseModel):
     client: ClientConfig = Field(default_factory=ClientConfig)
     canary_prompts: int = Field(8, ge=0, description="0 skips the canary.")
     canary: CanaryThresholds = Field(default_factory=CanaryThresholds)
+    holdout: HoldoutSpec = Field(default_factory=HoldoutSpec, description=(
+        "Prompts held out at import (per source, by prompt id, seeded): answered like the others, tokenized into "
+        "the held-out split, never trained on; what evaluation measures by default."))
     max_failed_fraction: float = Field(
         0.02, ge=0, le=1, description="Failed prompts (after the client's retries) above this fraction of all "
         "prompts fail the flow, so nothing downstream tokenizes or trains on partial data; at or below it the "
@@ -78,13 +92,15 @@ def _run_dir(settings, run: str) -> Path:
 
 
 def _stop_on_exit(flow_obj, flow_run_obj, state) -> None:
-    params = GenerateParams.model_validate(flow_run_obj.parameters.get("params", {}))
-    launcher.stop_recorded(_run_dir(load_settings(), params.run))
+    params = flow_run_obj.parameters.get("params") or {}
+    run = params.run if isinstance(params, GenerateParams) else params.get("run")
+    if run:
+        launcher.stop_recorded(_run_dir(load_settings(), run))
 
 
 @flow(name="dflash-generate", log_prints=True, version=flow_version(), on_failure=[_stop_on_exit, preserve_on_failure],
       on_cancellation=[_stop_on_exit, preserve_on_failure], on_crashed=[_stop_on_exit, preserve_on_failure])
-def generate(params: GenerateParams = GenerateParams()) -> dict:
+def generate(params: GenerateParams) -> CompletionsDataset:
     settings = load_settings()
     store = ObjectStore.from_settings(settings)
     store.check()
@@ -92,29 +108,34 @@ def generate(params: GenerateParams = GenerateParams()) -> dict:
         sources = [PromptSource(Path(s.path), s.name, s.weight, turns=s.turns, max_chars=s.max_chars) for s in params.prompt_sources]
         prompt_keys = import_prompt_set(settings, sources=sources, dataset=params.dataset,
                                         version=params.prompts_version, total=params.total_prompts,
-                                        shard_size=params.shard_size, seed=params.seed)
+                                        shard_size=params.shard_size, seed=params.seed, holdout=params.holdout)
     else:
         prefix = artifact_key(settings.s3_prefixes, ArtifactKind.PROMPTS, params.dataset, params.prompts_version) + "/"
-        prompt_keys = sorted(i.key for i in store.list(prefix) if i.key.rsplit("/", 1)[-1].startswith("prompts-")
-                             and i.key.endswith(".jsonl"))
+        prompt_keys = sorted((i.key for i in store.list(prefix) if i.key.endswith(".jsonl") and
+                              i.key.rsplit("/", 1)[-1].startswith(("prompts-", f"{HELDOUT_STEM}-"))),
+                             key=lambda key: (is_heldout_key(key), key))
         if not prompt_keys:
             raise ValueError(f"no prompt shards under {store.uri(prefix)}: pass prompt_sources to import some")
+    heldout_ids = prompt_ids(settings, [key for key in prompt_keys if is_heldout_key(key)])
 
     profile = params.engine or TransformersProfile(model=str(_embedded_model(settings)))
     output_keys = [artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, params.dataset, params.run,
-                                shard_name(index, suffix="jsonl")) for index in range(len(prompt_keys))]
+                                downstream_shard_name(key, suffix="jsonl")) for key in prompt_keys]
     planned = GenerationTarget(urls=[], model=profile.request_model, server=profile.engine,
                                sampling=params.sampling, client=params.client)
     ui = {kind: ui_key(kind, params.dataset, params.run) for kind in ("inference-endpoints", "generation-canary",
                                                                        "generation-failures")}
-    report_key = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "generate", params.dataset, params.run,
-                              *attempt_segments(), "summary.json")
-    if all(shard_is_done(store, prompt_key=p, output_key=o, target=planned) for p, o in zip(prompt_keys, output_keys)):
+    report_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "generate", params.dataset, params.run,
+                                 *attempt_segments())
+    report_key = f"{report_prefix}/summary.json"
+    if not params.refresh and all(shard_is_done(store, prompt_key=p, output_key=o, target=planned)
+                                  for p, o in zip(prompt_keys, output_keys)):
         get_run_logger().info("every shard is already generated with this model and sampling: no server started")
         summary = {"shards": output_keys, "completed": None, "failed": 0, "generated_now": 0,
                    "completion_tokens_now": 0, "flow_run": str(flow_run.id or "")}
         records = publish_generation_report(settings, key=report_key, report=summary, shard_keys=output_keys)
-        return {**summary, "report": store.uri(report_key), "artifacts": records}
+        return _result(settings, params, summary, records, report_key=report_key, heldout_ids=heldout_ids,
+                       result_key=f"{report_prefix}/{RESULT_FILE}")
     run_dir = _run_dir(settings, params.run)
     urls = launch_servers(profile, num_instances=params.num_instances, base_port=params.base_port,
                           run_dir=run_dir, devices=params.devices, ui_artifact=ui["inference-endpoints"])
@@ -128,8 +149,10 @@ def generate(params: GenerateParams = GenerateParams()) -> dict:
         outcomes = []
         for index, (prompt_key, output_key) in enumerate(zip(prompt_keys, output_keys)):
             progress = new_progress(f"shard {index + 1}/{len(prompt_keys)}: {output_key}")
-            outcomes.append(generate_completion_shard(settings, prompt_key=prompt_key, output_key=output_key,
-                                                      target=target, progress_id=progress))
+            run_shard = generate_completion_shard.with_options(refresh_cache=True) if params.refresh \
+                else generate_completion_shard
+            outcomes.append(run_shard(settings, prompt_key=prompt_key, output_key=output_key,
+                                      target=target, progress_id=progress))
     finally:
         stop_servers(run_dir)
     summary = {"shards": [o.output_key for o in outcomes if o.completed],
@@ -149,7 +172,24 @@ def generate(params: GenerateParams = GenerateParams()) -> dict:
     records = publish_generation_report(settings, key=report_key, report={**summary, "verdict": warning or "ok"},
                                         shard_keys=summary["shards"])
     get_run_logger().info("generation summary: %s", summary)
-    return {**summary, "report": store.uri(report_key), "artifacts": records}
+    return _result(settings, params, summary, records, report_key=report_key, heldout_ids=heldout_ids,
+                   result_key=f"{report_prefix}/{RESULT_FILE}")
+
+
+def _result(settings, params: GenerateParams, summary: dict, records: list[dict], *, report_key: str,
+            heldout_ids: list[str], result_key: str) -> CompletionsDataset:
+    """The stage's typed result, stored as result.json beside the report."""
+    store = ObjectStore.from_settings(settings)
+    by_uri = {record["uri"]: record for record in records}
+    shards = [StoredShard(uri=store.uri(key), sha256=by_uri[store.uri(key)]["sha256"],
+                          split="heldout" if is_heldout_key(key) else "train") for key in summary["shards"]]
+    outcomes = {name: summary[name] for name in ("completed", "failed", "generated_now", "completion_tokens_now")
+                if summary.get(name) is not None}
+    result = CompletionsDataset(dataset=params.dataset, run=params.run, shards=shards, heldout_prompt_ids=heldout_ids,
+                                outcomes=outcomes, report=store.uri(report_key), flow_run=str(flow_run.id or ""),
+                                artifacts=records)
+    return store_result(settings, result, key=result_key,
+                        inputs=[InputRef(uri=s.uri, sha256=s.sha256) for s in shards])
 
 
 def _embedded_model(settings) -> Path:

@@ -15,6 +15,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_UI_URL
 
+from flows.command_line import result_json
 from flows.deployments import deployment_for
 
 
@@ -29,7 +30,7 @@ def launch(module: str, params: dict) -> int:
         print(f"{name}: {state.name}: {state.message or ''}\nFix the cause, then press Retry on the failed flow run "
               f"in the UI (its finished stages are not redone).", file=sys.stderr)
         return 1
-    print(json.dumps(state.result(), indent=2, default=str))
+    print(result_json(state.result()))
     return 0
 
 

@@ -1,29 +1,43 @@
-"""The main job on the embedded default: store check -> capacity plan (a report written to S3 with
-its manifest and verified) -> on-policy generation by the embedded SmolLM2 served with
-`transformers serve` -> tokenization with the quality gate -> a short online training run of a
-small drafter against SmolLM2, which evaluates and exports it. Every stage is a run of its
-deployment (flows/deployments.py), so a failed stage can be retried alone from the UI.
+"""The pipeline: one DAG of stages, each a run of its own deployment that takes the previous stage's
+result (dflash_core/stage_results.py) as its input, so Prefect draws the edges and a failed stage can
+be retried alone from the UI.
 
-Run: `dflash demo` (starts the local services and the stage server first) or `dflash run pipeline`.
+    plan -> (provision) -> generate -> tokenize -> train -> evaluate -> export -> (preserve) -> (S3 audit)
+            CompletionsDataset -> TokenizedDataset -> Checkpoint -> EvaluationReport, ExportResult
+
+Stages left out of the form are skipped; a run may start from an earlier run's completions or tokenized
+dataset (its result or result.json URI). The embedded demo is this pipeline with `demo_pipeline()`'s
+parameters (the `embedded-demo` deployment); a real target fills the `pipeline` deployment's form or
+`infra/examples/qwen3.6-27b-4gpu.json`. Evaluation measures the held-out split by default.
+
+Run: `dflash demo`, or `dflash run pipeline --params infra/examples/qwen3.6-27b-4gpu.json`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow
 from prefect.runtime import flow_run
-
 from pydantic import BaseModel, Field
 
 from dflash_core.embedded import demo_prompt_params
+from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.planner import PRESETS, PlanInputs
-from dflash_core.settings import load_settings
+from dflash_core.settings import Settings, load_settings
+from dflash_core.stage_results import (
+    Checkpoint, CompletionsDataset, EvaluationReport, ExportResult, TokenizedDataset,
+)
+from dflash_core.storage import ObjectStore
 from dflash_core.train.config import TrainConfig
 from flows.command_line import run_from_command_line
 from flows.deployments import StageFailed, run_stage
+from flows.evaluate import EvaluateParams
+from flows.export import ExportParams
 from flows.failures import fail_run
 from flows.generate import GenerateParams
+from flows.nodes import PreserveParams, ProvisionParams
+from flows.s3 import S3AuditParams
 from flows.tokenize import TokenizeParams
 from flows.train import TrainFlowParams
 from tasks.artifacts import artifact_record
@@ -32,42 +46,37 @@ from tasks.provenance import flow_version
 from tasks.store import check_store, publish_report
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
-
-
-def demo_generation() -> GenerateParams:
-    """Generation on the embedded default: a seeded ShareGPT sample plus the bundled tool-use prompts, one CPU
-    server, short answers."""
-    return GenerateParams(
-        dataset="demo", prompts_version="sharegpt-seed0", run="smollm2", **demo_prompt_params(), shard_size=6,
-        sampling={"max_tokens": 48, "temperature": 0.0, "enable_thinking": False},  # SmolLM2 has no thinking mode
-        client={"concurrency": 6}, canary_prompts=2, canary={"max_length_fraction": 1.0},
-    )
-
-
-def demo_tokenization() -> TokenizeParams:
-    return TokenizeParams(dataset="demo", run="smollm2")
-
-
-def demo_training() -> TrainFlowParams:
-    """A few CPU steps of a 2-layer drafter (block 8) against SmolLM2: shows the loop, not a useful drafter."""
-    return TrainFlowParams(config=TrainConfig(
-        run_name="demo-drafter", target="embedded", data=["tokenized/demo/smollm2/"], token_budget=512,
-        max_steps=20, checkpoint_every=10, log_every=2, validate_capture_batches=1,
-        drafter={"num_layers": 2, "block_size": 8, "num_anchors": 64}, optim={"lr": 1e-3, "warmup_steps": 2}))
+DEMO_DATASET, DEMO_RUN = "demo", "smollm2"
 
 
 class PipelineParams(BaseModel):
-    target_preset: PresetName = Field("smollm2-135m", description="Target model shape.")
-    samples: int = Field(2_000, gt=0, description="Prompts to generate completions for.")
-    mean_tokens: int = Field(1_024, gt=0, description="Expected mean tokens per sample.")
-    gpu_memory_gib: float = Field(139.0, gt=0, description="Usable memory of one training GPU.")
-    num_gpus: int = Field(1, gt=0, description="Training GPUs.")
-    generation_tokens_per_s: float = Field(20.0, gt=0, description="Per-instance generation speed.")
-    generation: GenerateParams | None = Field(default_factory=demo_generation,
-                                              description="Generation stage; None skips it.")
-    tokenization: TokenizeParams | None = Field(default_factory=demo_tokenization,
-                                                description="Tokenization stage; None skips it.")
-    training: TrainFlowParams | None = Field(default_factory=demo_training, description="Training stage; None skips it.")
+    target_preset: PresetName = Field("smollm2-135m", description="Target model shape, for the capacity plan.")
+    samples: int = Field(2_000, gt=0, description="Prompts to generate completions for (capacity plan).")
+    mean_tokens: int = Field(1_024, gt=0, description="Expected mean tokens per sample (capacity plan).")
+    gpu_memory_gib: float = Field(139.0, gt=0, description="Usable memory of one training GPU (capacity plan).")
+    num_gpus: int = Field(1, gt=0, description="Training GPUs (capacity plan).")
+    generation_tokens_per_s: float = Field(20.0, gt=0, description="Per-instance generation speed (capacity plan).")
+    provision: ProvisionParams | None = Field(None, description=(
+        "Provision this node first (from the inventory: node_name + inventory, or inline); None: no node step."))
+    generation: GenerateParams | None = Field(None, description="Generation stage; None skips it.")
+    completions: CompletionsDataset | str | None = Field(None, description=(
+        "Without a generation stage: tokenize these completions (an earlier generate result, its result.json URI, "
+        "or a completion run's prefix)."))
+    tokenization: TokenizeParams | None = Field(None, description="Tokenization stage (its input: the completions "
+                                                                  "above); None skips it.")
+    dataset: TokenizedDataset | str | None = Field(None, description=(
+        "Without a tokenization stage: train on this tokenized dataset (an earlier tokenize result or its "
+        "result.json URI)."))
+    training: TrainFlowParams | None = Field(None, description="Training stage (its input: the dataset above; leave "
+                                                              "config.data empty); None skips it.")
+    train_deployment: Literal["train", "train-demo"] = Field("train", description="The deployment training runs as.")
+    evaluation: EvaluateParams | None = Field(None, description=(
+        "Evaluation stage (its input: the checkpoint; prompts: the dataset's held-out split unless split=train); "
+        "None skips it."))
+    export: ExportParams | None = Field(None, description="Export stage (its input: the checkpoint); None skips it.")
+    preserve: PreserveParams | None = Field(None, description=(
+        "Preserve this node at the end, and when a stage fails (logs, configs, inventory to S3; nothing deleted)."))
+    audit: S3AuditParams | None = Field(None, description="An S3 audit at the end: what the run wrote, dead data.")
 
     def plan_inputs(self) -> PlanInputs:
         return PlanInputs(target=PRESETS[self.target_preset], samples=self.samples, mean_tokens=self.mean_tokens,
@@ -75,39 +84,121 @@ class PipelineParams(BaseModel):
                           generation_tokens_per_s=self.generation_tokens_per_s)
 
 
+class PipelineResult(BaseModel):
+    """What the pipeline made: the plan report, then each stage's own result."""
+
+    report: str
+    sha256: str
+    fits: list[str]
+    provision: dict[str, Any] | None = None
+    generation: CompletionsDataset | None = None
+    tokenization: TokenizedDataset | None = None
+    training: Checkpoint | dict[str, Any] | None = None
+    evaluation: EvaluationReport | None = None
+    export: ExportResult | None = None
+    preserve: dict[str, Any] | None = None
+    audit: dict[str, Any] | None = None
+    artifacts: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def demo_pipeline() -> PipelineParams:
+    """The embedded demo: a seeded ShareGPT sample plus the bundled tool-use prompts answered by SmolLM2 on one
+    CPU server (4 of the 38 held out), a few CPU steps of a 2-layer drafter, evaluation on the held-out prompts."""
+    generation = GenerateParams(
+        dataset=DEMO_DATASET, prompts_version="sharegpt-seed0", run=DEMO_RUN, **demo_prompt_params(), shard_size=6,
+        holdout={"fraction": 0.1},
+        sampling={"max_tokens": 48, "temperature": 0.0, "enable_thinking": False},  # SmolLM2 has no thinking mode
+        client={"concurrency": 6}, canary_prompts=2, canary={"max_length_fraction": 1.0})
+    training = TrainFlowParams(config=TrainConfig(
+        run_name="demo-drafter", target="embedded", token_budget=512, max_steps=20, checkpoint_every=10, log_every=2,
+        validate_capture_batches=1, drafter={"num_layers": 2, "block_size": 8, "num_anchors": 64},
+        optim={"lr": 1e-3, "warmup_steps": 2}))
+    return PipelineParams(generation=generation, tokenization=TokenizeParams(), training=training,
+                          train_deployment="train-demo", evaluation=EvaluateParams(num_prompts=4, max_new_tokens=32),
+                          export=ExportParams())
+
+
+def demo_completions_prefix(settings: Settings) -> str:
+    """Where the demo's completions live: what the tokenize deployment's nightly schedule starts pointed at."""
+    key = artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, DEMO_DATASET, DEMO_RUN)
+    return ObjectStore.from_settings(settings).uri(key) + "/"
+
+
 @flow(name="dflash-pipeline", log_prints=True, version=flow_version())
-def pipeline(params: PipelineParams = PipelineParams()) -> dict:
-    """Plan here; each stage runs as a run of its own deployment (a subflow with its own Retry)."""
+def pipeline(params: PipelineParams = PipelineParams()) -> PipelineResult:
+    """Plan here; each stage runs as a run of its own deployment (a subflow with its own Retry) on the result
+    of the stage before it."""
     settings = load_settings()
     bucket_uri = check_store(settings)
     capacity = plan_capacity(params.plan_inputs(), name=params.target_preset)
     manifest = publish_report(settings, name="plan", run_id=str(flow_run.id or "local"),
-                              report=capacity.model_dump(mode="json"), config=params.model_dump())
+                              report=capacity.model_dump(mode="json"), config=params.model_dump(mode="json"))
     print(f"bucket {bucket_uri} ok; plan report at {manifest.uri} (sha256 {manifest.sha256[:12]})")
-    result = {"report": manifest.uri, "sha256": manifest.sha256,
-              "fits": [v.layout for v in capacity.layouts if v.fits], "artifacts": [artifact_record(manifest)]}
-    stages = (("generation", "generate", params.generation), ("tokenization", "tokenize", params.tokenization),
-              ("training", "train", params.training))
-    for field, stage, stage_params in stages:
-        if stage_params is None:
-            continue
-        try:
-            result[field] = run_stage(stage, stage_params)
-        except StageFailed as failed:
-            return fail_run(failed, already_logged=True)  # the stage's own run logged the cause
-        result["artifacts"] += stored_records(result[field])
+    result = PipelineResult(report=manifest.uri, sha256=manifest.sha256,
+                            fits=[v.layout for v in capacity.layouts if v.fits], artifacts=[artifact_record(manifest)])
+    try:
+        if params.provision is not None:
+            result.provision = run_stage("provision", params.provision)
+        _run_stages(params, result)
+    except StageFailed as failed:
+        if params.preserve is not None:
+            _preserve(params, result)
+        return fail_run(failed, already_logged=True)  # the stage's own run logged the cause
+    except ValueError as error:  # a form that does not make a DAG: say what is missing
+        return fail_run(error)
+    if params.preserve is not None:
+        _preserve(params, result)
+    if params.audit is not None:
+        result.audit = run_stage("s3-audit", params.audit)
+    result.artifacts = _records(result)
     return result
 
 
-def stored_records(stage_result: dict) -> list[dict]:
-    """The artifact records a stage's result lists, its own stages' included (train's evaluation, export),
-    each once."""
-    found = {record["uri"]: record for record in stage_result.get("artifacts", [])}
-    for value in stage_result.values():
-        if isinstance(value, dict):
-            found.update({record["uri"]: record for record in stored_records(value)})
-    return list(found.values())
+def _run_stages(params: PipelineParams, result: PipelineResult) -> None:
+    """generate -> tokenize -> train -> evaluate, export: each stage's input is the result before it."""
+    completions = params.completions
+    if params.generation is not None:
+        completions = result.generation = run_stage("generate", params.generation)
+    dataset = params.dataset
+    if params.tokenization is not None:
+        if completions is None:
+            raise ValueError("the tokenization stage needs completions: add a generation stage or pass completions")
+        dataset = result.tokenization = run_stage(
+            "tokenize", params.tokenization.model_copy(update={"completions": completions}))
+    checkpoint = None
+    if params.training is not None:
+        if dataset is None:
+            raise ValueError("the training stage needs a dataset: add a tokenization stage or pass dataset")
+        checkpoint = result.training = run_stage(
+            params.train_deployment, params.training.model_copy(update={"dataset": dataset}))
+        if not isinstance(checkpoint, Checkpoint):  # another node of a multi-node run holds rank 0
+            return
+    for field, stage in (("evaluation", "evaluate"), ("export", "export")):
+        stage_params = getattr(params, field)
+        if stage_params is None:
+            continue
+        if checkpoint is None and stage_params.checkpoint is None:
+            raise ValueError(f"the {stage} stage needs a checkpoint: add a training stage or set {field}.checkpoint")
+        given = stage_params if checkpoint is None else stage_params.model_copy(update={"checkpoint": checkpoint})
+        setattr(result, field, run_stage(stage, given))
 
+
+def _preserve(params: PipelineParams, result: PipelineResult) -> None:
+    """Preserve the node; a failed backup is logged, never the run's story."""
+    try:
+        result.preserve = run_stage("preserve", params.preserve)
+    except StageFailed as failed:
+        print(f"preserving the node failed: {failed}")
+
+
+def _records(result: PipelineResult) -> list[dict]:
+    """Every artifact record of the pipeline and its stages, each URI once."""
+    found = {record["uri"]: record for record in result.artifacts}
+    for part in (result.provision, result.generation, result.tokenization, result.training, result.evaluation,
+                 result.export, result.preserve, result.audit):
+        records = part.get("artifacts", []) if isinstance(part, dict) else getattr(part, "artifacts", [])
+        found.update({record["uri"]: record for record in records})
+    return list(found.values())
 
 
 if __name__ == "__main__":

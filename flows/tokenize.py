@@ -7,7 +7,12 @@ whose output is gone. Reports go to reports/tokenize/<dataset>/<run>/<flow run>/
 overwrites a failed attempt's evidence); a failed gate ends the run with one error naming the dataset,
 the failed checks and what to do.
 
-Run: `python -m flows.tokenize --params '{"dataset": "demo", "run": "smollm2"}'`
+Its input is the generate stage's result (a `CompletionsDataset`, or the URI of its result.json, or the
+URI of a completion run's prefix); held-out completion shards become held-out tokenized shards, and
+no training shard may hold a held-out prompt id. The result is a `TokenizedDataset`, stored as
+result.json beside the reports, which the train stage takes as its input.
+
+Run: `dflash run tokenize --params '{"completions": "s3://dflash/reports/generate/.../result.json"}'`
 """
 
 from __future__ import annotations
@@ -24,28 +29,34 @@ from pydantic import BaseModel, Field
 
 from dflash_core.data.verdict import DATASET_MANIFEST_NAME, DatasetManifest, verdict_from_problems
 from dflash_core.embedded import embedded_tokenizer_dir
-from dflash_core.layout import QUARANTINE_SUFFIX, ArtifactKind, artifact_key, is_manifest_key
+from dflash_core.layout import (
+    HELDOUT_STEM, QUARANTINE_SUFFIX, ArtifactKind, artifact_key, downstream_shard_name, is_heldout_key, is_manifest_key,
+    kind_of_key,
+)
 from dflash_core.lineage import InputRef, write_artifact
 from dflash_core.settings import load_settings
-from dflash_core.storage import ObjectStore
+from dflash_core.stage_results import RESULT_FILE, CompletionsDataset, StoredShard, TokenizedDataset
+from dflash_core.storage import ObjectStore, sha256_bytes
 from dflash_core.tokenize import (
     GateProblem, GateThresholds, QualityGateError, TargetTokenizer, TokenizeConfig, TokenizePool, check_gate,
-    enforce_gate, histogram_png, stats_markdown, stats_rows, summarize,
+    enforce_gate, find_duplicates, histogram_png, stats_markdown, stats_rows, summarize,
 )
 from dflash_core.tokenize.stats import skip_reasons
 from flows.command_line import run_from_command_line
 from flows.failures import fail_run
 from tasks.artifacts import artifact_record, stored_record, ui_key
 from tasks.provenance import attempt_segments, flow_version, run_producer
+from tasks.results import resolve_result, store_result
 from tasks.store import png_artifact
-from tasks.tokenize import ShardSummary, summary_frames, tokenize_completion_shard
+from tasks.tokenize import ShardSummary, read_completion_ids, summary_frames, tokenize_completion_shard
 
 
 class TokenizeParams(BaseModel):
-    dataset: str = Field("demo", description="Dataset name in S3 keys (completions/(dataset)/(run)/).")
-    run: str = Field("smollm2", description="Completion run to tokenize.")
+    completions: CompletionsDataset | str | None = Field(None, description=(
+        "What to tokenize: the generate stage's result (the pipeline passes it), or the S3 URI of its result.json, "
+        "or of a completion run's prefix (s3://BUCKET/completions/DATASET/RUN/)."))
     output_run: str | None = Field(None, description="Tokenized run name (tokenized/(dataset)/(output_run)/); "
-                                                     "default: run.")
+                                                     "default: the completion run's name.")
     tokenizer_dir: str | None = Field(None, description="Local tokenizer/model dir of the target; None: the embedded SmolLM2.")
     chat_template: str | None = Field(None, description="Replace the tokenizer's chat template (rarely needed).")
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
@@ -54,43 +65,56 @@ class TokenizeParams(BaseModel):
         False, description="Finish the flow even when the quality gate fails (logged); the data stays marked failed "
         "and training refuses it unless the training run sets allow_failed_quality_gate.")
     workers: int | None = Field(None, ge=1, description="Tokenizer processes shared by all shards; None: every core.")
+    refresh: bool = Field(False, description=(
+        "Tokenize every shard again, ignoring cached results: how to rerun a finished tokenization (Prefect offers "
+        "no Retry on a Completed run). Without it a rerun redoes only shards whose input, tokenizer or config "
+        "changed."))
 
 
-def _input_keys(store: ObjectStore, prefix: str) -> list[str]:
-    return sorted(i.key for i in store.list(prefix) if i.key.endswith(".jsonl") and not is_manifest_key(i.key)
-                  and not i.key.endswith(QUARANTINE_SUFFIX) and i.key.rsplit("/", 1)[-1].startswith("shard-"))
+class HeldOutLeak(ValueError):
+    """A training shard holds a prompt id of the held-out split."""
 
 
 # Two shards in flight: one downloads/uploads while the other's chunks keep the process pool busy.
 @flow(name="dflash-tokenize", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=2), version=flow_version())
-def tokenize(params: TokenizeParams = TokenizeParams()) -> dict:
+def tokenize(params: TokenizeParams = TokenizeParams()) -> TokenizedDataset:
     logger = get_run_logger()
     settings = load_settings()
     store = ObjectStore.from_settings(settings)
     store.check()
-    in_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, params.dataset, params.run) + "/"
-    out_run = params.output_run or params.run
-    input_keys = _input_keys(store, in_prefix)
-    if not input_keys:
-        raise ValueError(f"no completion shards under {store.uri(in_prefix)}: check dataset={params.dataset!r} "
-                         f"and run={params.run!r}, or run the generate flow first")
+    if params.completions is None:
+        raise ValueError("tokenize needs completions: the generate stage's result, the URI of its result.json, or "
+                         "a completion run's prefix (s3://BUCKET/completions/DATASET/RUN/)")
+    completions = resolve_completions(settings, params.completions)
+    if not completions.shards:
+        raise ValueError(f"no completion shards in {completions.result_uri or completions.report or completions.run}: "
+                         f"run the generate stage first")
+    out_run = params.output_run or completions.run
+    input_keys = [store.key_of(s.uri) for s in completions.shards]
     tokenizer_dir = Path(params.tokenizer_dir) if params.tokenizer_dir else embedded_tokenizer_dir(settings.work_path("models"))
     target = TargetTokenizer.from_dir(tokenizer_dir, chat_template=params.chat_template)
-    outputs = {key: artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, params.dataset, out_run,
-                                 key.rsplit("/", 1)[-1].removesuffix(".jsonl") + ".arrow") for key in input_keys}
+    outputs = {key: artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, completions.dataset, out_run,
+                                 downstream_shard_name(key, suffix="arrow")) for key in input_keys}
+    ids = {key: future.result() for key, future in [  # one id per line, in shard order
+        (key, read_completion_ids.submit(settings, input_key=key, max_record_bytes=params.tokenize.max_record_bytes))
+        for key in input_keys]}
+    # The splits apart: an id in both is a held-out leak (refused below), not a duplicate to drop.
+    duplicates = {**find_duplicates({k: v for k, v in ids.items() if is_heldout_key(k)}),
+                  **find_duplicates({k: v for k, v in ids.items() if not is_heldout_key(k)})}
     with TokenizePool(target=target, config=params.tokenize, workers=params.workers) as pool:
         futures = []
         for input_key, output_key in outputs.items():
             # A missing output must be rebuilt, never replayed from the cache.
-            run_task = tokenize_completion_shard if store.exists(output_key) else \
+            run_task = tokenize_completion_shard if store.exists(output_key) and not params.refresh else \
                 tokenize_completion_shard.with_options(refresh_cache=True)
             futures.append(run_task.submit(settings, input_key=input_key, output_key=output_key, target=target,
-                                           config=params.tokenize, pool=pool))
+                                           config=params.tokenize, pool=pool, duplicates=duplicates.get(input_key, {})))
         summaries = [future.result() for future in futures]
 
     frames = [summary_frames(s) for s in summaries]
     samples = pl.concat([f[0] for f in frames], how="vertical_relaxed")
     skipped = pl.concat([f[1] for f in frames], how="vertical_relaxed")
+    check_no_heldout_in_training(samples, heldout_ids=set(completions.heldout_prompt_ids))
     short = params.gate.short_loss_tokens
     by_shard, by_source, overall = (summarize(samples, skipped, by="shard", short_loss_tokens=short),
                                     summarize(samples, skipped, by="source", short_loss_tokens=short),
@@ -99,21 +123,21 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> dict:
         logger.info(line)
     problems = check_gate(pl.concat([by_source.rename({"source": "dataset"}), overall]), params.gate)
     verdict = verdict_from_problems(problems, overridden=params.override_quality_gate)
-    name = f"{params.dataset}/{out_run}"
+    name = f"{completions.dataset}/{out_run}"
     report = {"inputs": input_keys, "outputs": list(outputs.values()), "by_shard": stats_rows(by_shard),
               "by_source": stats_rows(by_source), "overall": stats_rows(overall), "skip_reasons": skip_reasons(skipped),
               "gate": [p.message for p in problems], "quality_gate": verdict.verdict,
               "override_quality_gate": params.override_quality_gate}
     # Keyed by flow run and attempt: a retry or rerun never overwrites an earlier attempt's evidence.
-    report_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "tokenize", params.dataset, out_run,
+    report_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "tokenize", completions.dataset, out_run,
                                  *attempt_segments())
     refs = [InputRef(uri=store.uri(s.output_key), sha256=s.output_sha256) for s in summaries]
     producer = run_producer()
     # The verdict, beside the shards it judged (by hash): the trainer trains only on passed shards.
-    dataset_key = artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, params.dataset, out_run,
+    dataset_key = artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, completions.dataset, out_run,
                                DATASET_MANIFEST_NAME)
     dataset_manifest = DatasetManifest(
-        dataset=params.dataset, run=out_run, gate=verdict, thresholds=params.gate.model_dump(),
+        dataset=completions.dataset, run=out_run, gate=verdict, thresholds=params.gate.model_dump(),
         shards={s.output_key.rsplit("/", 1)[-1]: s.output_sha256 for s in summaries},
         samples=sum(s.samples for s in summaries), report=store.uri(f"{report_prefix}/stats.json"))
     stored = [
@@ -127,20 +151,67 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> dict:
     ]
     _publish_stats(params, name=name, by_shard=by_shard, by_source=by_source, overall=overall, skipped=skipped,
                    problems=problems, verdict=verdict.verdict, png=store.get_bytes(stored[2].key))
+    tokenized_uri = store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, completions.dataset, out_run))
     try:
-        tokenized_uri = store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, params.dataset, out_run))
         warnings = enforce_gate(problems, override=params.override_quality_gate, dataset=f"{name} ({tokenized_uri}/)")
     except QualityGateError as error:
         return fail_run(error)
     for warning in warnings:
         logger.warning(warning)
-    print(f"tokenized {len(outputs)} shards into {store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, params.dataset, out_run))}/")
-    records = [stored_record(store.uri(s.output_key), kind=ArtifactKind.TOKENIZED, sha256=s.output_sha256)
-               for s in summaries] + [artifact_record(m) for m in stored]
-    return {"outputs": list(outputs.values()), "overall": stats_rows(overall)[0] if overall.height else {},
-            "gate": [p.message for p in problems], "quality_gate": verdict.verdict,
-            "dataset_manifest": store.uri(dataset_key), "report": stored[1].uri, "artifacts": records,
-            "flow_run": str(flow_run.id or "")}
+    shards = [StoredShard(uri=store.uri(s.output_key), sha256=s.output_sha256,
+                          split="heldout" if is_heldout_key(s.output_key) else "train") for s in summaries]
+    print(f"tokenized {len(outputs)} shards into {tokenized_uri}/ "
+          f"({sum(s.split == 'heldout' for s in shards)} held out)")
+    records = [stored_record(s.uri, kind=ArtifactKind.TOKENIZED, sha256=s.sha256) for s in shards] + \
+        [artifact_record(m) for m in stored]
+    result = TokenizedDataset(
+        dataset=completions.dataset, run=out_run, train_shards=[s for s in shards if s.split == "train"],
+        heldout_shards=[s for s in shards if s.split == "heldout"], heldout_prompt_ids=completions.heldout_prompt_ids,
+        dataset_manifest=store.uri(dataset_key), quality_gate=verdict.verdict, gate=[p.message for p in problems],
+        stats=stored[1].uri, histogram=stored[2].uri, overall=stats_rows(overall)[0] if overall.height else {},
+        completions=completions.result_uri, flow_run=str(flow_run.id or ""), artifacts=records)
+    return store_result(settings, result, key=f"{report_prefix}/{RESULT_FILE}", inputs=refs)
+
+
+def resolve_completions(settings, value: CompletionsDataset | str) -> CompletionsDataset:
+    """The completions record: as given, read from a result.json, or listed from a completion run's prefix."""
+    if isinstance(value, str) and value.endswith("/"):
+        return completions_from_prefix(settings, value)
+    return resolve_result(settings, value, CompletionsDataset)
+
+
+def completions_from_prefix(settings, uri: str) -> CompletionsDataset:
+    """A completion run's shards (training and held-out) listed under `uri`, with their hashes."""
+    store = ObjectStore.from_settings(settings)
+    prefix = store.key_of(uri)
+    segments = prefix.rstrip("/").split("/")
+    if kind_of_key(settings.s3_prefixes, prefix) != ArtifactKind.COMPLETIONS or len(segments) != 3:
+        raise ValueError(f"{uri!r} is not a completion run's prefix: expected "
+                         f"{store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, 'DATASET', 'RUN'))}/")
+    keys = sorted((i.key for i in store.list(prefix) if i.key.endswith(".jsonl") and not is_manifest_key(i.key)
+                   and not i.key.endswith(QUARANTINE_SUFFIX)
+                   and i.key.rsplit("/", 1)[-1].startswith(("shard-", f"{HELDOUT_STEM}-"))),
+                  key=lambda key: (is_heldout_key(key), key))
+    if not keys:
+        raise ValueError(f"no completion shards under {store.uri(prefix)}: run the generate stage first")
+    shards = [StoredShard(uri=store.uri(key), sha256=store.head(key).sha256 or sha256_bytes(store.get_bytes(key)),
+                          split="heldout" if is_heldout_key(key) else "train") for key in keys]
+    heldout_ids = [json.loads(line)["id"] for s in shards if s.split == "heldout"
+                   for line in store.get_bytes(store.key_of(s.uri)).splitlines() if line.strip()]
+    return CompletionsDataset(dataset=segments[1], run=segments[2], shards=shards, heldout_prompt_ids=heldout_ids)
+
+
+def check_no_heldout_in_training(samples: pl.DataFrame, *, heldout_ids: set[str]) -> None:
+    """Refuse a training shard that holds a held-out prompt id (it would be measured on what it learned)."""
+    if not heldout_ids or not samples.height:
+        return
+    training = samples.filter(~pl.col("shard").str.starts_with(f"{HELDOUT_STEM}-"))
+    leaked = training.filter(pl.col("id").is_in(sorted(heldout_ids)))
+    if leaked.height:
+        examples = ", ".join(f"{row['id']} in {row['shard']}" for row in leaked.head(5).iter_rows(named=True))
+        raise HeldOutLeak(f"{leaked.height} training samples have held-out prompt ids ({examples}): the held-out "
+                          f"split must never be trained on; give those prompts new ids or re-import with a holdout "
+                          f"that keeps them apart")
 
 
 def shard_log_lines(summaries: list[ShardSummary], shard_problems: list[GateProblem]) -> list[str]:
@@ -163,7 +234,7 @@ def _publish_stats(params: TokenizeParams, *, name: str, by_shard, by_source, ov
                    verdict: str, png: bytes) -> None:
     """Table, markdown and histogram artifacts, keyed by dataset/run so one run's never replaces another's."""
     create_table_artifact(stats_rows(pl.concat([by_source.rename({"source": "dataset"}), overall])),
-                          key=ui_key("tokenize-stats", params.dataset, params.output_run or params.run),
+                          key=ui_key("tokenize-stats", name),
                           description=f"{name}: per dataset and overall")
     overridden = " (overridden: the run finished, training still refuses it)" if problems and params.override_quality_gate else ""
     create_markdown_artifact(
@@ -171,8 +242,8 @@ def _publish_stats(params: TokenizeParams, *, name: str, by_shard, by_source, ov
         + ("\n".join(f"- {p.message}" for p in problems) or "every check passed")
         + f"\n\n### Per dataset\n{stats_markdown(by_source)}\n\n### Overall\n{stats_markdown(overall)}\n\n"
         f"### Per shard\n{stats_markdown(by_shard)}\n\n### Skipped lines\n{json.dumps(skip_reasons(skipped))}\n",
-        key=ui_key("tokenize-report", params.dataset, params.output_run or params.run))
-    png_artifact(png, key=ui_key("tokenize-loss-histogram", params.dataset, params.output_run or params.run),
+        key=ui_key("tokenize-report", name))
+    png_artifact(png, key=ui_key("tokenize-loss-histogram", name),
                  description=f"{name}: loss tokens per sample, per source dataset")
 
 

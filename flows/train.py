@@ -1,39 +1,43 @@
-"""Train a drafter online: plan capacity (refuse what cannot fit) -> train (torchrun subprocess;
-capture validated on the first batches; resumes from the latest checkpoint on retry) -> report ->
-evaluate (speculative decoding against the target) -> export (native and speculators formats); evaluate
-and export run as their own deployment runs when this flow is one.
+"""Train a drafter online on a tokenized dataset: check the data (the shards of the tokenize stage's
+result, by sha256, and their quality gate) -> plan capacity (refuse what cannot fit) -> train (torchrun
+subprocess; capture validated on the first batches; resumes from the latest checkpoint on retry) ->
+report (curves, metrics, run.yaml and provenance.json to S3). The result is a `Checkpoint`
+(dflash_core/stage_results.py) naming the shards it was trained on, which the evaluate and export
+stages take as their input.
 
-Run: `dflash run train --params '{"config": {"target": "embedded", "data": ["tokenized/demo/smollm2/"]}}'`
+Run: `dflash run train --params '{"dataset": "s3://dflash/reports/tokenize/.../result.json", "config": {"target": "embedded"}}'`
 """
 
 from __future__ import annotations
 
-
 from pathlib import Path
-from typing import Literal
 
 from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
+from dflash_core.layout import ArtifactKind, artifact_key
+from dflash_core.lineage import InputRef
 from dflash_core.nodes import Node
 from dflash_core.settings import load_settings
+from dflash_core.stage_results import RESULT_FILE, Checkpoint, TokenizedDataset
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.entry import Rendezvous
 from flows.command_line import run_from_command_line
-from flows.deployments import StageFailed, run_stage
-from flows.failures import fail_run
-from flows.evaluate import EvaluateParams
-from flows.export import ExportParams
 from flows.nodes import preserve_on_failure
 from tasks.artifacts import artifact_record, publish_stored, ui_key
-from tasks.data_gate import check_training_data
-from tasks.provenance import flow_version
-from tasks.train import plan_training, report_training, run_training
+from tasks.data_gate import check_training_data, verify_shards
+from tasks.provenance import attempt_segments, flow_version
+from tasks.results import resolve_result, store_result
+from tasks.train import plan_training, report_training, run_training, stored_checkpoint
 
 
 class TrainFlowParams(BaseModel):
-    config: TrainConfig = Field(description="The run schema: every hyperparameter and path.")
+    dataset: TokenizedDataset | str | None = Field(None, description=(
+        "What to train on: the tokenize stage's result (the pipeline passes it) or the S3 URI of its result.json. "
+        "Its training shards are used, by sha256; its held-out shards never. Leave config.data empty with it."))
+    config: TrainConfig = Field(description="The run schema: every hyperparameter. config.data only to train on "
+                                            "shards without a tokenize result (local files, S3 keys).")
     nproc_per_node: int = Field(1, ge=1, description="Processes on this node: one per GPU (colocated) or per GPU "
                                 "pair (placement=pair); >1 runs torchrun with DDP.")
     rendezvous: Rendezvous = Field(default_factory=Rendezvous, description=(
@@ -45,22 +49,35 @@ class TrainFlowParams(BaseModel):
     gpu_memory_gib: float = Field(139.0, gt=0, description="For the capacity check.")
     expected_samples: int = Field(100_000, gt=0, description="For the capacity check's storage figures.")
     expected_mean_tokens: float = Field(2_000, gt=0)
-    evaluate: bool = Field(True, description="Measure acceptance by real draft/verify rounds after training.")
-    eval_prompts: str | None = Field(None, description="Held-out prompts (.arrow/.jsonl, local or S3); None: the first data item's first shard.")
-    eval_num_prompts: int = Field(4, gt=0)
-    eval_max_new_tokens: int = Field(32, gt=0)
-    export_formats: list[Literal["native", "speculators"]] = Field(
-        default_factory=lambda: ["native", "speculators"], description="Formats a format-incompatible drafter skips.")
     node: Node | None = Field(None, description=(
         "The node this runs on (from the inventory): preserved (logs, configs, inventory to S3; nothing deleted) "
         "when the flow fails, crashes or is cancelled."))
 
 
+def training_config(settings, params: TrainFlowParams) -> tuple[TrainConfig, TokenizedDataset | None]:
+    """The run's config with its data (the dataset's training shards by URI, or config.data as given), and
+    the dataset."""
+    config = params.config.model_copy(update={"output_dir": params.config.output_dir.resolve()})
+    if params.dataset is None:
+        if not config.data:
+            raise ValueError("no training data: pass dataset (the tokenize stage's result or its result.json URI), "
+                             "or config.data (tokenized shards: local paths or S3 keys)")
+        return config, None
+    if config.data:
+        raise ValueError(f"pass dataset or config.data, not both (config.data is {config.data[:3]})")
+    dataset = resolve_result(settings, params.dataset, TokenizedDataset)
+    if not dataset.train_shards:
+        raise ValueError(f"dataset {dataset.dataset}/{dataset.run} has no training shards")
+    return config.model_copy(update={"data": [s.uri for s in dataset.train_shards]}), dataset
+
+
 @flow(name="dflash-train", log_prints=True, persist_result=True, version=flow_version(),
       on_failure=[preserve_on_failure], on_cancellation=[preserve_on_failure], on_crashed=[preserve_on_failure])
-def train(params: TrainFlowParams) -> dict:
+def train(params: TrainFlowParams) -> Checkpoint | dict:
     settings = load_settings()
-    config = params.config.model_copy(update={"output_dir": params.config.output_dir.resolve()})
+    config, dataset = training_config(settings, params)
+    if dataset is not None:
+        verify_shards(settings, dataset.train_shards)  # the bytes the tokenize stage made, not a later re-tokenization
     gpus_per_process = 2 if config.placement == "pair" else 1
     check_training_data(settings, config)  # refuses data whose quality gate failed, before torchrun starts
     plan_training(config, gpu_memory_gib=params.gpu_memory_gib, num_gpus=params.nproc_per_node * gpus_per_process,
@@ -70,66 +87,17 @@ def train(params: TrainFlowParams) -> dict:
     if checkpoint is None:  # another node hosted global rank 0; its flow run carries on from here
         return {"checkpoint": None, "run_dir": str(config.run_dir), "node_rank": params.rendezvous.node_rank}
     report = report_training(settings, config, checkpoint=checkpoint)
-    result = {"checkpoint": checkpoint, "metrics": report.uri, "run_dir": str(config.run_dir),
-              "artifacts": _evidence(settings, config, checkpoint=checkpoint, report=report)}
-    try:
-        _evaluate_and_export(settings, params, config, checkpoint=checkpoint, result=result)
-    except StageFailed as failed:
-        return fail_run(failed, already_logged=True)  # the stage's own run logged the cause
-    return result
-
-
-def _evaluate_and_export(settings, params: TrainFlowParams, config: TrainConfig, *, checkpoint: str,
-                         result: dict) -> None:
-    """Evaluate and export the checkpoint, each as its own stage run; their results go into `result`."""
-    if params.evaluate:
-        result["evaluation"] = run_stage("evaluate", EvaluateParams(
-            checkpoint=_stored_checkpoint(settings, config, checkpoint),
-            prompts=params.eval_prompts or _first_shard(settings, config.data[0]),
-            target=config.target, target_seed=config.seed, run=config.run_name, num_prompts=params.eval_num_prompts,
-            max_new_tokens=params.eval_max_new_tokens))
-    if params.export_formats:  # its own deployment run (a Retry of its own), records in its result
-        result["export"] = run_stage("export", ExportParams(
-            checkpoint=_stored_checkpoint(settings, config, checkpoint), run_name=config.run_name,
-            target=config.target, target_seed=config.seed, formats=params.export_formats))
-        result["exports"] = result["export"]["exports"]
-        result["artifacts"] += result["export"]["artifacts"]
-
-
-def _evidence(settings, config: TrainConfig, *, checkpoint: str, report) -> list[dict]:
-    """Records of what this run stored; the checkpoint also gets a manifest artifact in the UI."""
-    records = [artifact_record(report)]
-    stored = _stored_checkpoint(settings, config, checkpoint)
-    if stored.startswith("s3://"):
-        records += publish_stored(settings, prefix=stored, key=ui_key("checkpoint", config.run_name),
+    stored = stored_checkpoint(settings, config, checkpoint)
+    records = [artifact_record(m) for m in report.manifests]
+    if stored.uri.startswith("s3://"):
+        records += publish_stored(settings, prefix=stored.uri, key=ui_key("checkpoint", config.run_name),
                                   title=f"checkpoint {config.run_name}/{Path(checkpoint).name}")
-    return records
-
-
-def _stored_checkpoint(settings, config: TrainConfig, checkpoint: str) -> str:
-    """The S3 URI of the uploaded checkpoint (so evaluation's inputs are the stored files, and any host
-    can run it), else the local dir."""
-    from dflash_core.evaluate.inputs import CHECKPOINT_META_FILE
-    from dflash_core.layout import ArtifactKind, artifact_key
-    from dflash_core.storage import ObjectStore
-
-    store = ObjectStore.from_settings(settings)
-    key = f"{artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)}/{Path(checkpoint).name}"
-    return store.uri(key) if store.exists(f"{key}/{CHECKPOINT_META_FILE}") else checkpoint
-
-
-def _first_shard(settings, item: str) -> str:
-    """`item` itself, or the first .arrow shard under it when it is an S3 prefix."""
-    if not item.endswith("/"):
-        return item
-    from dflash_core.storage import ObjectStore
-
-    store = ObjectStore.from_settings(settings)
-    keys = sorted(i.key for i in store.list(item.removeprefix(f"s3://{store.bucket}/")) if i.key.endswith(".arrow"))
-    if not keys:
-        raise ValueError(f"no .arrow shard under {item!r} to evaluate on: pass eval_prompts")
-    return keys[0]
-
+    result = stored.model_copy(update={
+        "dataset": dataset, "metrics": report.metrics, "run_yaml": report.run_yaml, "provenance": report.provenance,
+        "final_metrics": report.final_metrics, "flow_run": str(flow_run.id or ""), "artifacts": records})
+    key = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "train", config.run_name, *attempt_segments(),
+                       RESULT_FILE)
+    return store_result(settings, result, key=key, inputs=[InputRef(uri=s.uri, sha256=s.sha256) for s in result.data])
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import warnings
 from prefect import get_run_logger, task
 
 from dflash_core.settings import Settings
+from dflash_core.stage_results import StoredShard
 from dflash_core.storage import ObjectStore
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.inputs import fetch_shards
@@ -25,3 +26,26 @@ def check_training_data(settings: Settings, config: TrainConfig) -> int:
     for warning in caught:
         get_run_logger().warning(str(warning.message))
     return len(shards)
+
+
+class ShardChanged(ValueError):
+    """A shard's bytes in the bucket are not the ones its dataset record names."""
+
+
+@task
+def verify_shards(settings: Settings, shards: list[StoredShard]) -> None:
+    """Every shard is in the bucket with the sha256 its dataset record names (so a run trains on exactly
+    what its tokenize stage made); one error listing those that are missing or changed."""
+    store = ObjectStore.from_settings(settings)
+    problems = []
+    for shard in shards:
+        key = store.key_of(shard.uri)
+        if not store.exists(key):
+            problems.append(f"{shard.uri} is gone")
+            continue
+        found = store.head(key).sha256
+        if found != shard.sha256:
+            problems.append(f"{shard.uri} has sha256 {found}, not {shard.sha256}")
+    if problems:
+        raise ShardChanged(f"{len(problems)} of {len(shards)} training shards are not what the tokenize result names "
+                           f"({'; '.join(problems[:5])}): rerun the tokenize stage and train on its new result")

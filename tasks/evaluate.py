@@ -82,7 +82,7 @@ def run_evaluation(*, target: Any, drafter: Any, prompts: list[list[int]], modes
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
 def publish_evaluation(settings: Settings, *, report: dict[str, Any], key_prefix: str, inputs: list[InputRef],
-                       config: dict[str, Any], work_dir: Path) -> Manifest:
+                       config: dict[str, Any], work_dir: Path, measured_on: str) -> Manifest:
     """report.json and acceptance.png to S3 with manifests (inputs: the checkpoint and prompts), then
     the table, a markdown summary and the PNG as Prefect artifacts."""
     from dflash_core.evaluate import plot_acceptance
@@ -93,14 +93,15 @@ def publish_evaluation(settings: Settings, *, report: dict[str, Any], key_prefix
     png = plot_acceptance(report["summaries"], work_dir / "acceptance.png")
     png_manifest = write_artifact(store, f"{key_prefix}/acceptance.png", png, kind=ArtifactKind.REPORT,
                                   inputs=inputs, config=config, producer=producer)
-    body = {**report, "plot_uri": png_manifest.uri, "config": config}
+    body = {**report, "plot_uri": png_manifest.uri, "config": config, "measured_on": measured_on}
     manifest = write_artifact(store, f"{key_prefix}/report.json", json.dumps(body, indent=2).encode(),
                               kind=ArtifactKind.REPORT, inputs=inputs, config=config, producer=producer)
     rows = [{k: s[k] for k in ("mode", "num_responses", "num_rounds", "tau", "speedup", "tokens_per_s",
                                "baseline_tokens_per_s", "all_match_target")} for s in report["summaries"]]
-    create_table_artifact(rows, key="drafter-evaluation", description="tau and speedup per decoding mode")
+    create_table_artifact(rows, key="drafter-evaluation",
+                          description=f"tau and speedup per decoding mode, measured on {measured_on}")
     create_markdown_artifact(
-        f"### Drafter evaluation\n\n{report['table']}\n\nReport: `{manifest.uri}`\n\n"
+        f"### Drafter evaluation\n\nMeasured on: **{measured_on}**\n\n{report['table']}\n\nReport: `{manifest.uri}`\n\n"
         "Inputs:\n" + "\n".join(f"- `{i.uri}`" for i in inputs), key="drafter-evaluation-summary")
     png_artifact(Path(png).read_bytes(), key="drafter-acceptance-plot",
                  description="tau histogram and per-position acceptance")

@@ -9,8 +9,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from dflash_core.data.holdout import HoldoutSpec, split_heldout
 from dflash_core.data.prompts import PromptSource, import_prompts, read_prompt_lines, shard_prompts
-from dflash_core.layout import ArtifactKind, QUARANTINE_SUFFIX, artifact_key, shard_name
+from dflash_core.layout import HELDOUT_STEM, QUARANTINE_SUFFIX, ArtifactKind, artifact_key, shard_name
 from dflash_core.lineage import InputRef, read_manifest, write_artifact
 from dflash_core.serving import launcher
 from dflash_core.serving.canary import CanaryReport, CanaryThresholds, check_canary
@@ -30,32 +31,42 @@ class CanaryFailed(RuntimeError):
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
 def import_prompt_set(settings: Settings, *, sources: list[PromptSource], dataset: str, version: str,
-                      total: int | None, shard_size: int, seed: int) -> list[str]:
-    """Stream, normalize, dedupe and mix prompt sources into JSONL shards with manifests; keys of the shards."""
+                      total: int | None, shard_size: int, seed: int, holdout: HoldoutSpec) -> list[str]:
+    """Stream, normalize, dedupe and mix prompt sources into JSONL shards with manifests, the held-out split
+    in shards of its own (heldout-*.jsonl); keys of every shard, training ones first."""
     store = ObjectStore.from_settings(settings)
     records, report = import_prompts(sources, total=total, seed=seed)
     if not records:
         raise ValueError(f"no usable prompt in {[str(s.path) for s in sources]}: rejected {dict(report.rejected)}")
+    train, heldout = split_heldout(records, holdout)
     producer = run_producer()
     config = {"sources": [{"path": str(s.path), "name": s.name, "weight": s.weight} for s in sources],
-              "total": total, "seed": seed, "shard_size": shard_size}
+              "total": total, "seed": seed, "shard_size": shard_size, "holdout": holdout.model_dump()}
     keys = []
-    for index, shard in enumerate(shard_prompts(records, shard_size=shard_size)):
-        key = artifact_key(settings.s3_prefixes, ArtifactKind.PROMPTS, dataset, version,
-                           shard_name(index, stem="prompts", suffix="jsonl"))
-        write_artifact(store, key, b"".join(r.to_json_line() for r in shard), kind=ArtifactKind.PROMPTS,
-                       config=config, producer=producer)
-        keys.append(key)
+    for stem, split in (("prompts", train), (HELDOUT_STEM, heldout)):
+        for index, shard in enumerate(shard_prompts(split, shard_size=shard_size)):
+            key = artifact_key(settings.s3_prefixes, ArtifactKind.PROMPTS, dataset, version,
+                               shard_name(index, stem=stem, suffix="jsonl"))
+            write_artifact(store, key, b"".join(r.to_json_line() for r in shard), kind=ArtifactKind.PROMPTS,
+                           config=config, producer=producer)
+            keys.append(key)
     base = artifact_key(settings.s3_prefixes, ArtifactKind.PROMPTS, dataset, version, "import-report.json")
-    write_artifact(store, base, json.dumps(report.to_dict(), indent=2).encode(), kind=ArtifactKind.REPORT,
+    summary = {**report.to_dict(), "heldout": len(heldout), "train": len(train)}
+    write_artifact(store, base, json.dumps(summary, indent=2).encode(), kind=ArtifactKind.REPORT,
                    config=config, producer=producer)
     if report.quarantine:
         lines = b"".join(json.dumps(q, ensure_ascii=False, default=str).encode() + b"\n" for q in report.quarantine)
         write_artifact(store, base + QUARANTINE_SUFFIX, lines, kind=ArtifactKind.REPORT, config=config,
                        producer=producer)
-    get_run_logger().info("imported %d prompts into %d shards; rejected %s", report.accepted, len(keys),
-                          dict(report.rejected))
+    get_run_logger().info("imported %d prompts into %d shards (%d held out for evaluation); rejected %s",
+                          report.accepted, len(keys), len(heldout), dict(report.rejected))
     return keys
+
+
+def prompt_ids(settings: Settings, keys: list[str]) -> list[str]:
+    """The ids of the prompts in these prompt shards, in order."""
+    store = ObjectStore.from_settings(settings)
+    return [prompt.id for key in keys for prompt in read_prompt_lines(store.get_bytes(key))]
 
 
 @task

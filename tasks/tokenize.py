@@ -1,14 +1,19 @@
 """Prefect task: tokenize one completion shard into an Arrow shard (+ quarantine), with manifests.
 
 The cache key is everything that decides the output: the input object's ETag, the output key, the
-tokenizer's content hash, the tokenize config and the output schema version. A rerun with nothing
-changed is a cache hit; a changed shard (new ETag) or config re-tokenizes. The flow refreshes the
-cache for shards whose output is gone, so a deleted output is never replayed from a stale cache.
+tokenizer's content hash, the tokenize config, the lines dropped as duplicates of earlier shards and
+the output schema version. A rerun with nothing changed is a cache hit; a changed shard (new ETag),
+config or duplicate list re-tokenizes. The flow refreshes the cache for shards whose output is gone,
+so a deleted output is never replayed from a stale cache.
+
+Duplicate ids across shards: `read_completion_ids` reads each shard's ids (cached by ETag), the
+flow's `find_duplicates` over them, in shard order, gives each shard its `duplicates`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 from prefect import task
 from prefect.context import TaskRunContext
@@ -23,9 +28,10 @@ from dflash_core.tokenize import (
     TargetTokenizer, TokenizeConfig, TokenizePool, arrow_bytes, quarantine_bytes, sample_frame, skipped_frame,
     tokenize_shard,
 )
+from dflash_core.tokenize.duplicates import Duplicate, line_ids
 from dflash_core.tokenize.io import read_arrow_bytes
 from dflash_core.tokenize.render import PrefixUnstable
-from dflash_core.tokenize.shard import TOKENIZED_SCHEMA_VERSION, TemplateFailed
+from dflash_core.tokenize.shard import TOKENIZED_SCHEMA_VERSION, StaleDuplicates, TemplateFailed, shard_lines
 from tasks.provenance import run_producer
 
 
@@ -50,19 +56,36 @@ def shard_cache_key(context: TaskRunContext, parameters: dict) -> str:
     store = ObjectStore.from_settings(parameters["settings"])
     target: TargetTokenizer = parameters["target"]
     config: TokenizeConfig = parameters["config"]
+    duplicates: dict[int, Duplicate] = parameters.get("duplicates") or {}
     parts = [
         "tokenize-shard", str(TOKENIZED_SCHEMA_VERSION), parameters["input_key"],
         store.head(parameters["input_key"]).etag, parameters["output_key"], target.content_hash,
         config.model_dump_json(),
+        json.dumps([[line, d.id, d.first_shard, d.first_line] for line, d in sorted(duplicates.items())]),
     ]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def ids_cache_key(context: TaskRunContext, parameters: dict) -> str:
+    store = ObjectStore.from_settings(parameters["settings"])
+    parts = ["completion-ids", parameters["input_key"], store.head(parameters["input_key"]).etag,
+             str(parameters["max_record_bytes"])]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15], cache_key_fn=ids_cache_key, persist_result=True,
+      task_run_name="read ids {input_key}")
+def read_completion_ids(settings: Settings, *, input_key: str, max_record_bytes: int) -> list[str | None]:
+    """The id of each line of a completion shard (None where it cannot be read), without validating the records."""
+    data = ObjectStore.from_settings(settings).get_bytes(input_key)
+    return line_ids(shard_lines(data), max_record_bytes=max_record_bytes)
 
 
 def _worth_retrying(task, task_run, state) -> bool:
     """Retry transient faults (S3, a killed worker), not a template or a shard that fails the same way again."""
     try:
         state.result()
-    except (TemplateFailed, PrefixUnstable):
+    except (TemplateFailed, PrefixUnstable, StaleDuplicates):
         return False
     except Exception:  # noqa: BLE001 - anything else may be transient
         return True
@@ -72,12 +95,19 @@ def _worth_retrying(task, task_run, state) -> bool:
 @task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=_worth_retrying, cache_key_fn=shard_cache_key,
       persist_result=True, task_run_name="tokenize {input_key}")
 def tokenize_completion_shard(settings: Settings, *, input_key: str, output_key: str, target: TargetTokenizer,
-                              config: TokenizeConfig, pool: TokenizePool | None = None) -> ShardSummary:
-    """Read a completion shard, tokenize it, write the Arrow shard and its quarantine with manifests."""
+                              config: TokenizeConfig, pool: TokenizePool | None = None,
+                              duplicates: dict[int, Duplicate] | None = None) -> ShardSummary:
+    """Read a completion shard, tokenize it, write the Arrow shard and its quarantine with manifests.
+
+    `duplicates`: this shard's lines whose id an earlier shard has ({line: Duplicate naming that shard's
+    key}), quarantined as duplicate_id; repeats within the shard are found here without it.
+    """
     store = ObjectStore.from_settings(settings)
     source = input_ref(store, input_key)
     data = store.get_bytes(input_key)
-    result = tokenize_shard(data, target=target, config=config, pool=pool, name=source.uri)
+    # Named by URI, as the shard's own repeats are.
+    drops = {line: Duplicate(d.id, store.uri(d.first_shard), d.first_line) for line, d in (duplicates or {}).items()}
+    result = tokenize_shard(data, target=target, config=config, pool=pool, name=source.uri, duplicates=drops)
     run_config = {"tokenizer": target.name, "tokenizer_sha256": target.content_hash,
                   "tokenize": config.model_dump(mode="json"), "schema_version": TOKENIZED_SCHEMA_VERSION}
     # Judged with the whole dataset by the flow's gate, which writes the verdict into dataset.json beside it.

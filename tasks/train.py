@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import subprocess
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact
 from prefect.artifacts import update_progress_artifact
 
-from dflash_core.layout import ArtifactKind, artifact_key
-from dflash_core.lineage import InputRef, Manifest, write_artifact
+from dflash_core.layout import ArtifactKind, artifact_key, is_heldout_key
+from dflash_core.lineage import InputRef, Manifest, read_manifest, write_artifact
 from dflash_core.planner import PRESETS, Plan, PlanInputs, plan, shape_from_config
 from dflash_core.settings import Settings
+from dflash_core.stage_results import Checkpoint, StoredShard
 from dflash_core.storage import ObjectStore
 from dflash_core.train.checkpoint import latest_checkpoint
 from dflash_core.train.config import TrainConfig
@@ -30,8 +32,14 @@ class TrainingFailed(RuntimeError):
 
 
 class TrainingRefused(TrainingFailed):
-    """The run refused to start or stopped with a one-line reason (already running, S3 misconfigured or
-    down past the outage limit): retrying at once would not help."""
+    """The run refused to start or stopped with a one-line reason (already running here or on another
+    host, S3 misconfigured or down past the outage limit, disk full): retrying at once would not help."""
+
+
+def _refusal(tail: deque[str]) -> str | None:
+    """The reason of the last `error: ` line (dflash_core.train.entry's refusals) in the log tail: last
+    of all for one process, followed by torchrun's own failure report when a rank refused under it."""
+    return next((line.removeprefix("error: ") for line in reversed(tail) if line.startswith("error: ")), None)
 
 
 def _retry_unless_refused(task, task_run, state) -> bool:
@@ -98,8 +106,9 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
             hosted_rank_0 = hosted_rank_0 or line.startswith('{"final_step"')  # printed by global rank 0 only
     if process.returncode == 143:
         raise TrainingFailed("training was stopped by SIGTERM after a checkpoint; a retry resumes it")
-    if process.returncode == 1 and tail and tail[-1].startswith("error: "):
-        raise TrainingRefused(tail[-1].removeprefix("error: "))
+    refusal = _refusal(tail) if process.returncode == 1 else None
+    if refusal is not None:
+        raise TrainingRefused(refusal)
     if process.returncode != 0:
         raise TrainingFailed(f"training exited with {process.returncode}:\n" + "\n".join(tail))
     if rendezvous.nnodes > 1 and not hosted_rank_0:
@@ -111,9 +120,21 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
     return str(checkpoint)
 
 
+@dataclass(frozen=True)
+class TrainingReport:
+    """What report_training stored: every manifest, and the URIs a Checkpoint record names."""
+
+    manifests: list[Manifest]
+    metrics: str
+    run_yaml: str | None
+    provenance: str | None
+    final_metrics: dict
+
+
 @task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
-def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str) -> Manifest:
-    """Curves and a summary table as artifacts; metrics + PNG to S3 with manifests pointing at the checkpoint."""
+def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str) -> TrainingReport:
+    """Curves and a summary table as artifacts; metrics, PNG, run.yaml and provenance.json to S3 with
+    manifests pointing at the checkpoint."""
     store = ObjectStore.from_settings(settings)
     metrics = load_metrics(config.run_dir / "metrics.jsonl")
     if metrics.skipped_lines:
@@ -121,14 +142,44 @@ def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str)
     records = metrics.records
     png = curves_png(records, title=config.run_name)
     prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "train", config.run_name)
-    checkpoint_uri = store.uri(f"{artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)}/"
-                               f"{Path(checkpoint).name}/model.safetensors")
+    checkpoint_uri = store.uri(f"{checkpoint_prefix(settings, config, checkpoint)}/model.safetensors")
     inputs = [InputRef(uri=checkpoint_uri)]
     producer = run_producer()
-    write_artifact(store, f"{prefix}/curves.png", png, kind=ArtifactKind.REPORT, inputs=inputs, producer=producer)
-    manifest = write_artifact(store, f"{prefix}/metrics.jsonl", config.run_dir / "metrics.jsonl",
-                              kind=ArtifactKind.REPORT, inputs=inputs, config=config, producer=producer)
+    manifests = [write_artifact(store, f"{prefix}/curves.png", png, kind=ArtifactKind.REPORT, inputs=inputs,
+                                producer=producer)]
+    manifests.append(write_artifact(store, f"{prefix}/metrics.jsonl", config.run_dir / "metrics.jsonl",
+                                    kind=ArtifactKind.REPORT, inputs=inputs, config=config, producer=producer))
+    stored = {}
+    for name in ("run.yaml", "provenance.json"):
+        if (config.run_dir / name).is_file():
+            manifests.append(write_artifact(store, f"{prefix}/{name}", config.run_dir / name, kind=ArtifactKind.REPORT,
+                                            inputs=inputs, producer=producer))
+            stored[name] = manifests[-1].uri
     create_table_artifact(summary_rows(records, every=max(1, len(records) // 12)), key="training-metrics",
                           description=f"{config.run_name}: loss, expected acceptance length, accuracy at slot 1")
     png_artifact(png, key="training-curves", description=f"{config.run_name}: loss and acceptance length")
-    return manifest
+    last = {k: v for k, v in (records[-1] if records else {}).items() if isinstance(v, (int, float, str))}
+    return TrainingReport(manifests=manifests, metrics=manifests[1].uri, run_yaml=stored.get("run.yaml"),
+                          provenance=stored.get("provenance.json"), final_metrics=last)
+
+
+def checkpoint_prefix(settings: Settings, config: TrainConfig, checkpoint: str) -> str:
+    """The S3 key prefix a local checkpoint step dir is uploaded under."""
+    return f"{artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)}/{Path(checkpoint).name}"
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+def stored_checkpoint(settings: Settings, config: TrainConfig, checkpoint: str) -> Checkpoint:
+    """The checkpoint record: its S3 step dir when uploaded (so evaluation's inputs are the stored files and
+    any host can run it), else the local dir; the shards it was trained on from its manifest's inputs."""
+    from dflash_core.evaluate.inputs import CHECKPOINT_META_FILE, CHECKPOINT_MODEL_FILE
+
+    store = ObjectStore.from_settings(settings)
+    key = checkpoint_prefix(settings, config, checkpoint)
+    step = int(Path(checkpoint).name.rsplit("-", 1)[-1])
+    common = {"run_name": config.run_name, "step": step, "target": config.target, "target_seed": config.seed}
+    if not store.exists(f"{key}/{CHECKPOINT_META_FILE}"):
+        return Checkpoint(uri=str(checkpoint), **common)
+    inputs = read_manifest(store, f"{key}/{CHECKPOINT_MODEL_FILE}").inputs
+    data = [StoredShard(uri=i.uri, sha256=i.sha256 or "") for i in inputs if not is_heldout_key(i.uri)]
+    return Checkpoint(uri=store.uri(key), data=data, **common)

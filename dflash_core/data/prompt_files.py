@@ -74,6 +74,9 @@ def _iter_jsonl(path: Path, *, max_bytes: int | None) -> Iterator[tuple[int, Any
 # commas; a lone quote means a string that never closes.
 _JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]|"', re.DOTALL)
 _SPACE = b" \t\r\n"
+# Where a record may begin inside a bad element that ran on past its end: an object after a comma.
+_OBJECT_AFTER_COMMA = re.compile(rb",[ \t\r\n]*\{")
+CONVERSATION_KEYS = ("conversations", "messages")  # a record holds one of these lists (ShareGPT, OpenAI)
 
 
 def _iter_json_array(path: Path, *, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
@@ -87,49 +90,110 @@ def _iter_json_array(path: Path, *, max_bytes: int | None) -> Iterator[tuple[int
 
 
 def _scan_array(data, *, path: Path, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
-    size = len(data)
+    """Elements split at commas and the closing bracket outside strings and nested brackets. A bracket or
+    quote left open (or one too many) runs an element into the records after it, or seems to close the array
+    early: the bad part is cut where the next whole record begins (`_next_record`) and reading resumes there.
+    Only a record cut by the end of the file is `truncated`."""
     pos = 3 if data[:3] == codecs.BOM_UTF8 else 0
-    while pos < size and data[pos] in _SPACE:
+    while pos < len(data) and data[pos] in _SPACE:
         pos += 1
-    first = data[pos:pos + 1]
-    if first != b"[":
+    if data[pos:pos + 1] != b"[":
         raise ValueError(_shape_error(path, data, pos))
-    pos += 1
-    index, depth, start = 0, 0, pos
-
-    def element(end: int):
-        raw = bytes(data[start:end].strip(_SPACE))
-        if not raw:
-            return BadPrompt("malformed", f"record {index} is empty (two commas in a row or a trailing comma)", raw)
-        record = _parse(raw, where=f"record {index}", max_bytes=max_bytes)
-        if isinstance(record, BadPrompt):
-            record.raw = raw
-        return record
-
+    index, start = 0, pos + 1
     while True:
-        match = _JSON_TOKEN.search(data, pos)
-        if match is None or match.group() == b'"':
-            tail = data[start:].strip(_SPACE)
-            where = f"inside record {index}" if tail else f"after record {index - 1}, before the array closes"
-            yield index, BadPrompt("truncated", f"{path.name} ends {where}", bytes(tail))
+        end, token = _element_end(data, start)
+        if end is None:  # the file ends inside this element
+            raw, record, rest = b"", None, b""
+        else:
+            raw = bytes(data[start:end].strip(_SPACE))
+            record = _parse_element(raw, index=index, max_bytes=max_bytes)
+            rest = bytes(data[end + 1:end + 201].strip(_SPACE)) if token == b"]" else b""  # after the array
+        if end is None or rest or isinstance(record, BadPrompt):
+            resume = _next_record(data, start, end if token == b"," else len(data), max_bytes=max_bytes)
+            if resume is not None:
+                comma, resume_at = resume
+                if end is not None and not isinstance(record, BadPrompt):  # a whole record, then a stray `]`
+                    yield index, record
+                    index, start = index + 1, end
+                yield index, _ran_on(bytes(data[start:comma].strip(_SPACE)), index=index, resume_at=resume_at,
+                                     max_bytes=max_bytes)
+                index, start = index + 1, resume_at
+                continue
+        if end is None:
+            yield from _cut_short(bytes(data[start:].strip(_SPACE)), index=index, name=path.name, max_bytes=max_bytes)
             return
+        if raw or index or token == b",":  # `[]` is an empty array, not an empty record
+            yield index, record
+        if token == b",":
+            index, start = index + 1, end + 1
+            continue
+        if rest:
+            yield index + 1, BadPrompt("malformed", f"{path.name}: data after the array ends: {rest[:60]!r}", rest)
+        return
+
+
+def _element_end(data, start: int, *, limit: int | None = None) -> tuple[int | None, bytes | None]:
+    """(position, token) of the `,` or `]` that ends the array element starting at `start`; (None, None)
+    when the file ends first or (with `limit`) the element runs past `limit` bytes."""
+    depth, pos = 0, start
+    stop = len(data) if limit is None else min(len(data), start + limit + 1)
+    search = _JSON_TOKEN.search
+    while (match := search(data, pos, stop)) is not None:
         token, pos = match.group(), match.end()
         if token in (b"[", b"{"):
             depth += 1
         elif token in (b"]", b"}"):
             if depth:
                 depth -= 1
-            elif token == b"]":  # the array itself closes
-                if index or data[start:match.start()].strip(_SPACE):
-                    yield index, element(match.start())
-                rest = data[pos:pos + 200].strip(_SPACE)
-                if rest:
-                    yield index + 1, BadPrompt("malformed", f"{path.name}: data after the array ends: {rest[:60]!r}",
-                                               bytes(rest))
-                return
-        elif token == b"," and not depth:
-            yield index, element(match.start())
-            index, start = index + 1, pos
+            elif token == b"]":
+                return match.start(), token
+        elif token == b",":
+            if not depth:
+                return match.start(), token
+        elif token == b'"':  # a lone quote: a string that never closes
+            break
+    return None, None
+
+
+def _parse_element(raw: bytes, *, index: int, max_bytes: int | None) -> Any:
+    if not raw:
+        return BadPrompt("malformed", f"record {index} is empty (two commas in a row or a trailing comma)", raw)
+    record = _parse(raw, where=f"record {index}", max_bytes=max_bytes)
+    if isinstance(record, BadPrompt):
+        record.raw = raw
+    return record
+
+
+def _next_record(data, start: int, stop: int, *, max_bytes: int | None) -> tuple[int, int] | None:
+    """(comma, start) of the first record that begins after `start` and before `stop`: an object after a
+    comma that parses whole as an element and holds a conversation list. None when there is none."""
+    for match in _OBJECT_AFTER_COMMA.finditer(data, start + 1, stop):
+        begin = match.end() - 1
+        end, _ = _element_end(data, begin, limit=max_bytes)
+        if end is None:
+            continue
+        record = _parse(bytes(data[begin:end]), where=f"byte {begin}", max_bytes=max_bytes)
+        if isinstance(record, dict) and any(isinstance(record.get(key), list) for key in CONVERSATION_KEYS):
+            return match.start(), begin
+    return None
+
+
+def _ran_on(raw: bytes, *, index: int, resume_at: int, max_bytes: int | None) -> Any:
+    """Record `index`, cut where the next whole record begins: still bad, or (rarely) whole once cut."""
+    record = _parse_element(raw, index=index, max_bytes=max_bytes)
+    if not isinstance(record, BadPrompt):
+        return record
+    return BadPrompt(record.reason, f"{record.detail}; a bracket or string left open ran it into the records after "
+                                    f"it: reading resumed at the next whole record (byte {resume_at:,})", raw)
+
+
+def _cut_short(raw: bytes, *, index: int, name: str, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
+    """The end of a file cut before its array closes: a whole last record is kept, then `truncated`."""
+    if raw and not isinstance(record := _parse(raw, where=f"record {index}", max_bytes=max_bytes), BadPrompt):
+        yield index, record
+        index, raw = index + 1, b""
+    where = f"inside record {index}" if raw else f"after record {index - 1}, before the array closes"
+    yield index, BadPrompt("truncated", f"{name} ends {where}", raw)
 
 
 def _shape_error(path: Path, data, pos: int) -> str:

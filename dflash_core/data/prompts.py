@@ -153,7 +153,7 @@ def normalize(raw: Any, *, source: str, index: int, turns: TurnPolicy = "first_u
     if max_chars is not None and chars > max_chars:
         raise BadPrompt("too_long", f"{chars:,} characters in the kept turns, over the {max_chars:,} limit")
     tools = _tools(raw.get("tools"))
-    record_id = _text(raw.get("id") or raw.get("conversation_id"), where="id") or f"{source}-{index}"
+    record_id = _record_id(raw, source=source, index=index)
     messages = ([Message(role="system", content=system)] if system is not None else []) + \
         [Message(role="user", content=kept[0])]
     try:
@@ -172,8 +172,32 @@ def _text(content: Any, *, where: str) -> str:
     if isinstance(content, (str, int, float)) and not isinstance(content, bool):
         return str(content)
     if isinstance(content, list):  # OpenAI content parts
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return "".join(_part_text(part, where=f"{where} content part {number}")
+                       for number, part in enumerate(content))
     raise BadPrompt("invalid_field", f"{where} is a {type(content).__name__}, not text")
+
+
+def _part_text(part: Any, *, where: str) -> str:
+    """The text of one OpenAI content part; "" for a part without text (an image)."""
+    if not isinstance(part, dict):
+        raise BadPrompt("invalid_field", f"{where} is a {type(part).__name__}, not a content part object")
+    text = part.get("text")
+    if text is None or isinstance(text, str):
+        return text or ""
+    raise BadPrompt("invalid_field", f"{where} has `text` {text!r:.60} ({type(text).__name__}); it must be a string")
+
+
+def _record_id(raw: dict[str, Any], *, source: str, index: int) -> str:
+    """The record's `id` (else `conversation_id`) as text; without either, one made of source and position."""
+    for key in ("id", "conversation_id"):
+        value = raw.get(key)
+        if value is None or value == "":
+            continue
+        if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+            return str(value)
+        raise BadPrompt("invalid_field", f"`{key}` is {value!r:.60} ({type(value).__name__}); an id must be a "
+                                         "string or an integer")
+    return f"{source}-{index}"
 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:

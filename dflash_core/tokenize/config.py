@@ -11,6 +11,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# A completion line longer than this is quarantined unread (`record_too_large`). No real record comes
+# near it: the importer caps a prompt at 200,000 characters (data/prompts.py DEFAULT_MAX_PROMPT_CHARS,
+# <= 800 KB even at 4 UTF-8 bytes each) and a 128K-token completion is ~0.5 MB of text, while 4 MiB is
+# ~1M tokens, past any target's context. It bounds what one line can cost: a 50 MB line took 58 s to
+# tokenize, and max_length would cut it to 8,192 tokens anyway.
+DEFAULT_MAX_RECORD_BYTES = 4 * 1024 * 1024
+
 
 class TokenizeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -19,6 +26,10 @@ class TokenizeConfig(BaseModel):
         True, description="Train on the assistant's thinking tokens too (off: loss starts after </think>)."
     )
     max_length: int = Field(8192, gt=0, description="Longest sequence kept, in tokens.")
+    max_record_bytes: int = Field(
+        DEFAULT_MAX_RECORD_BYTES, gt=0, description="Longest completion line read, in bytes; a longer one is "
+        "quarantined as record_too_large before it is parsed or tokenized."
+    )
     overlong: Literal["truncate", "drop"] = Field(
         "truncate", description="What to do with sequences over max_length; counted either way."
     )

@@ -100,8 +100,9 @@ def _check_row(name: str, row: dict, t: GateThresholds) -> list[GateProblem]:
     if duplicates > t.max_duplicate_ids:
         out.append(GateProblem(name, "max_duplicate_ids", duplicates, t.max_duplicate_ids,
                                f"{where}: {duplicates} samples repeat the id of another sample; ids must be unique "
-                               "(completions are matched to prompts by id): the same completions were tokenized "
-                               "twice, or two sources share ids"))
+                               "(completions are matched to prompts by id): the same completions were written "
+                               "twice, or two sources share ids. The .quarantine.jsonl files beside the outputs "
+                               "hold the later ones (duplicate_id), each naming the first"))
     short = row["short_loss"] / samples
     check("max_short_fraction", short, t.max_short_fraction,
           f"{_pct(short)} of samples have <= {t.short_loss_tokens} loss tokens: completions look empty; "

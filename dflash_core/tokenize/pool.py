@@ -14,6 +14,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 
 from dflash_core.tokenize.config import TokenizeConfig
+from dflash_core.tokenize.duplicates import Duplicate
 from dflash_core.tokenize.shard import ChunkResult, ShardTokenizer
 from dflash_core.tokenize.target import TargetTokenizer
 
@@ -30,12 +31,12 @@ def _init_worker(target: TargetTokenizer, config: TokenizeConfig) -> None:
         _init_error = error
 
 
-def _run_chunk(chunk: tuple[int, list[bytes]]) -> ChunkResult:
-    first_line, lines = chunk
+def _run_chunk(chunk: tuple[int, list[bytes], dict[int, Duplicate]]) -> ChunkResult:
+    first_line, lines, duplicates = chunk
     if _init_error is not None:
         raise _init_error  # the template's own error, to the shard that asked
     assert _worker is not None, "pool worker was not initialised"
-    return _worker.tokenize_lines(lines, first_line=first_line)
+    return _worker.tokenize_lines(lines, first_line=first_line, duplicates=duplicates)
 
 
 def default_workers() -> int:
@@ -64,7 +65,7 @@ class TokenizePool:
             initargs=(target, config),
         )
 
-    def map_chunks(self, chunks: list[tuple[int, list[bytes]]]) -> list[ChunkResult]:
+    def map_chunks(self, chunks: list[tuple[int, list[bytes], dict[int, Duplicate]]]) -> list[ChunkResult]:
         """Results in chunk order."""
         return list(self._executor.map(_run_chunk, chunks))
 

@@ -3,7 +3,9 @@
 Pure: no object store, no files. `ShardTokenizer` holds one process's state (tokenizer, caches)
 and turns a chunk of lines into a record batch; `tokenize_shard` splits a shard into chunks and
 runs them inline or on a `TokenizePool`. Every line ends up in exactly one place: the table, the
-quarantine (with its reason), or the `blank_line` count.
+quarantine (with its reason), or the `blank_line` count. Two reasons are decided before a line is
+parsed: `record_too_large` (over `TokenizeConfig.max_record_bytes`, so a huge line costs nothing) and
+`duplicate_id` (a later line with an id seen before, in this shard or, from the caller, an earlier one).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pyarrow as pa
 from dflash_core.data.completion import BadRecord, CompletionRecord, parse_completion_line
 from dflash_core.tokenize.config import TokenizeConfig
 from dflash_core.tokenize.detect import has_empty_reasoning, is_repetition_loop, max_identical_tool_calls
+from dflash_core.tokenize.duplicates import Duplicate, find_duplicates, line_ids
 from dflash_core.tokenize.encode import EncodedSample, TailEncoder, encode_samples
 from dflash_core.tokenize.render import PrefixUnstable, render_sample
 from dflash_core.tokenize.target import TargetTokenizer
@@ -40,10 +43,18 @@ SCHEMA = pa.schema(
 )
 # Valid records that are not written to the table (they go to quarantine with the bad ones).
 SKIP_REASONS = ("prefix_unstable", "too_long", "prompt_too_long", "render_error")
+# Lines quarantined from their raw bytes, before parsing (so whether they are valid is not known).
+DUPLICATE_ID = "duplicate_id"  # a later line with an id an earlier line has (duplicates.py)
+LINE_REASONS = ("record_too_large", DUPLICATE_ID)
+QUARANTINE_HEAD_BYTES = 16_384  # a record_too_large line is kept in the quarantine up to this many bytes
 
 
 class TemplateFailed(ValueError):
     """The chat template fails on a plain one-turn conversation: it would fail every record of a shard."""
+
+
+class StaleDuplicates(ValueError):
+    """The caller's duplicates name lines that hold other ids: they were read from another version of the shard."""
 
 
 @dataclass(slots=True)
@@ -51,16 +62,20 @@ class QuarantineLine:
     line: int  # 1-based line number in the shard
     reason: str
     detail: str
-    raw: bytes
+    raw: bytes  # the line (a record_too_large line: its first QUARANTINE_HEAD_BYTES)
     source: str | None = None  # known when the line parsed as a record
+    duplicate_of: Duplicate | None = None  # a duplicate_id line: where its id was first seen
 
     def to_json(self) -> dict:
         try:
             text, raw_base64 = self.raw.decode("utf-8"), None
         except UnicodeDecodeError:
             text, raw_base64 = None, base64.b64encode(self.raw).decode()
-        return {"line": self.line, "reason": self.reason, "detail": self.detail, "source": self.source,
-                "text": text, "raw_base64": raw_base64}
+        out = {"line": self.line, "reason": self.reason, "detail": self.detail, "source": self.source,
+               "text": text, "raw_base64": raw_base64}
+        if self.duplicate_of is not None:
+            out["first_seen"] = {"shard": self.duplicate_of.first_shard, "line": self.duplicate_of.first_line}
+        return out
 
 
 @dataclass(slots=True)
@@ -90,13 +105,29 @@ class ShardTokenizer:
         self._boilerplate: dict[bool | None, int] = {}
         self._boilerplate_tokens(None)  # fail fast on a template that is not prefix-stable
 
-    def tokenize_lines(self, lines: list[bytes], *, first_line: int = 1) -> ChunkResult:
+    def tokenize_lines(self, lines: list[bytes], *, first_line: int = 1,
+                       duplicates: dict[int, Duplicate] | None = None) -> ChunkResult:
+        """Tokenize lines numbered from `first_line`; `duplicates` (by line number) are quarantined unparsed."""
         started = time.process_time()
         result = ChunkResult()
         records: list[tuple[int, bytes, CompletionRecord]] = []
+        duplicates = duplicates or {}
+        limit = self.config.max_record_bytes
         for number, raw in enumerate(lines, start=first_line):
             if not raw or raw.isspace():
                 result.skipped["blank_line"] += 1
+                continue
+            if len(raw) > limit:
+                self._quarantine(result, number, _head(raw), "record_too_large",
+                                 f"line is {len(raw):,} bytes, over max_record_bytes {limit:,}: not parsed; the quarantine "
+                                 f"keeps its first {QUARANTINE_HEAD_BYTES:,} bytes, the input shard the whole line")
+                continue
+            if number in duplicates:
+                first = duplicates[number]
+                result.skipped[DUPLICATE_ID] += 1
+                result.quarantine.append(QuarantineLine(
+                    number, DUPLICATE_ID, f"id {first.id!r} was first seen at line {first.first_line} of "
+                    f"{first.first_shard}", raw, _source_of(raw), first))
                 continue
             try:
                 records.append((number, raw, parse_completion_line(raw)))
@@ -215,6 +246,23 @@ class ShardTokenizer:
         result.quarantine.append(QuarantineLine(number, reason, detail, raw, source))
 
 
+def _head(raw: bytes) -> bytes:
+    """The first QUARANTINE_HEAD_BYTES of a line, cut at a character boundary when it is UTF-8."""
+    head = raw[:QUARANTINE_HEAD_BYTES]
+    try:
+        return codecs.getincrementaldecoder("utf-8")().decode(head).encode()
+    except UnicodeDecodeError:
+        return head
+
+
+def _source_of(raw: bytes) -> str | None:
+    """The source of a line that is a valid record (a duplicate's, for the per-source counts), else None."""
+    try:
+        return parse_completion_line(raw).source
+    except BadRecord:
+        return None
+
+
 def _probe_record(*, reasoning: str, content: str, enable_thinking: bool | None) -> CompletionRecord:
     return CompletionRecord(
         id="probe", source="probe", prompt=[{"role": "user", "content": "Hi"}], reasoning=reasoning,
@@ -222,12 +270,24 @@ def _probe_record(*, reasoning: str, content: str, enable_thinking: bool | None)
     )
 
 
-def split_lines(data: bytes, *, chunk_lines: int) -> list[tuple[int, list[bytes]]]:
-    """Chunks of (first line number, lines); a final newline does not make an extra line."""
-    lines = data.split(b"\n")
+def shard_lines(data: bytes) -> list[bytes]:
+    """A shard's lines as the tokenizer numbers them (line n is item n - 1): a UTF-8 byte-order mark at the
+    start is not part of the first record, and a final newline does not make an extra line."""
+    lines = data.removeprefix(codecs.BOM_UTF8).split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    return [(start + 1, lines[start:start + chunk_lines]) for start in range(0, len(lines), chunk_lines)]
+    return lines
+
+
+def split_lines(lines: list[bytes], *, chunk_lines: int,
+                duplicates: dict[int, Duplicate]) -> list[tuple[int, list[bytes], dict[int, Duplicate]]]:
+    """Chunks of (first line number, lines, the chunk's duplicates by line number)."""
+    chunks = []
+    for start in range(0, len(lines), chunk_lines):
+        numbers = range(start + 1, min(start + chunk_lines, len(lines)) + 1)
+        chunks.append((start + 1, lines[start:start + chunk_lines],
+                       {n: duplicates[n] for n in numbers if n in duplicates}))
+    return chunks
 
 
 def merge_chunks(results: list[ChunkResult], *, num_lines: int) -> ShardResult:
@@ -243,16 +303,21 @@ def merge_chunks(results: list[ChunkResult], *, num_lines: int) -> ShardResult:
 
 
 def tokenize_shard(data: bytes, *, target: TargetTokenizer, config: TokenizeConfig, pool=None,
-                   chunk_lines: int | None = None, name: str | None = None) -> ShardResult:
+                   chunk_lines: int | None = None, name: str | None = None,
+                   duplicates: dict[int, Duplicate] | None = None) -> ShardResult:
     """Tokenize a whole JSONL shard; with `pool` (a TokenizePool) the chunks run on its workers.
 
     By default chunks are up to 256 lines, and small enough to give each pool worker ~4 of them.
     Errors that fail the whole shard (the template, a dead worker) name it (`name`, e.g. its URI).
-    A UTF-8 byte-order mark at the start is not part of the first record.
+    A UTF-8 byte-order mark at the start is not part of the first record (`shard_lines`).
+    A line whose id an earlier line of the shard has is quarantined as `duplicate_id`; `duplicates`
+    adds the lines whose id an earlier shard has (`find_duplicates` over all shards' ids) and wins
+    where both name a line. A duplicate whose line holds another id is refused (`StaleDuplicates`):
+    the ids were read from another version of the shard.
     """
     try:
-        return _tokenize_shard(data.removeprefix(codecs.BOM_UTF8), target=target, config=config, pool=pool,
-                               chunk_lines=chunk_lines)
+        return _tokenize_shard(data, target=target, config=config, pool=pool, chunk_lines=chunk_lines,
+                               name=name, duplicates=duplicates or {})
     except (TemplateFailed, PrefixUnstable) as error:
         if name is None:
             raise
@@ -262,15 +327,25 @@ def tokenize_shard(data: bytes, *, target: TargetTokenizer, config: TokenizeConf
                            "was it killed for memory? Retry with fewer workers") from error
 
 
-def _tokenize_shard(data: bytes, *, target: TargetTokenizer, config: TokenizeConfig, pool,
-                    chunk_lines: int | None) -> ShardResult:
+def _tokenize_shard(data: bytes, *, target: TargetTokenizer, config: TokenizeConfig, pool, chunk_lines: int | None,
+                    name: str | None, duplicates: dict[int, Duplicate]) -> ShardResult:
+    lines = shard_lines(data)
+    ids = line_ids(lines, max_record_bytes=config.max_record_bytes)
+    for number, duplicate in duplicates.items():
+        if not 1 <= number <= len(lines) or ids[number - 1] != duplicate.id:
+            found = (f"nothing (the shard has {len(lines)} lines)" if not 1 <= number <= len(lines)
+                     else "no readable id" if ids[number - 1] is None else f"id {ids[number - 1]!r}")
+            raise StaleDuplicates(f"shard {name or '<unnamed>'}: duplicate id {duplicate.id!r} is said to be at "
+                                  f"line {number}, which holds {found}: the ids were read from another version of "
+                                  "the shard (or with another max_record_bytes); read them again")
+    label = name or "this shard"
+    drops = {**find_duplicates({label: ids}).get(label, {}), **duplicates}
     if chunk_lines is None:
         workers = pool.workers if pool is not None else 1
-        chunk_lines = max(16, min(256, -(-data.count(b"\n") // (4 * workers))))
-    chunks = split_lines(data, chunk_lines=chunk_lines)
-    num_lines = sum(len(lines) for _, lines in chunks)
+        chunk_lines = max(16, min(256, -(-len(lines) // (4 * workers))))
+    chunks = split_lines(lines, chunk_lines=chunk_lines, duplicates=drops)
     if pool is not None:
-        return merge_chunks(pool.map_chunks(chunks), num_lines=num_lines)
+        return merge_chunks(pool.map_chunks(chunks), num_lines=len(lines))
     worker = ShardTokenizer(target=target, config=config)
-    return merge_chunks([worker.tokenize_lines(lines, first_line=first) for first, lines in chunks],
-                        num_lines=num_lines)
+    return merge_chunks([worker.tokenize_lines(chunk, first_line=first, duplicates=dups)
+                         for first, chunk, dups in chunks], num_lines=len(lines))

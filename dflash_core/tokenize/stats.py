@@ -13,7 +13,7 @@ import io
 import polars as pl
 import pyarrow as pa
 
-from dflash_core.tokenize.shard import FLAG_COLUMNS, QuarantineLine
+from dflash_core.tokenize.shard import DUPLICATE_ID, FLAG_COLUMNS, QuarantineLine
 
 SHORT_LOSS_TOKENS = 8
 ALL = "all"
@@ -36,7 +36,11 @@ def skipped_frame(quarantine: list[QuarantineLine], *, shard: str, blank_lines: 
 
 def summarize(samples: pl.DataFrame, skipped: pl.DataFrame, *, by: str | None = None,
               short_loss_tokens: int = SHORT_LOSS_TOKENS) -> pl.DataFrame:
-    """One row per value of `by` ("shard", "source"), or one row "all" when by is None."""
+    """One row per value of `by` ("shard", "source"), or one row "all" when by is None.
+
+    `duplicate_ids` counts the samples whose id repeats another sample's plus the lines quarantined as
+    `duplicate_id`; those lines are not in `skipped`, so one duplicate fails one gate check.
+    """
     key = by or "group"
     if by is None:
         samples = samples.with_columns(pl.lit(ALL).alias(key))
@@ -54,11 +58,16 @@ def summarize(samples: pl.DataFrame, skipped: pl.DataFrame, *, by: str | None = 
         *[pl.col(flag).sum().alias(flag) for flag in FLAG_COLUMNS],
         (pl.len() - pl.col("id").n_unique()).alias("duplicate_ids"),
     )
-    skips = skipped.filter(pl.col(key).is_not_null()).group_by(key).agg(pl.len().alias("skipped"))
+    duplicate = pl.col("reason") == DUPLICATE_ID
+    skips = skipped.filter(pl.col(key).is_not_null()).group_by(key).agg(
+        (~duplicate).sum().alias("skipped"), duplicate.sum().alias("quarantined_duplicates"))
     summary = kept.join(skips, on=key, how="full", coalesce=True).with_columns(
         pl.col("samples", "total_tokens", "loss_tokens", "short_loss", "duplicate_ids", *FLAG_COLUMNS,
-               "skipped").fill_null(0),
+               "skipped", "quarantined_duplicates").fill_null(0),
     )
+    summary = summary.with_columns(
+        (pl.col("duplicate_ids") + pl.col("quarantined_duplicates")).alias("duplicate_ids"),
+    ).drop("quarantined_duplicates")
     summary = summary.with_columns(
         (pl.col("loss_tokens") / pl.col("total_tokens")).fill_nan(0.0).alias("loss_ratio"),
     )

@@ -1,7 +1,8 @@
 """Checkpoints: drafter weights (safetensors, target weights never included), optimizer, LR
 scheduler, sampler and RNG states, step. Written atomically (a temp dir renamed into place, meta
-last), pruned to the last N (renamed aside before deletion, so a crash mid-prune leaves no partial
-`step-*` dir), uploaded to S3 by dflash_core.train.uploader, and found again for `--resume`.
+last; a full disk raises `DiskFull`, before the write or once its temp dir is removed), pruned to the
+last N (renamed aside before deletion, so a crash mid-prune leaves no partial `step-*` dir), uploaded
+to S3 by dflash_core.train.uploader, and found again for `--resume`.
 
     <root>/step-000100/model.safetensors   drafter weights
     <root>/step-000100/train_state.pt      optimizer, scheduler, sampler, RNG
@@ -22,10 +23,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_core.train.disk_space import discard_partial_write, require_free, tensor_bytes
+
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
 META_FILE = "meta.json"
 _FILES = (MODEL_FILE, STATE_FILE, META_FILE)
+DISK_FULL_ADVICE = ("Free space on that disk or set output_dir to one with room, then rerun with --resume "
+                    "(the last complete checkpoint is intact)")
 
 
 def step_dir_name(step: int) -> str:
@@ -54,13 +59,21 @@ def save_checkpoint(root: Path, *, step: int, model_state: dict[str, torch.Tenso
     final = root / step_dir_name(step)
     tmp = root / f".{step_dir_name(step)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    needed = tensor_bytes(model_state) + tensor_bytes(train_state)
+    what = f"checkpoint {final.name}"
+    require_free(root, needed, what=what, advice=DISK_FULL_ADVICE)
     tmp.mkdir()
-    save_file({name: t.detach().contiguous().cpu() for name, t in model_state.items()}, tmp / MODEL_FILE)
-    torch.save(train_state, tmp / STATE_FILE)
-    (tmp / META_FILE).write_text(json.dumps({"step": step, "saved_at": time.time(), **meta}, indent=2, default=str))
-    for name in _FILES:
-        with open(tmp / name, "rb") as handle:
-            os.fsync(handle.fileno())
+    try:
+        save_file({name: t.detach().contiguous().cpu() for name, t in model_state.items()}, tmp / MODEL_FILE)
+        torch.save(train_state, tmp / STATE_FILE)
+        (tmp / META_FILE).write_text(json.dumps({"step": step, "saved_at": time.time(), **meta}, indent=2,
+                                                default=str))
+        for name in _FILES:
+            with open(tmp / name, "rb") as handle:
+                os.fsync(handle.fileno())
+    except Exception as error:  # a full disk raises DiskFull here; any other error, once the temp dir is gone
+        discard_partial_write(error, partial=tmp, needed_bytes=needed, what=what, advice=DISK_FULL_ADVICE)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)

@@ -174,7 +174,9 @@ class TrainConfig(BaseModel):
                           "digits, '.', '_', '-').")
     target: str = Field(description="Target model dir, or `embedded` (SmolLM2-135M), or `tiny:FAMILY` "
                         "(a tiny random model for tests).")
-    data: list[str] = Field(min_length=1, description="Tokenized Arrow shards: local paths or S3 keys/prefixes.")
+    data: list[str] = Field(default_factory=list, description=(
+        "Tokenized Arrow shards: local paths or S3 URIs/keys/prefixes (a prefix leaves out held-out shards). The "
+        "train flow fills it from its dataset input; a run needs at least one."))
     allow_failed_quality_gate: bool = Field(
         False, description="Train on shards whose quality gate failed or is unknown (refused by default); "
         "recorded here, so in run.yaml and every checkpoint manifest.")

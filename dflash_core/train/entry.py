@@ -3,8 +3,11 @@ one process per device (per GPU pair in the pair layout) under torchrun, on one 
 (`training_argv` builds the torchrun command from a `Rendezvous`).
 
 Exit codes: 0 done (with the final checkpoint complete in S3 when uploading), 143 stopped by SIGTERM
-after writing a checkpoint (rerun with --resume), 1 with a one-line reason (the run is already
-running, S3 is misconfigured or stayed down past --s3-outage-limit-s, ...).
+after writing a checkpoint (rerun with --resume), 1 with a one-line `error: <reason>` (the run is
+already running, in this run dir or, by its lease in S3, anywhere else; S3 is misconfigured or stayed
+down past --s3-outage-limit-s; the disk is full at a checkpoint or at the target's conversion, ...),
+which the flow does not retry. Rank 0 of a run with S3 checkpoints holds the run name's lease
+(dflash_core.train.run_lease) from before it touches a checkpoint to its exit.
 Every rank prints one `rank-summary {json}` line at the end: step, a checksum of its drafter
 weights (DDP replicas must agree) and peak GPU memory per device.
 """
@@ -29,17 +32,19 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, Field, model_validator
 
-from dflash_core.layout import ArtifactKind, artifact_key
+from dflash_core.layout import ArtifactKind, artifact_key, run_lease_key
 from dflash_core.provenance import current_producer
 from dflash_core.settings import Settings, load_settings
 from dflash_core.train.checkpoint import complete_checkpoints, latest_checkpoint, remove_debris
 from dflash_core.train.config import TrainConfig
+from dflash_core.train.disk_space import DiskFull
 from dflash_core.train.loop import EXIT_PREEMPTED, Distributed, Trainer
 from dflash_core.train.run_lock import RunLock, RunLocked
 from dflash_core.train.step import PairOverlapSteps
 
 if TYPE_CHECKING:  # boto3 is imported only when a run reads S3 or uploads checkpoints
     from dflash_core.storage import ObjectStore
+    from dflash_core.train.run_lease import RunLease
 
 DEFAULT_PG_TIMEOUT_S = 600  # > the longest wait at a barrier: rank 0 writing (and uploading) a checkpoint
 
@@ -150,18 +155,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3-outage-limit-s", type=float, default=os.environ.get("DFLASH_S3_OUTAGE_LIMIT_S"),
                         help="how long checkpoint uploads may keep failing (S3 down) before the run fails, default "
                              "300; training goes on with local checkpoints meanwhile (env DFLASH_S3_OUTAGE_LIMIT_S)")
+    parser.add_argument("--host-name", default=os.environ.get("DFLASH_HOST_NAME"),
+                        help="the name this host gives in the run's lease in S3, default the system's host name "
+                             "(env DFLASH_HOST_NAME; set it where containers share one)")
     args = parser.parse_args(argv)
     config = TrainConfig.from_yaml(args.config, overrides=args.set)
     dist_info = Distributed.from_env()
-    lock = None
+    lock = lease = None
     if dist_info.is_main:  # one run per run dir (also on a shared output_dir): a second would delete our saves
         try:
             lock = RunLock(config.run_dir, run_name=config.run_name).acquire()
         except RunLocked as error:
             raise SystemExit(f"error: {error}") from None
-        removed = remove_debris(config.run_dir / "checkpoints")
-        if removed:
-            print(f"removed debris of interrupted saves/prunes: {', '.join(removed)}", file=sys.stderr, flush=True)
+    settings = load_settings()
+    store = _store_if_needed(config, settings)
+    try:
+        if dist_info.is_main:  # one run per run name in the bucket: checkpoints there are shared by name
+            lease = _claim_run_name(store, config, settings, host=args.host_name, resume=args.resume)
+            removed = remove_debris(config.run_dir / "checkpoints")
+            if removed:
+                print(f"removed debris of interrupted saves/prunes: {', '.join(removed)}", file=sys.stderr, flush=True)
+        return _train(args, config, dist_info, settings=settings, store=store, lease=lease)
+    except DiskFull as error:  # at a checkpoint or the target's conversion; its temp dir is already gone
+        raise SystemExit(f"error: {error}") from None
+    finally:
+        if lease is not None:
+            lease.release()
+        if lock is not None:
+            lock.release()
+
+
+def _train(args: argparse.Namespace, config: TrainConfig, dist_info: Distributed, *, settings: Settings,
+           store: ObjectStore | None, lease: RunLease | None) -> int:
     devices = process_devices(config, dist_info)
     # The drafter's device is this process's device: DDP, NCCL collectives and barriers run there.
     device = torch.device((devices.drafter_device if devices.placement == "pair" else None)
@@ -179,15 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{config.run_dir} already holds checkpoints up to {existing[-1].name}: pass --resume to "
                          "continue that run, or choose a new run_name")
     _announce_sigterm(dist_info, config.run_dir / "checkpoints", pg_timeout_s=args.pg_timeout_s)
-    settings = load_settings()
-    store = _store_if_needed(config, settings)
     checkpoint_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)
     if store is not None and config.upload_checkpoints and dist_info.is_main and not args.resume:
         _refuse_remote_checkpoints(store, checkpoint_prefix)
     trainer_class = PairOverlapTrainer if config.pair_overlap else Trainer
     trainer = trainer_class(devices, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
                             flow_run_id=args.flow_run_id, s3_outage_limit_s=args.s3_outage_limit_s,
-                            checkpoint_prefix=checkpoint_prefix)
+                            checkpoint_prefix=checkpoint_prefix, lease=lease)
     try:
         if dist_info.is_main:
             write_run_record(config)
@@ -198,19 +221,34 @@ def main(argv: list[str] | None = None) -> int:
         log = _console_logger(config) if dist_info.is_main else None
         try:
             result = trainer.run(on_log=log)
-        except _upload_errors(store) as error:  # local checkpoints are intact; the message says what to do
+        except _refusals(store) as error:  # local checkpoints are intact; the message says what to do
             raise SystemExit(f"error: {error}") from None
         _print_rank_summary(trainer)
     finally:
         trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-        if lock is not None:
-            lock.release()
     if dist_info.is_main:
         print(json.dumps({"final_step": result.final_step, "checkpoint": str(result.checkpoint),
                           "preempted": result.preempted}), flush=True)
     return EXIT_PREEMPTED if result.preempted else 0
+
+
+def _claim_run_name(store: ObjectStore | None, config: TrainConfig, settings: Settings, *, host: str | None,
+                    resume: bool) -> RunLease | None:
+    """Rank 0 of a run that writes (or resumes from) checkpoints in S3 claims its name there, before it
+    touches any checkpoint; another live claimant anywhere is refused with an `error:` line naming it."""
+    if store is None or not (config.upload_checkpoints or resume):
+        return None
+    from dflash_core.storage import StoreError
+    from dflash_core.train.run_lease import RunLease
+
+    lease = RunLease(store, run_lease_key(settings.s3_prefixes, config.run_name), run_name=config.run_name,
+                     run_dir=config.run_dir, host=host)
+    try:
+        return lease.acquire()
+    except StoreError as error:  # a live owner, or a configuration error: retrying at once cannot help
+        raise SystemExit(f"error: {error}") from None
 
 
 def _store_if_needed(config: TrainConfig, settings: Settings) -> ObjectStore | None:
@@ -247,12 +285,14 @@ def _refuse_remote_checkpoints(store: ObjectStore, prefix: str) -> None:
                          "--resume to continue that run, or choose a new run_name")
 
 
-def _upload_errors(store: ObjectStore | None) -> tuple[type[Exception], ...]:
+def _refusals(store: ObjectStore | None) -> tuple[type[Exception], ...]:
+    """What ends a run with an `error:` line: uploads that cannot succeed, the run name lost to another run."""
     if store is None:
         return ()
+    from dflash_core.train.run_lease import RunLeaseHeld, RunLeaseLost
     from dflash_core.train.uploader import CheckpointUploadFailed
 
-    return (CheckpointUploadFailed,)
+    return (CheckpointUploadFailed, RunLeaseHeld, RunLeaseLost)
 
 
 def _ranks_agree_on_step(trainer: Trainer) -> None:

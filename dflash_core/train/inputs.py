@@ -15,6 +15,7 @@ from torch import nn
 from dflash_core.data.verdict import (
     DATASET_MANIFEST_NAME, DatasetManifest, check_usable, read_dataset_manifest, shard_verdict,
 )
+from dflash_core.layout import is_heldout_key
 
 if TYPE_CHECKING:  # storage needs boto3, which a bare GPU image may lack: imported when used
     from dflash_core.lineage import InputRef
@@ -28,6 +29,9 @@ def fetch_shards(items: list[str], *, store: ObjectStore | None, cache_dir: Path
 
     Refuses (`UnusableData`) shards whose quality gate failed or is unknown, naming each one and its
     failed checks, unless `allow_failed_quality_gate` (then each is a warning)."""
+    if not items:
+        raise ValueError("no training data: config.data is empty (the train flow fills it from its dataset input; "
+                         "`dflash train` needs data: in run.yaml)")
     shards: list[tuple[Path, InputRef | None]] = []
     verdicts = []
     manifests: dict[str, DatasetManifest | None] = {}
@@ -44,9 +48,9 @@ def fetch_shards(items: list[str], *, store: ObjectStore | None, cache_dir: Path
             raise ValueError(f"data item {item!r} is not a local file and no object store is configured")
         from dflash_core.lineage import InputRef  # boto3 only where S3 is used (bare GPU images lack it)
 
-        key = item.removeprefix(f"s3://{store.bucket}/")
+        key = store.key_of(item)
         keys = [key] if not key.endswith("/") else sorted(
-            i.key for i in store.list(key) if i.key.endswith(".arrow"))
+            i.key for i in store.list(key) if i.key.endswith(".arrow") and not is_heldout_key(i.key))
         if not keys:
             raise ValueError(f"data item {item!r}: no .arrow shards under {store.uri(key)}")
         for shard_key in keys:

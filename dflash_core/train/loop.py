@@ -51,6 +51,7 @@ from dflash_core.train.step import batch_tensors, capture_batch, drafter_step, s
 if TYPE_CHECKING:  # the object store needs boto3: imported only where a store is used
     from dflash_core.lineage import InputRef
     from dflash_core.storage import ObjectStore
+    from dflash_core.train.run_lease import RunLease
     from dflash_core.train.uploader import CheckpointUploader
 
 EXIT_PREEMPTED = 143  # SIGTERM: checkpoint written, rerun with resume to continue
@@ -133,9 +134,10 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
                  checkpoint_prefix: str | None = None, dist_info: Distributed | None = None,
                  flow_run_id: str | None = None, corpus: TokenizedCorpus | None = None,
-                 s3_outage_limit_s: float | None = None):
+                 s3_outage_limit_s: float | None = None, lease: RunLease | None = None):
         """`corpus` given (benchmarks, tests) replaces reading `config.data`; `s3_outage_limit_s`: how long
-        checkpoint uploads may keep failing before the run fails (None: the uploader's default)."""
+        checkpoint uploads may keep failing before the run fails (None: the uploader's default); `lease`:
+        this run's claim on its name in S3 (rank 0): uploads start once it is held, the run stops if it is lost."""
         self.prefetch_batches = config.prefetch_batches
         self.stop_check_every = config.stop_check_every
         self.config = config
@@ -145,6 +147,7 @@ class Trainer:
         self.flow_run_id = flow_run_id
         self.run_dir = config.run_dir
         self.s3_outage_limit_s = s3_outage_limit_s
+        self.lease = lease
         self.uploader: CheckpointUploader | None = None
         self.target_device, self.drafter_device = _devices(config, self.dist)
         torch.manual_seed(config.seed)
@@ -240,6 +243,8 @@ class Trainer:
         """Rank 0 with a store: the background uploader, which first reconciles S3 with local checkpoints."""
         if self.store is None or not self.config.upload_checkpoints or not self.dist.is_main or self.uploader:
             return
+        if self.lease is not None and not self.lease.held:  # S3 was down at the claim: no S3 writes before it
+            return
         from dflash_core.train.uploader import DEFAULT_OUTAGE_LIMIT_S, CheckpointUploader
 
         self.uploader = CheckpointUploader(
@@ -315,6 +320,9 @@ class Trainer:
         self._start_uploader()
         try:
             while self.step < config.max_steps and not self._stop_agreed():
+                if self.lease is not None:
+                    self.lease.raise_if_lost()
+                    self._start_uploader()  # a no-op once started
                 if self.uploader is not None:
                     self.uploader.raise_if_failed()
                 self._timing = StepTiming()
@@ -350,9 +358,25 @@ class Trainer:
             self._close_batches(batches)
         if self.dist.is_main:  # a rerun of a finished run saves nothing: its result is the latest checkpoint
             last_checkpoint = last_checkpoint or ckpt.latest_checkpoint(self.run_dir / "checkpoints")
+        self._wait_for_claim()
         if self.uploader is not None:
             self.uploader.finish(final=last_checkpoint)
         return TrainResult(self.step, last_checkpoint, preempted, metrics_path)
+
+    def _wait_for_claim(self) -> None:
+        """A claim still pending at the end (S3 down since the start): wait for it as long as uploads may
+        fail, then start the uploader, whose finish puts the final checkpoint in S3."""
+        if self.lease is None or self.uploader is not None or self.store is None or not self.config.upload_checkpoints:
+            return
+        from dflash_core.train.uploader import DEFAULT_OUTAGE_LIMIT_S, CheckpointUploadFailed
+
+        limit = self.s3_outage_limit_s or DEFAULT_OUTAGE_LIMIT_S
+        if not self.lease.wait_held(limit):
+            self.lease.raise_if_lost()
+            raise CheckpointUploadFailed(f"could not claim the run name at {self.lease.uri} within the outage limit "
+                                         f"of {limit:.0f} s, so no checkpoint went to S3; local checkpoints are "
+                                         f"intact under {self.run_dir / 'checkpoints'}: rerun with --resume")
+        self._start_uploader()
 
     def _optimizer_step(self, batches) -> tuple[dict[str, torch.Tensor], int]:
         config = self.config

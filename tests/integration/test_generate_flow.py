@@ -47,35 +47,43 @@ def test_generate_flow_imports_generates_and_stops(prefect_server, store, env_se
     params = _params(tmp_path, tiny_model_dir)
     state = generate(params, return_state=True)
     assert state.is_completed(), state
-    summary = state.result()
-    assert summary["completed"] == 10 and summary["failed"] == 0 and len(summary["shards"]) == 3
+    result = state.result()
+    assert result.outcomes["completed"] == 10 and result.outcomes["failed"] == 0
+    # One of the ten held out (the default 5% of a source, at least one): a shard of its own.
+    assert [s.split for s in result.shards] == ["train", "train", "train", "heldout"]
+    assert len(result.heldout_prompt_ids) == 1
     ids = Counter()
-    for uri in summary["shards"]:
-        key = uri if not uri.startswith("s3://") else uri.split("/", 3)[3]
-        for line in store.get_bytes(key).splitlines():
+    for shard in result.shards:
+        for line in store.get_bytes(store.key_of(shard.uri)).splitlines():
             record = CompletionRecord.model_validate_json(line)
             ids[record.id] += 1
             assert [m.role for m in record.prompt] == ["user"], "assistant turns stripped"
+            assert (record.id in result.heldout_prompt_ids) == (shard.split == "heldout")
     assert ids == Counter(f"q{i}" for i in range(10))
-    # The result lists the records of what it stored (shards and the run's report, keyed by flow run).
+    # The result lists the records of what it stored (shards, the run's report and itself, keyed by flow run).
     flow_run_id = state.state_details.flow_run_id
-    assert summary["report"] == store.uri(f"reports/generate/flowtest/{params.run}/{flow_run_id}/attempt-1/summary.json")
-    records = {r["uri"]: r for r in summary["artifacts"]}
-    assert set(records) == {store.uri(k if not k.startswith("s3://") else k.split("/", 3)[3]) for k in summary["shards"]} \
-        | {summary["report"]}
+    prefix = f"reports/generate/flowtest/{params.run}/{flow_run_id}/attempt-1"
+    assert result.report == store.uri(f"{prefix}/summary.json")
+    assert result.result_uri == store.uri(f"{prefix}/result.json") and result.flow_run == str(flow_run_id)
+    records = {r["uri"]: r for r in result.artifacts}
+    assert set(records) == {s.uri for s in result.shards} | {result.report, result.result_uri}
     for uri, record in records.items():
-        assert record["sha256"] == read_manifest(store, uri.split("/", 3)[3]).sha256
+        assert record["sha256"] == read_manifest(store, store.key_of(uri)).sha256
+    assert {s.uri: s.sha256 for s in result.shards} == {uri: records[uri]["sha256"] for uri in records
+                                                          if "/completions/" in uri}
     report = json.loads(store.get_bytes(f"prompts/flowtest/{tmp_path.name}/import-report.json"))
     assert report["rejected"] == {"empty": 1, "malformed": 1, "truncated": 1}
-    graph = build_lineage(store, "completions/flowtest/") 
-    manifest = read_manifest(store, summary["shards"][0])
+    assert report["heldout"] == 1 and report["train"] == 9
+    graph = build_lineage(store, "completions/flowtest/")
+    manifest = read_manifest(store, store.key_of(result.shards[0].uri))
     assert manifest.inputs[0].uri.startswith(store.uri("prompts/flowtest/"))
     assert graph.manifests
     run_dir = env_settings.work_path("servers", params.run)
     assert not any(is_alive(i.record) for i in launcher.load_instances(run_dir)), "servers stopped"
     (run_dir / "instances.json").unlink()
     again = generate(params.model_copy(update={"prompt_sources": []}), return_state=True).result()
-    assert again["generated_now"] == 0 and again["shards"] == summary["shards"]
+    assert again.outcomes["generated_now"] == 0 and again.shards == result.shards
+    assert again.heldout_prompt_ids == result.heldout_prompt_ids
     assert not (run_dir / "instances.json").exists(), "nothing to generate: no server was started"
 
 

@@ -28,21 +28,23 @@ def test_the_summary_renders_from_a_real_pipeline_run(prefect_server, store, env
     from dflash_core.embedded import embedded_tokenizer_dir
     from dflash_core.tokenize import GateThresholds
     from flows.pipeline import PipelineParams, pipeline
+    from flows.command_line import result_json
     from flows.tokenize import TokenizeParams
 
     dataset = f"summary-{uuid.uuid4().hex[:8]}"
     put_shards(store, env_settings, dataset, [shard(0), shard(1)])
-    tokenization = TokenizeParams(dataset=dataset, run="run-a", tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
-                                  workers=1, gate=GateThresholds(max_skipped_fraction=0.1))
-    state = pipeline(PipelineParams(generation=None, tokenization=tokenization, training=None), return_state=True)
+    tokenization = TokenizeParams(tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)), workers=1,
+                                  gate=GateThresholds(max_skipped_fraction=0.1))
+    completions = f"s3://{store.bucket}/completions/{dataset}/run-a/"
+    state = pipeline(PipelineParams(completions=completions, tokenization=tokenization), return_state=True)
     assert state.is_completed(), state
     flow_run_id = str(state.state_details.flow_run_id)
     # What flows.launch prints: the link first, logs, then the result as indented JSON.
     printed = [f"dflash-pipeline/embedded-demo: flow run x http://127.0.0.1:4200/runs/flow-run/{flow_run_id}\n",
                "12:00:00                     pipeline | {not json\n",
-               *json.dumps(state.result(), indent=2, default=str).splitlines(keepends=True)]
+               *result_json(state.result()).splitlines(keepends=True)]
     parsed_id, result = run_summary.parse_launch_output(printed)
-    assert parsed_id == flow_run_id and result["report"] == state.result()["report"]
+    assert parsed_id == flow_run_id and result["report"] == state.result().report
 
     stages = run_summary.read_stage_runs(env_settings.prefect_api_url, flow_run_id)
     assert [(s.stage, s.depth, s.state) for s in stages] == [("pipeline", 0, "Completed"), ("tokenize", 1, "Completed")]
@@ -51,7 +53,7 @@ def test_the_summary_renders_from_a_real_pipeline_run(prefect_server, store, env
 
     text = _text(run_summary.summary(result, stages))
     assert "tokenize" in text and "Completed" in text
-    assert "12 samples, quality gate passed" in text
+    assert "12 samples in 2 training + 0 held-out shards, quality gate passed" in text
     assert result["report"] in text and stages[1].url in text and stages[0].url in text
     assert f"s3://{store.bucket}/tokenized/{dataset}/run-a/" in text  # where the tokenized shards live
     assert "no evaluation in this run" in text
@@ -68,22 +70,23 @@ def test_a_failed_launch_still_names_the_run():
 def test_tau_speedup_and_folded_checkpoint_files():
     ckpt = "s3://b/checkpoints/demo-drafter/step-000020"
     training = {
-        "checkpoint": "/w/demo-drafter/step-000020", "exports": {"native": "s3://b/exports/demo-drafter/native"},
+        "uri": ckpt, "step": 20, "data": [{"uri": "s3://b/tokenized/d/r/shard-00000.arrow", "sha256": "d" * 64}],
         "artifacts": [{"uri": f"{ckpt}/model.safetensors", "kind": "checkpoint", "sha256": "a" * 64},
                       {"uri": f"{ckpt}/meta.json", "kind": "checkpoint", "sha256": "b" * 64},
-                      {"uri": "s3://b/reports/train/demo-drafter/metrics.json", "kind": "report", "sha256": "c" * 64}],
-        "evaluation": {"report": "s3://b/reports/evaluate/x/report.json",
-                       "summaries": [{"mode": "block", "num_responses": 8, "tau": 1.2345, "speedup": 0.61,
-                                      "tokens_per_s": 9.87, "all_match_target": True}]},
-    }
+                      {"uri": "s3://b/reports/train/demo-drafter/metrics.json", "kind": "report", "sha256": "c" * 64}]}
+    evaluation = {"report": "s3://b/reports/evaluate/x/report.json", "split": "heldout",
+                  "summaries": [{"mode": "block", "num_responses": 8, "tau": 1.2345, "speedup": 0.61,
+                                 "tokens_per_s": 9.87, "all_match_target": True}]}
     stages = [run_summary.StageRun("pipeline", "p", "1", "Completed", 200.0, "u0", 0),
               run_summary.StageRun("train", "p-train", "2", "Completed", 95.0, "u1", 1),
-              run_summary.StageRun("evaluate", "p-evaluate", "3", "Completed", 30.0, "u2", 2),
-              run_summary.StageRun("export", "p-export", "4", "Completed", 4.0, "u3", 2)]
-    training["export"] = {"exports": training["exports"], "artifacts": []}
-    text = _text(run_summary.summary({"report": "s3://b/reports/plan/p.json", "training": training}, stages))
-    assert "1.234" in text and "0.61x" in text and "True" in text
-    assert "block: tau 1.234" in text and "checkpoint /w/demo-drafter/step-000020; exports native" in text
+              run_summary.StageRun("evaluate", "p-evaluate", "3", "Completed", 30.0, "u2", 1),
+              run_summary.StageRun("export", "p-export", "4", "Completed", 4.0, "u3", 1)]
+    export = {"exports": {"native": "s3://b/exports/demo-drafter/native"}, "artifacts": []}
+    text = _text(run_summary.summary({"report": "s3://b/reports/plan/p.json", "training": training,
+                                      "evaluation": evaluation, "export": export}, stages))
+    assert "1.234" in text and "0.61x" in text and "True" in text and "held-out prompts (never trained on)" in text
+    assert "on heldout prompts: block: tau 1.234" in text
+    assert f"checkpoint {ckpt} (step 20, 1 shards)" in text
     assert "native s3://b/exports/demo-drafter/native" in text
     assert f"{ckpt}/" in text and "3m 20s" in text and "1m 35s" in text
     rows = [line for line in text.splitlines() if ckpt in line]

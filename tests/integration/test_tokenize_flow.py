@@ -32,6 +32,11 @@ def put_shards(store: ObjectStore, settings, dataset: str, shards: list[bytes]) 
     return keys
 
 
+def outputs(result) -> list[str]:
+    """The keys of every shard a tokenize result names, training then held-out."""
+    return [s.uri.split("/", 3)[3] for s in result.train_shards + result.heldout_shards]
+
+
 def shard(index: int, count: int = 6, **fields) -> bytes:
     return jsonl(*[make_record(id=f"s{index}-{i}", source="unit", reasoning=None,
                                content=fields.get("content", f"Answer {i} of shard {index}, in a few words."),
@@ -49,7 +54,8 @@ def params_for(settings):
     def make(dataset: str, **changes) -> TokenizeParams:
         # One bad line in 19 is on purpose: allow it past the skipped-lines threshold.
         changes.setdefault("gate", GateThresholds(max_skipped_fraction=0.1))
-        return TokenizeParams(dataset=dataset, run="run-a", tokenizer_dir=tokenizer_dir, workers=2, **changes)
+        completions = f"s3://{settings.s3_bucket}/completions/{dataset}/run-a/"  # a completion run's prefix
+        return TokenizeParams(completions=completions, tokenizer_dir=tokenizer_dir, workers=2, **changes)
     return make
 
 
@@ -61,22 +67,23 @@ def test_flow_tokenizes_registers_lineage_and_reruns_only_what_changed(prefect_s
     dataset = f"tok-{uuid.uuid4().hex[:8]}"
     inputs = put_shards(store, env_settings, dataset, [shard(0), shard(1) + b"{broken\n", shard(2)])
     first = tokenize(params_for(dataset))
-    assert len(first["outputs"]) == 3 and first["gate"] == [] and first["quality_gate"] == "passed"
+    first_outputs = outputs(first)
+    assert len(first_outputs) == 3 and first.gate == [] and first.quality_gate == "passed"
     # The verdict is part of the data: dataset.json beside the shards, and the trainer accepts them.
-    gated = DatasetManifest.model_validate_json(store.get_bytes(first["outputs"][0].rsplit("/", 1)[0] + "/dataset.json"))
-    assert gated.gate.verdict == "passed" and set(gated.shards) == {k.rsplit("/", 1)[-1] for k in first["outputs"]}
-    assert len(fetch_shards([first["outputs"][0].rsplit("/", 1)[0] + "/"], store=store,
+    gated = DatasetManifest.model_validate_json(store.get_bytes(first_outputs[0].rsplit("/", 1)[0] + "/dataset.json"))
+    assert gated.gate.verdict == "passed" and set(gated.shards) == {k.rsplit("/", 1)[-1] for k in first_outputs}
+    assert len(fetch_shards([first_outputs[0].rsplit("/", 1)[0] + "/"], store=store,
                             cache_dir=env_settings.work_path("test-cache"))) == 3
-    assert first["overall"]["samples"] == 18 and first["overall"]["skipped"] == 1
-    manifests = {key: read_manifest(store, key) for key in first["outputs"]}
+    assert first.overall["samples"] == 18 and first.overall["skipped"] == 1
+    manifests = {key: read_manifest(store, key) for key in first_outputs}
     for input_key, (key, manifest) in zip(inputs, manifests.items()):
         assert [ref.uri for ref in manifest.inputs] == [store.uri(input_key)]
         assert manifest.inputs[0].sha256 == store.head(input_key).sha256
         assert manifest.kind == ArtifactKind.TOKENIZED and manifest.producer.task_run_id
-    quarantine = store.get_bytes(first["outputs"][1] + QUARANTINE_SUFFIX).decode().splitlines()
+    quarantine = store.get_bytes(first_outputs[1] + QUARANTINE_SUFFIX).decode().splitlines()
     assert [json.loads(line)["reason"] for line in quarantine] == ["malformed_json"]
     assert json.loads(quarantine[0])["line"] == 7 and json.loads(quarantine[0])["text"] == "{broken"
-    assert not store.exists(first["outputs"][0] + QUARANTINE_SUFFIX)
+    assert not store.exists(first_outputs[0] + QUARANTINE_SUFFIX)
 
     async def artifact_keys():
         async with get_client() as client:
@@ -85,41 +92,47 @@ def test_flow_tokenizes_registers_lineage_and_reruns_only_what_changed(prefect_s
     assert {f"{kind}-{dataset}-run-a" for kind in ("tokenize-stats", "tokenize-report", "tokenize-loss-histogram")} \
         <= asyncio.run(artifact_keys())
     # The result lists the records of what the run stored: every shard, dataset.json, the reports.
-    records = {record["uri"]: record for record in first["artifacts"]}
-    assert {store.uri(key) for key in first["outputs"]} | {first["dataset_manifest"], first["report"]} <= set(records)
+    records = {record["uri"]: record for record in first.artifacts}
+    assert {store.uri(key) for key in first_outputs} | {first.dataset_manifest, first.stats, first.result_uri} \
+        <= set(records)
     for uri, record in records.items():
         manifest = read_manifest(store, uri.removeprefix(f"s3://{store.bucket}/"))
         assert record == {"uri": uri, "kind": manifest.kind.value, "sha256": manifest.sha256,
                           "manifest": uri + ".manifest.json"}
-    assert first["report"].endswith(f"/reports/tokenize/{dataset}/run-a/{first['flow_run']}/attempt-1/stats.json")
+    assert first.stats.endswith(f"/reports/tokenize/{dataset}/run-a/{first.flow_run}/attempt-1/stats.json")
+    # The result is stored beside the report: a stage started alone takes its URI.
+    from dflash_core.stage_results import TokenizedDataset, parse_result
+
+    assert parse_result(store.get_bytes(store.key_of(first.result_uri)), TokenizedDataset, name="r") == \
+        first.model_copy(update={"artifacts": first.artifacts[:-1]})
 
     # Unchanged rerun: every shard comes from the cache, no output is rewritten.
     tokenize(params_for(dataset))
-    assert {k: read_manifest(store, k).created_at for k in first["outputs"]} == \
+    assert {k: read_manifest(store, k).created_at for k in first_outputs} == \
         {k: m.created_at for k, m in manifests.items()}
 
     # One shard changes: only it is re-tokenized (its input hash flows into the new manifest).
     store.put_bytes(inputs[2], shard(2, count=4))
     third = tokenize(params_for(dataset))
-    after = {key: read_manifest(store, key) for key in third["outputs"]}
+    after = {key: read_manifest(store, key) for key in outputs(third)}
     changed = [key for key in after if after[key].created_at != manifests[key].created_at]
-    assert changed == [first["outputs"][2]]
-    assert after[first["outputs"][2]].inputs[0].sha256 == store.head(inputs[2]).sha256
-    assert third["overall"]["samples"] == 16
+    assert changed == [first_outputs[2]]
+    assert after[first_outputs[2]].inputs[0].sha256 == store.head(inputs[2]).sha256
+    assert third.overall["samples"] == 16
 
     # A shard rewritten outside the flow (or after its gate ran) has no verdict until the gate runs again.
-    prefix = first["outputs"][0].rsplit("/", 1)[0] + "/"
-    table = read_arrow_bytes(store.get_bytes(first["outputs"][1]))
-    store.put_bytes(first["outputs"][1], arrow_bytes(table.slice(1), metadata=PENDING.arrow_metadata()))
+    prefix = first_outputs[0].rsplit("/", 1)[0] + "/"
+    table = read_arrow_bytes(store.get_bytes(first_outputs[1]))
+    store.put_bytes(first_outputs[1], arrow_bytes(table.slice(1), metadata=PENDING.arrow_metadata()))
     with pytest.raises(UnusableData, match=r"shard-00001.arrow: no quality-gate verdict \(written by the tokenize "
                                            r"flow, but no dataset.json beside it judged it \(it is not among"):
         fetch_shards([prefix], store=store, cache_dir=env_settings.work_path("test-cache"))
 
     # A deleted output is rebuilt, not replayed from the cache.
-    store.delete_many([first["outputs"][0]])
+    store.delete_many([first_outputs[0]])
     tokenize(params_for(dataset))
-    assert store.exists(first["outputs"][0])
-    assert read_manifest(store, first["outputs"][0]).created_at != manifests[first["outputs"][0]].created_at
+    assert store.exists(first_outputs[0])
+    assert read_manifest(store, first_outputs[0]).created_at != manifests[first_outputs[0]].created_at
 
 
 def test_quality_gate_fails_an_empty_dataset_unless_overridden(prefect_server, store, env_settings, params_for):
@@ -140,8 +153,8 @@ def test_quality_gate_fails_an_empty_dataset_unless_overridden(prefect_server, s
                                            rf"{dataset}/run-a\): .*max_short_fraction: .*100% of samples"):
         fetch_shards([shard_key], store=store, cache_dir=env_settings.work_path("test-cache"))
     result = tokenize(params_for(dataset, override_quality_gate=True))
-    assert any("boilerplate" in message for message in result["gate"])
-    assert result["quality_gate"] == "failed", "a tokenize-time override finishes the flow; the data stays failed"
+    assert any("boilerplate" in message for message in result.gate)
+    assert result.quality_gate == "failed", "a tokenize-time override finishes the flow; the data stays failed"
     gated = DatasetManifest.model_validate_json(store.get_bytes(shard_key.rsplit("/", 1)[0] + "/dataset.json"))
     assert gated.gate.overridden and gated.gate.verdict == "failed"
 

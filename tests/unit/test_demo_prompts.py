@@ -89,7 +89,7 @@ def test_a_cut_file_of_the_same_shape_imports_the_rest(tmp_path):
 def test_the_generate_flow_takes_the_demo_prompt_params():
     from flows.generate import GenerateParams
 
-    params = GenerateParams(**embedded.demo_prompt_params(seed=3))
+    params = GenerateParams(dataset="demo", run="smollm2", **embedded.demo_prompt_params(seed=3))
     assert params.seed == 3 and params.total_prompts == embedded.DEMO_SHAREGPT_PROMPTS + 6
     assert [(s.name, s.weight) for s in params.prompt_sources] == [("sharegpt", embedded.DEMO_SHAREGPT_PROMPTS),
                                                                     ("tool-use", 6)]

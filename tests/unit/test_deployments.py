@@ -1,42 +1,72 @@
 """flows/deployment_table.py is the one list of deployments: every entry loads, every pipeline stage
-(export included) has one, names are unique, train offers the full job and the demo run, schedules say
-UTC.
+has one, names say what runs (tokenize, train-demo), the real pipeline's form carries no demo
+defaults, schedules say UTC, descriptions say how to rerun a finished stage and survive the UI.
 
 Run: `.venv/bin/python -m pytest -q tests/unit/test_deployments.py`
 """
 
 from __future__ import annotations
 
+import re
+
 
 def test_every_stage_has_a_deployment_and_every_entrypoint_loads():
-    from flows.deployment_table import DEPLOYMENTS, STAGE_MODULES, spec_for
+    from flows.deployment_table import DEPLOYMENTS, spec_for
     from flows.deployments import deployment_for, flow_name
 
     names = [spec.name for spec in DEPLOYMENTS]
     assert len(set(names)) == len(names)
     assert {flow_name(spec.entrypoint) for spec in DEPLOYMENTS} >= {"dflash-export", "dflash-tokenize"}
-    assert {stage: spec_for(stage).name for stage in STAGE_MODULES} == {
-        "generate": "generate", "tokenize": "tokenize-nightly", "train": "train", "evaluate": "evaluate",
-        "export": "export"}
+    assert {stage: spec_for(stage).name for stage in ("generate", "tokenize", "train", "evaluate", "export")} == {
+        "generate": "generate", "tokenize": "tokenize", "train": "train", "evaluate": "evaluate", "export": "export"}
     assert deployment_for("export") == "dflash-export/export"
+    assert deployment_for("pipeline") == "dflash-pipeline/pipeline"
+    assert deployment_for("embedded-demo") == "dflash-pipeline/embedded-demo"
 
 
-def test_train_offers_the_full_job_and_the_demo_run():
+def test_the_demo_trains_with_train_demo_and_the_real_pipeline_has_no_demo_defaults():
     from flows.deployment_table import DEPLOYMENTS
-    from flows.pipeline import demo_training
+    from flows.pipeline import PipelineParams, demo_pipeline
     from flows.train import TrainFlowParams
 
     specs = {spec.name: spec for spec in DEPLOYMENTS}
-    demo = TrainFlowParams.model_validate(specs["train-demo"].parameters()["params"])
-    assert demo.config == demo_training().config
-    full = TrainFlowParams.model_validate(specs["train"].parameters()["params"])
-    assert full.config.max_steps == 1000 and full.config.data == demo.config.data
-    assert "train-demo" in specs["train"].description and "1,000" in specs["train-demo"].description
+    demo = PipelineParams.model_validate(specs["embedded-demo"].parameters()["params"])
+    assert demo == demo_pipeline()
+    assert demo.train_deployment == "train-demo" and demo.training.config.data == []  # data: the tokenize result
+    assert demo.evaluation.split == "heldout" and demo.generation.holdout.fraction > 0
+    train_demo = TrainFlowParams.model_validate(specs["train-demo"].parameters()["params"])
+    assert train_demo.config == demo.training.config
+    assert specs["pipeline"].parameters is None and specs["train"].parameters is None
+    real = PipelineParams()
+    assert all(getattr(real, stage) is None for stage in ("generation", "tokenization", "training", "evaluation",
+                                                          "export", "provision", "preserve", "audit"))
+    assert "train-demo" in specs["train"].description and "20 CPU steps" in specs["train-demo"].description
 
 
 def test_schedules_are_utc_and_say_so():
     from flows.deployment_table import DEPLOYMENTS
 
-    scheduled = [spec for spec in DEPLOYMENTS if spec.cron_utc]
-    assert {spec.name for spec in scheduled} == {"tokenize-nightly", "s3-audit-weekly"}
-    assert all("UTC" in spec.description for spec in scheduled)
+    scheduled = {spec.name: spec.schedule for spec in DEPLOYMENTS if spec.schedule}
+    assert set(scheduled) == {"tokenize", "s3-audit"}
+    assert all(schedule.slug.endswith("-utc") for schedule in scheduled.values())
+    assert scheduled["tokenize"].active is False  # until a user points it at their completions
+    assert scheduled["tokenize"].parameters()["params"]["completions"].endswith("/completions/demo/smollm2/")
+
+
+def test_descriptions_say_how_to_rerun_and_hold_no_markup():
+    """The UI renders descriptions as markdown: angle-bracketed text would vanish."""
+    from flows.deployment_table import DEPLOYMENTS
+
+    for spec in DEPLOYMENTS:
+        assert not re.search(r"<[^>]*>", spec.description), spec.name
+        if spec.module in ("generate", "tokenize", "train", "evaluate", "export", "pipeline"):
+            assert "rerun" in spec.description, spec.name
+        if spec.module in ("generate", "tokenize"):
+            assert "refresh=true" in spec.description, spec.name
+
+
+def test_every_stage_param_form_has_a_refresh_or_no_cache():
+    from flows.generate import GenerateParams
+    from flows.tokenize import TokenizeParams
+
+    assert "refresh" in GenerateParams.model_fields and "refresh" in TokenizeParams.model_fields

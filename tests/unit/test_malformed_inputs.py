@@ -42,6 +42,15 @@ CASES = {
     "too_long_unparsed": (json.dumps({"messages": [{"role": "user", "content": "x" * 200_000}]}).encode(),
                           "too_long", {"max_chars": 100}),
     "duplicate": (GOOD[0], "duplicate", {}),
+    "content_part_text_not_a_string": (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+                                       "invalid_field", {}),
+    "content_part_not_an_object": (b'{"messages": [{"role": "user", "content": ["q"]}]}', "invalid_field", {}),
+    "id_is_a_list": (b'{"id": ["a"], "messages": [{"role": "user", "content": "q"}]}', "invalid_field", {}),
+    # A bracket or quote left open: in a JSON array the record runs into the ones after it.
+    "record_never_closed": (b'{"id": "x", "messages": [{"role": "user", "content": "q"}', "malformed", {}),
+    "object_never_closed": (b'{"id": "x", "messages": [{"role": "user", "content": "q"}]', "malformed", {}),
+    "string_never_closed": (b'{"id": "x", "messages": [{"role": "user", "content": "q}]}', "malformed", {}),
+    "key_quote_missing": (b'{id": "x", "messages": [{"role": "user", "content": "q"}]}', "malformed", {}),
 }
 
 
@@ -90,6 +99,49 @@ def test_json_array_bad_elements_then_truncation(tmp_path) -> None:
     assert sorted(p.id for p in prompts) == ["ok0", "ok1", "ok2"]
     assert dict(report.rejected) == {"malformed": 3, "truncated": 1}  # {oops}, the empty one, [1, 2,3]
     assert report.read == 7
+
+
+UNCLOSED = b'{"id": "x", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}'
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_record_that_never_closes_costs_only_itself(tmp_path, indent) -> None:
+    """valid, unclosed, valid, valid: the scanner resumes at the next whole record, compact or pretty-printed."""
+    records = [json.dumps(_good(i), indent=indent).encode() for i in range(3)]
+    path = tmp_path / "p.json"
+    path.write_bytes(b"[" + b",\n".join([records[0], UNCLOSED, records[1], records[2]]) + b"]")
+    prompts, report = import_prompts([PromptSource(path, "s")])
+    assert sorted(p.id for p in prompts) == ["ok0", "ok1", "ok2"]
+    assert dict(report.rejected) == {"malformed": 1} and report.read == 4
+    [line] = report.quarantine
+    assert line["index"] == 1 and line["record"] == UNCLOSED.decode()
+    assert "reading resumed at the next whole record" in line["detail"]
+
+
+def test_an_unclosed_record_and_a_cut_at_the_end_are_told_apart(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    path.write_bytes(b"[" + b",".join([GOOD[0], UNCLOSED, GOOD[1], GOOD[2], b'{"id": "cut", "mess']))
+    prompts, report = import_prompts([PromptSource(path, "s")])
+    assert sorted(p.id for p in prompts) == ["ok0", "ok1", "ok2"]
+    assert dict(report.rejected) == {"malformed": 1, "truncated": 1}
+    assert [line["index"] for line in report.quarantine] == [1, 4]
+
+
+def test_a_file_cut_after_a_whole_record_keeps_it(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    path.write_bytes(b"[" + b",".join(GOOD))  # the closing bracket is missing
+    prompts, report = import_prompts([PromptSource(path, "s")])
+    assert sorted(p.id for p in prompts) == ["ok0", "ok1", "ok2"]
+    assert dict(report.rejected) == {"truncated": 1}
+    assert "after record 2, before the array closes" in report.quarantine[0]["detail"]
+
+
+def test_a_stray_closing_bracket_does_not_end_the_array(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    path.write_bytes(b"[" + GOOD[0] + b"], " + GOOD[1] + b", " + GOOD[2] + b"]")
+    prompts, report = import_prompts([PromptSource(path, "s")])
+    assert sorted(p.id for p in prompts) == ["ok0", "ok1", "ok2"]
+    assert dict(report.rejected) == {"malformed": 1} and report.quarantine[0]["record"] == "]"
 
 
 @pytest.mark.parametrize("text,match", [

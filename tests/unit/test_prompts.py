@@ -120,6 +120,31 @@ def test_bad_records_name_their_reason(raw, reason) -> None:
     assert error.value.reason == reason
 
 
+@pytest.mark.parametrize("raw,detail", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]}]},
+     "turn 0 content part 1 has `text` 5 (int); it must be a string"),
+    ({"messages": [{"role": "user", "content": ["a"]}]}, "turn 0 content part 0 is a str, not a content part object"),
+    ({"id": ["a"], "messages": [{"role": "user", "content": "q"}]},
+     "`id` is ['a'] (list); an id must be a string or an integer"),
+    ({"conversation_id": 1.5, "messages": [{"role": "user", "content": "q"}]}, "`conversation_id` is 1.5 (float)"),
+])
+def test_a_field_of_the_wrong_type_is_invalid_and_named(raw, detail) -> None:
+    from dflash_core.data.prompts import BadPrompt
+
+    with pytest.raises(BadPrompt) as error:
+        normalize(raw, source="s", index=3)
+    assert error.value.reason == "invalid_field" and detail in error.value.detail
+
+
+def test_ids_and_content_parts_that_are_kept() -> None:
+    user = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                          {"type": "text", "text": "hi"}, {"type": "text", "text": None}]}]
+    assert normalize({"id": 0, "messages": user}, source="s", index=3).id == "0"
+    assert normalize({"id": "", "conversation_id": "c7", "messages": user}, source="s", index=3).id == "c7"
+    record = normalize({"messages": user}, source="s", index=3)
+    assert record.id == "s-3" and record.messages[0].content == "hi"
+
+
 def test_json_array_is_streamed_and_truncation_counted(tmp_path) -> None:
     path = tmp_path / "p.json"
     records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"question {i}"}]} for i in range(5)]

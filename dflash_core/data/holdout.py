@@ -1,0 +1,69 @@
+"""The held-out split: prompts chosen at import, per source and by prompt id, that are never trained on.
+
+Which prompts are held out depends only on (seed, source, id): each prompt gets a rank from a hash
+of those, and the lowest-ranked ones of each source are held out. Adding prompts to a source moves
+few choices, reordering a file moves none, and the same seed gives the same split on any machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+from pydantic import BaseModel, Field, model_validator
+
+DEFAULT_HOLDOUT_FRACTION = 0.05  # of each source's prompts; at least one per source of two or more
+
+
+class HasIdAndSource(Protocol):
+    id: str
+    source: str
+
+
+P = TypeVar("P", bound=HasIdAndSource)
+
+
+class HoldoutSpec(BaseModel):
+    """How many prompts of each source to hold out for evaluation."""
+
+    fraction: float = Field(DEFAULT_HOLDOUT_FRACTION, ge=0, lt=1, description=(
+        "Share of each source's prompts held out (rounded; at least one from a source of two or more). "
+        "0 holds none out: evaluation then needs prompts of its own."))
+    count: int | None = Field(None, ge=0, description="Or: exactly this many per source (at most all but one).")
+    seed: int = Field(0, description="Which prompts: the same seed gives the same split.")
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> HoldoutSpec:
+        if self.count is not None and "fraction" in self.model_fields_set:
+            raise ValueError(f"holdout: give a count ({self.count}) or a fraction ({self.fraction}), not both")
+        return self
+
+    def per_source(self, num_prompts: int) -> int:
+        """How many of a source's `num_prompts` prompts to hold out; always leaves one to train on."""
+        if num_prompts < 2:
+            return 0
+        if self.count is not None:
+            return min(self.count, num_prompts - 1)
+        if self.fraction == 0:
+            return 0
+        return min(max(1, round(self.fraction * num_prompts)), num_prompts - 1)
+
+
+def holdout_rank(seed: int, source: str, prompt_id: str) -> str:
+    return hashlib.sha256(f"{seed}\0{source}\0{prompt_id}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def split_heldout(prompts: Sequence[P], spec: HoldoutSpec) -> tuple[list[P], list[P]]:
+    """(training, held out), each in the input's order."""
+    by_source: dict[str, list[P]] = defaultdict(list)
+    for prompt in prompts:
+        by_source[prompt.source].append(prompt)
+    held: set[tuple[str, str]] = set()
+    for source, members in by_source.items():
+        ranked = sorted(members, key=lambda p: holdout_rank(spec.seed, source, p.id))
+        held |= {(source, p.id) for p in ranked[:spec.per_source(len(members))]}
+    train = [p for p in prompts if (p.source, p.id) not in held]
+    heldout = [p for p in prompts if (p.source, p.id) in held]
+    return train, heldout

@@ -1,0 +1,132 @@
+"""What each pipeline stage made, as typed records: the DAG's edges are these values.
+
+generate -> `CompletionsDataset` -> tokenize -> `TokenizedDataset` -> train -> `Checkpoint` ->
+evaluate -> `EvaluationReport`; export takes the checkpoint too and gives `ExportResult`. A stage
+takes its upstream's record as input (the pipeline passes it, so Prefect draws the edge), or, started
+alone from its form, the URI of the record's `result.json` that the upstream stage wrote to S3. No
+stage rebuilds an upstream path from dataset or run names.
+
+Every record names the flow run that made it and lists the artifact records (uri, kind, sha256,
+manifest) of what it stored, which the run summary and the audit read. No Prefect here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Split = Literal["train", "heldout"]
+RESULT_FILE = "result.json"  # each stage's record, beside its report in S3
+
+
+class StoredShard(BaseModel):
+    """One data shard in the bucket, by URI and content hash."""
+
+    model_config = ConfigDict(frozen=True)
+
+    uri: str
+    sha256: str
+    split: Split = "train"
+
+
+class StageResult(BaseModel):
+    """Fields every stage's record has."""
+
+    flow_run: str = Field("", description="Id of the flow run that made this.")
+    result_uri: str | None = Field(None, description="Where this record is stored (s3://.../result.json).")
+    artifacts: list[dict[str, Any]] = Field(default_factory=list, description="Records of the objects stored.")
+
+    def to_json_bytes(self) -> bytes:
+        return self.model_dump_json(indent=2).encode()
+
+
+class CompletionsDataset(StageResult):
+    """generate's result: completion shards (training and held-out splits) and the generation counts."""
+
+    kind: Literal["completions"] = "completions"
+    dataset: str
+    run: str
+    shards: list[StoredShard] = Field(description="Every completion shard, training and held-out.")
+    heldout_prompt_ids: list[str] = Field(default_factory=list,
+                                          description="Prompts held out at import: never trained on.")
+    outcomes: dict[str, int] = Field(default_factory=dict, description="Prompts by outcome (completed, failed, ...).")
+    report: str | None = Field(None, description="URI of the generation report.")
+
+    def split(self, name: Split) -> list[StoredShard]:
+        return [s for s in self.shards if s.split == name]
+
+
+class TokenizedDataset(StageResult):
+    """tokenize's result: training shards and the held-out shards, each by sha256, and the gate verdict."""
+
+    kind: Literal["tokenized"] = "tokenized"
+    dataset: str
+    run: str
+    train_shards: list[StoredShard]
+    heldout_shards: list[StoredShard] = Field(default_factory=list)
+    heldout_prompt_ids: list[str] = Field(default_factory=list)
+    dataset_manifest: str = Field(description="URI of dataset.json (the gate's verdict by shard sha256).")
+    quality_gate: str
+    gate: list[str] = Field(default_factory=list, description="The gate's failed checks, if any.")
+    stats: str | None = Field(None, description="URI of the stats report.")
+    histogram: str | None = Field(None, description="URI of the loss-token histogram PNG.")
+    overall: dict[str, Any] = Field(default_factory=dict)
+    completions: str | None = Field(None, description="result_uri of the completions it was made from.")
+
+    def split(self, name: Split) -> list[StoredShard]:
+        return self.train_shards if name == "train" else self.heldout_shards
+
+
+class Checkpoint(StageResult):
+    """train's result: the last checkpoint in S3 (or a local dir) and what it was trained on."""
+
+    kind: Literal["checkpoint"] = "checkpoint"
+    uri: str = Field(description="The step dir: s3://.../checkpoints/(run)/step-NNNNNN or a local dir.")
+    run_name: str
+    step: int
+    target: str
+    target_seed: int = 0
+    data: list[StoredShard] = Field(default_factory=list, description="The shards trained on, by sha256.")
+    dataset: TokenizedDataset | None = Field(None, description="The dataset those shards came from.")
+    metrics: str | None = Field(None, description="URI of metrics.jsonl.")
+    run_yaml: str | None = None
+    provenance: str | None = None
+    final_metrics: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvaluationReport(StageResult):
+    """evaluate's result: acceptance per decoding mode, and which prompts it was measured on."""
+
+    kind: Literal["evaluation"] = "evaluation"
+    report: str
+    split: Literal["heldout", "train", "file"] = Field(
+        description="heldout: prompts never trained on; train: in-sample (asked for); file: a prompt file given.")
+    prompts: list[str] = Field(description="URIs of the prompt shards or file read.")
+    checkpoint: str
+    summaries: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ExportResult(StageResult):
+    """export's result: one prefix per format."""
+
+    kind: Literal["export"] = "export"
+    checkpoint: str
+    exports: dict[str, str] = Field(description="format -> s3://.../exports/(run)/(format)/")
+
+
+R = TypeVar("R", bound=StageResult)
+
+
+def parse_result(data: bytes, model: type[R], *, name: str) -> R:
+    """A stored record read back; a ValueError naming `name` and the kind expected when it is not one."""
+    try:
+        raw = json.loads(data)
+    except ValueError as error:
+        raise ValueError(f"{name}: not a JSON stage result ({error})") from None
+    expected = model.model_fields["kind"].default
+    if not isinstance(raw, dict) or raw.get("kind") != expected:
+        found = raw.get("kind") if isinstance(raw, dict) else type(raw).__name__
+        raise ValueError(f"{name}: a {found!r} result, not {expected!r}: pass the {RESULT_FILE} of the right stage")
+    return model.model_validate(raw)

@@ -1,0 +1,320 @@
+"""One live run per run name across hosts: a lease object in the bucket
+(`dflash_core.layout.run_lease_key`, beside the run's checkpoints, which every host shares by run name).
+
+The local `run_lock` stops a second start on the same run dir; this stops a second start anywhere
+(another output dir, another host) before it reads or writes a checkpoint of the name.
+
+    {"owner": "<uuid>", "host", "pid", "user", "run_dir", "started_at", "heartbeat_at", "stale_after_s"}
+
+Claimed with a conditional PUT (`If-None-Match: *`, refused with 412 when the object exists), refreshed
+by a background thread every `HEARTBEAT_EVERY_S` with `If-Match: <our ETag>` (so a heartbeat of an
+owner that lost the lease never overwrites the new owner's), released at the end with a conditional
+DELETE. SeaweedFS, AWS S3 and MinIO honour both preconditions; every claim is also read back, so a
+server that ignored them is caught. A lease whose last write (the server's Last-Modified, against the
+server's Date on our read: one clock, whatever the hosts' clocks say) is older than `LEASE_STALE_AFTER_S`
+is taken over, and so is one whose PID is no longer running on this very host (a kill -9 of our own
+earlier attempt); both say whose lease they took.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+
+from botocore.exceptions import ClientError
+
+from dflash_core.storage import SHA256_METADATA_KEY, ObjectStore, StoreError, StoreUnavailable, sha256_bytes
+
+HEARTBEAT_EVERY_S = 30.0
+# Six missed heartbeats: a long S3 hiccup does not hand a live run away; a dead one frees its name in minutes.
+LEASE_STALE_AFTER_S = 180.0
+_PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+
+
+class RunLeaseHeld(StoreError):
+    """Another live run holds this run name's lease: retrying at once cannot help."""
+
+
+class RunLeaseLost(StoreError):
+    """This run's lease was taken over or deleted while it ran: another run owns the name now."""
+
+
+def host_name(override: str | None = None) -> str:
+    """The name this host gives in leases: `override` (e.g. DFLASH_HOST_NAME), else the system's."""
+    return override or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    owner: str
+    host: str
+    pid: int
+    user: str
+    run_dir: str
+    started_at: float
+    heartbeat_at: float
+    stale_after_s: float
+
+    def describe(self, *, age_s: float | None) -> str:
+        beat = f"last heartbeat {_iso(self.heartbeat_at)}"
+        if age_s is not None:
+            beat += f", {age_s:.0f} s ago by the S3 server's clock"
+        return (f"PID {self.pid} on host {self.host} (user {self.user}, run dir {self.run_dir}, started "
+                f"{_iso(self.started_at)}, {beat})")
+
+
+@dataclass(frozen=True)
+class _Seen:
+    record: LeaseRecord | None  # None: the object is not a lease we can read
+    etag: str
+    age_s: float | None  # since the object's last write, by the server's clock
+
+
+class RunLease:
+    """Claim `key` for this process (`acquire`), keep it fresh from a thread, `release` at the end.
+    S3 unavailable at the claim: training may start, the claim is retried in the background and
+    `held` stays False until it succeeds (callers hold back S3 checkpoint writes until then)."""
+
+    def __init__(self, store: ObjectStore, key: str, *, run_name: str, run_dir: Path, host: str | None = None,
+                 heartbeat_every_s: float = HEARTBEAT_EVERY_S, stale_after_s: float = LEASE_STALE_AFTER_S,
+                 log: Callable[[str], None] | None = None):
+        if stale_after_s <= heartbeat_every_s:
+            raise ValueError(f"stale_after_s ({stale_after_s}) must exceed heartbeat_every_s ({heartbeat_every_s})")
+        self.store = store
+        self.key = key
+        self.run_name = run_name
+        self.heartbeat_every_s = heartbeat_every_s
+        self.stale_after_s = stale_after_s
+        self.log = log or (lambda message: print(f"[run lease] {message}", file=sys.stderr, flush=True))
+        now = time.time()
+        self.record = LeaseRecord(owner=uuid.uuid4().hex, host=host_name(host), pid=os.getpid(), user=_user(),
+                                  run_dir=str(run_dir), started_at=now, heartbeat_at=now, stale_after_s=stale_after_s)
+        self._etag: str | None = None
+        self._lost: StoreError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri(self.key)
+
+    @property
+    def held(self) -> bool:
+        return self._etag is not None and self._lost is None
+
+    # ---- the run's side --------------------------------------------------------------------------
+
+    def acquire(self) -> RunLease:
+        """Claim the lease, or raise `RunLeaseHeld` naming the live owner; never waits for it. A
+        `StoreUnavailable` leaves the claim pending: the heartbeat thread retries it."""
+        try:
+            self._claim()
+        except StoreUnavailable as error:
+            self.log(f"cannot claim run {self.run_name!r} at {self.uri} yet ({error}); retrying in the background, "
+                     "checkpoints go to S3 only once it is claimed")
+        self._thread = threading.Thread(target=self._beat, name="run-lease-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def raise_if_lost(self) -> None:
+        if self._lost is not None:
+            raise self._lost
+
+    def wait_held(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a pending claim; whether the lease is held."""
+        deadline = time.monotonic() + timeout_s
+        while not self.held and self._lost is None and time.monotonic() < deadline:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        return self.held
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease if it is still ours (a conditional DELETE)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        etag, self._etag = self._etag, None
+        if etag is None or self._lost is not None:
+            return
+        try:
+            with self.store._errors(self.key):
+                try:
+                    self.store.client.delete_object(Bucket=self.store.bucket, Key=self.key, IfMatch=f'"{etag}"')
+                except ClientError as error:
+                    if not _precondition_failed(error):
+                        raise
+                    self.log(f"{self.uri} is no longer ours at release: left as it is")
+        except StoreError as error:  # the lease goes stale by itself
+            self.log(f"could not delete {self.uri} ({error}); it is free once {self.stale_after_s:.0f} s old")
+
+    def __enter__(self) -> RunLease:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    # ---- claim, refresh ----------------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        """Create the lease, or take over a stale or dead one; RunLeaseHeld when a live owner has it."""
+        for _ in range(3):  # a takeover raced by another claimant: look again
+            etag = self._put(if_none_match=True)
+            if etag is None:
+                seen = self._read()
+                if seen is None:
+                    continue  # released between our PUT and our read
+                why = self._free_because(seen)
+                if why is None:
+                    raise RunLeaseHeld(self._held_message(seen))
+                etag = self._put(if_match=seen.etag)
+                if etag is None:
+                    continue
+                old = seen.record.describe(age_s=seen.age_s) if seen.record else "an unreadable lease"
+                self.log(f"took over run {self.run_name!r} at {self.uri} from {old}: {why}")
+            self._etag = etag
+            self._confirm()
+            self.log(f"claimed run {self.run_name!r} at {self.uri} as PID {self.record.pid} on host {self.record.host}")
+            return
+        raise RunLeaseHeld(f"run {self.run_name!r}: {self.uri} changed under three claims in a row; another "
+                           "run is starting with this name: wait, or choose another run_name")
+
+    def _confirm(self) -> None:
+        """Read the claim back: a server that ignored our precondition would let another claimant's PUT win."""
+        seen = self._read()
+        if seen is None or seen.record is None or seen.record.owner != self.record.owner:
+            self._etag = None
+            if seen is None:
+                raise RunLeaseHeld(f"run {self.run_name!r}: {self.uri} vanished right after our claim; another run "
+                                   "is starting with this name: wait, or choose another run_name")
+            raise RunLeaseHeld(self._held_message(seen))
+
+    def _refresh(self) -> None:
+        self.record = replace(self.record, heartbeat_at=time.time())
+        etag = self._put(if_match=self._etag)
+        if etag is None:
+            seen = self._read()
+            by = seen.record.describe(age_s=seen.age_s) if seen and seen.record else "nobody (deleted)"
+            self._lost = RunLeaseLost(
+                f"run {self.run_name!r}: the lease {self.uri} was taken over or deleted while this run trained (now "
+                f"held by {by}); this run stops so that two runs never write one name's checkpoints. Its local "
+                f"checkpoints are intact under {self.record.run_dir}")
+            self.log(str(self._lost))
+            return
+        self._etag = etag
+
+    def _beat(self) -> None:
+        delay = 1.0
+        while not self._stop.wait(self.heartbeat_every_s if self._etag is not None else delay):
+            try:
+                if self._etag is None:
+                    self._claim()
+                else:
+                    self._refresh()
+                delay = 1.0
+            except RunLeaseHeld as error:
+                self._lost = error
+                self.log(str(error))
+            except StoreError as error:
+                delay = min(delay * 2, self.heartbeat_every_s)
+                self.log(f"{'claim' if self._etag is None else 'heartbeat'} of {self.uri} failed ({error}); retrying")
+            if self._lost is not None:
+                return
+
+    def _free_because(self, seen: _Seen) -> str | None:
+        """Why an existing lease may be taken over, or None while its owner is live."""
+        record = seen.record
+        if record is not None and record.owner == self.record.owner:
+            return "our own claim"
+        if seen.age_s is not None and seen.age_s > self.stale_after_s:
+            return f"no heartbeat for {seen.age_s:.0f} s (stale after {self.stale_after_s:.0f} s)"
+        if record is None:
+            return None if seen.age_s is not None else "unreadable, with no time to judge it by"
+        if record.host == self.record.host and not _pid_running(record.pid):
+            return f"PID {record.pid} is no longer running on this host"
+        return None
+
+    def _held_message(self, seen: _Seen) -> str:
+        holder = seen.record.describe(age_s=seen.age_s) if seen.record else "an unreadable lease object"
+        return (f"run {self.run_name!r} is already running as {holder} (lease {self.uri}); checkpoints in S3 are "
+                f"shared by run name, so this run does not start. Wait for it to finish, choose another run_name, "
+                f"or, if that run is gone, delete {self.uri} (a lease without a heartbeat for "
+                f"{self.stale_after_s:.0f} s is taken over by the next start)")
+
+    # ---- S3 ----------------------------------------------------------------------------------------
+
+    def _put(self, *, if_none_match: bool = False, if_match: str | None = None) -> str | None:
+        """Write our record under a precondition; its ETag, or None when the precondition failed."""
+        body = json.dumps(asdict(self.record), indent=2).encode()
+        condition = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": f'"{if_match}"'}
+        with self.store._errors(self.key):
+            try:
+                response = self.store.client.put_object(
+                    Bucket=self.store.bucket, Key=self.key, Body=body, ContentType="application/json",
+                    Metadata={SHA256_METADATA_KEY: sha256_bytes(body)}, **condition)
+            except ClientError as error:
+                if _precondition_failed(error) or (if_match and _not_found(error)):
+                    return None
+                raise
+        return response["ETag"].strip('"')
+
+    def _read(self) -> _Seen | None:
+        with self.store._errors(self.key):
+            try:
+                response = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key)
+                body = response["Body"].read()
+            except ClientError as error:
+                if _not_found(error):
+                    return None
+                raise
+        server_now = response["ResponseMetadata"].get("HTTPHeaders", {}).get("date")
+        modified = response.get("LastModified")
+        age = (parsedate_to_datetime(server_now) - modified).total_seconds() if server_now and modified else None
+        try:
+            record = LeaseRecord(**json.loads(body))
+        except (ValueError, TypeError):
+            record = None
+        if age is None and record is not None:  # no server clock to go by: the owner's own heartbeat time
+            age = time.time() - record.heartbeat_at
+        return _Seen(record=record, etag=response["ETag"].strip('"'), age_s=age)
+
+
+def _precondition_failed(error: ClientError) -> bool:
+    code = str(error.response.get("Error", {}).get("Code", ""))
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in _PRECONDITION_CODES or status in (409, 412)
+
+
+def _not_found(error: ClientError) -> bool:
+    return str(error.response.get("Error", {}).get("Code", "")) in {"NoSuchKey", "404", "NotFound"}
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="seconds")
+

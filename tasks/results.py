@@ -1,0 +1,60 @@
+"""Prefect tasks that store a stage's typed result in S3 (its `result.json`, with a manifest) and
+resolve what a stage was given as input: the upstream record itself, or the URI of its result.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+from prefect import task
+
+from dflash_core.layout import ArtifactKind
+from dflash_core.lineage import InputRef, write_artifact
+from dflash_core.settings import Settings
+from dflash_core.stage_results import Checkpoint, StageResult, parse_result
+from dflash_core.storage import ObjectStore
+from tasks.artifacts import artifact_record
+from tasks.provenance import run_producer
+from tasks.store import retry_transient
+
+R = TypeVar("R", bound=StageResult)
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+def store_result(settings: Settings, result: R, *, key: str, inputs: list[InputRef] = ()) -> R:
+    """`result` with its `result_uri` set and its own record added to `artifacts`, written to `key`."""
+    store = ObjectStore.from_settings(settings)
+    stored = result.model_copy(update={"result_uri": store.uri(key)})
+    manifest = write_artifact(store, key, stored.to_json_bytes(), kind=ArtifactKind.REPORT, inputs=list(inputs),
+                              config={"result": stored.kind}, producer=run_producer())
+    return stored.model_copy(update={"artifacts": [*stored.artifacts, artifact_record(manifest)]})
+
+
+def resolve_result(settings: Settings, value: R | str, model: type[R]) -> R:
+    """`value` when it is already the record, else the record stored at that URI (S3 URI or key, or a
+    local file); a ValueError saying what was expected otherwise."""
+    if isinstance(value, model):
+        return value
+    if isinstance(value, dict):
+        return model.model_validate(value)
+    local = Path(value)
+    if local.is_file():
+        return parse_result(local.read_bytes(), model, name=value)
+    store = ObjectStore.from_settings(settings)
+    key = value.removeprefix(f"s3://{store.bucket}/")
+    if not store.exists(key):
+        raise ValueError(f"{value!r} is neither a local file nor an object in {store.uri('')}: pass the "
+                         f"result.json URI that the upstream stage's run printed (or its result inline)")
+    return parse_result(store.get_bytes(key), model, name=store.uri(key))
+
+
+def resolve_checkpoint(settings: Settings, value: Checkpoint | str | None) -> Checkpoint:
+    """The checkpoint record: as given, from a train result.json, or a bare step dir (local or S3)."""
+    if value is None:
+        raise ValueError("no checkpoint given: pass the train stage's result, its result.json URI, or a step dir "
+                         "(checkpoints/RUN/step-NNNNNN, local or in S3)")
+    if isinstance(value, str) and not value.endswith(".json"):  # a bare step dir: no record of target or data
+        *_, run_name, step_dir = ["drafter", *value.rstrip("/").split("/")]
+        step = step_dir.rsplit("-", 1)[-1]
+        return Checkpoint(uri=value, run_name=run_name, step=int(step) if step.isdigit() else 0, target="embedded")
+    return resolve_result(settings, value, Checkpoint)

@@ -1,0 +1,169 @@
+"""One live run per run name across hosts, on the real SeaweedFS: the conditional writes the lease
+relies on, a second "host" (another output dir, another DFLASH_HOST_NAME) refused while the first
+trains, the lease released at the first's SIGTERM exit, a stale lease taken over with its old owner
+named, a dead PID's lease on this host taken over at once.
+
+Run: `.venv/bin/python -m pytest tests/integration/test_run_lease.py -q`
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from botocore.exceptions import ClientError
+
+from dflash_core.layout import run_lease_key
+from dflash_core.settings import Settings
+from dflash_core.storage import ObjectStore
+from dflash_core.train.report import load_metrics
+from dflash_core.train.run_lease import RunLease, RunLeaseHeld, RunLeaseLost
+from tests.train_fixtures import synthetic_shard
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config(tmp_path: Path, name: str, output_dir: Path, **changes) -> Path:
+    shard = tmp_path / "data" / "shard-00000.arrow"
+    if not shard.exists():
+        synthetic_shard(shard, num_samples=200, min_len=12, max_len=24)
+    config = {
+        "run_name": name, "target": "tiny:llama", "data": [str(shard)], "output_dir": str(output_dir),
+        "token_budget": 96, "max_steps": 100000, "checkpoint_every": 2, "keep_last": 2, "log_every": 1,
+        "upload_checkpoints": True, "validate_capture_batches": 0,
+        "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 16, "loss_gamma": 4.0},
+        "optim": {"lr": 1e-2, "warmup_steps": 5},
+        **changes,
+    }
+    path = output_dir.parent / f"{output_dir.name}-{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _env(tmp_path: Path, settings: Settings, host: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "DFLASH_HOST_NAME": host,
+            "DFLASH_WORK_DIR": str(tmp_path / f"work-{host}"),
+            "DFLASH_S3_ENDPOINT_URL": settings.s3_endpoint_url, "DFLASH_S3_BUCKET": settings.s3_bucket,
+            "DFLASH_S3_ACCESS_KEY_ID": settings.s3_access_key_id.get_secret_value(),
+            "DFLASH_S3_SECRET_ACCESS_KEY": settings.s3_secret_access_key.get_secret_value()}
+
+
+def _entry(config: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_core.train.entry", "--config", str(config), *extra]
+
+
+def _logged_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return max((r["step"] for r in load_metrics(path).records), default=0) if path.exists() else 0
+
+
+def test_seaweedfs_honours_the_conditional_writes_the_lease_uses(store: ObjectStore, prefix: str) -> None:
+    client, bucket, key = store.client, store.bucket, f"{prefix}/lease.json"
+    first = client.put_object(Bucket=bucket, Key=key, Body=b"1", IfNoneMatch="*")["ETag"]
+    with pytest.raises(ClientError) as exists:
+        client.put_object(Bucket=bucket, Key=key, Body=b"2", IfNoneMatch="*")
+    assert exists.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    client.put_object(Bucket=bucket, Key=key, Body=b"3", IfMatch=first)
+    with pytest.raises(ClientError) as stale:
+        client.put_object(Bucket=bucket, Key=key, Body=b"4", IfMatch=first)  # overwritten since
+    assert stale.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    with pytest.raises(ClientError):
+        client.delete_object(Bucket=bucket, Key=key, IfMatch=first)
+    assert store.get_bytes(key, verify=False) == b"3"
+
+
+def test_a_second_host_is_refused_while_the_first_trains(store, settings, tmp_path) -> None:
+    name = f"lease-{uuid.uuid4().hex[:8]}"
+    key = run_lease_key(settings.s3_prefixes, name)
+    first_config = _config(tmp_path, name, tmp_path / "host-a" / "runs")
+    second_config = _config(tmp_path, name, tmp_path / "host-b" / "runs")
+    first = subprocess.Popen(_entry(first_config, "--resume"), env=_env(tmp_path, settings, "host-a"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_a = tmp_path / "host-a" / "runs" / name
+    try:
+        deadline = time.monotonic() + 120
+        while _logged_step(run_a) < 3:  # step 2's checkpoint is on its way to S3
+            assert first.poll() is None, first.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the first run did not reach step 3"
+            time.sleep(0.1)
+        holder = json.loads(store.get_bytes(key))
+        assert (holder["host"], holder["pid"]) == ("host-a", first.pid)
+
+        second = subprocess.run(_entry(second_config, "--resume"), env=_env(tmp_path, settings, "host-b"),
+                                capture_output=True, text=True, timeout=120)
+        last = second.stderr.strip().splitlines()[-1]
+        assert second.returncode == 1, second.stderr[-3000:]
+        assert last.startswith(f"error: run {name!r} is already running as PID {first.pid} on host host-a"), last
+        for part in ("started 20", "last heartbeat 20", "s ago by the S3 server's clock", store.uri(key),
+                     "Wait for it to finish, choose another run_name, or, if that run is gone, delete"):
+            assert part in last, (part, last)
+        run_b = tmp_path / "host-b" / "runs" / name
+        assert not (run_b / "checkpoints").exists() or not any((run_b / "checkpoints").iterdir()), \
+            "the refused run touched a checkpoint"
+        assert json.loads(store.get_bytes(key))["owner"] == holder["owner"], "the refused run changed the lease"
+
+        first.send_signal(signal.SIGTERM)
+        output = first.communicate(timeout=120)[0]
+        assert first.returncode == 143, output[-3000:]
+        assert not store.exists(key), "the lease outlived its run's SIGTERM exit"
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+
+
+def _lease(store: ObjectStore, key: str, host: str, messages: list[str], **kwargs) -> RunLease:
+    return RunLease(store, key, run_name="r", run_dir=Path(f"/runs/{host}/r"), host=host, log=messages.append,
+                    **kwargs)
+
+
+def test_a_fresh_lease_is_kept_and_a_stale_one_taken_over(store, prefix) -> None:
+    key = f"{prefix}/checkpoints/r/lease.json"
+    timing = {"heartbeat_every_s": 0.3, "stale_after_s": 3.0}
+    a_log: list[str] = []
+    b_log: list[str] = []
+    a = _lease(store, key, "host-a", a_log, **timing).acquire()
+    time.sleep(4.0)  # longer than stale_after_s: only the heartbeat keeps it fresh
+    with pytest.raises(RunLeaseHeld, match=rf"already running as PID {os.getpid()} on host host-a .*started "):
+        _lease(store, key, "host-b", b_log, **timing).acquire()
+
+    a._stop.set()  # host-a stops beating without releasing (killed, cut off)
+    a._thread.join()
+    time.sleep(4.5)
+    b = _lease(store, key, "host-b", b_log, **timing).acquire()
+    assert b.held
+    took = [m for m in b_log if m.startswith("took over")]
+    assert len(took) == 1 and f"PID {os.getpid()} on host host-a" in took[0] and "no heartbeat for" in took[0], b_log
+    assert json.loads(store.get_bytes(key))["host"] == "host-b"
+
+    a._refresh()  # host-a comes back: its heartbeat must not overwrite host-b's lease
+    with pytest.raises(RunLeaseLost, match="taken over or deleted.*host host-b"):
+        a.raise_if_lost()
+    a.release()
+    assert json.loads(store.get_bytes(key))["host"] == "host-b", "the old owner deleted the new owner's lease"
+    b.release()
+    assert not store.exists(key)
+
+
+def test_a_dead_pid_on_this_host_is_taken_over_at_once(store, prefix) -> None:
+    key = f"{prefix}/checkpoints/r/lease.json"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    messages: list[str] = []
+    earlier = _lease(store, key, "node-1", messages)
+    earlier.record = replace(earlier.record, pid=dead.pid)  # a kill -9'd attempt of this run on this host
+    earlier.acquire()
+    earlier._stop.set()
+    earlier._thread.join()
+    retry = _lease(store, key, "node-1", messages).acquire()
+    assert retry.held and any(f"PID {dead.pid} is no longer running on this host" in m for m in messages), messages
+    retry.release()
