@@ -83,6 +83,9 @@ def plan(
         console.print(planner_table(result))
 
 
+_OUT_OF_RANGE = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "int_parsing_size")
+
+
 def _plan_input_errors(error: ValidationError) -> str:
     """Each bad plan input as its flag, the value given, what is wrong and the range it must be in."""
     lines = []
@@ -90,12 +93,12 @@ def _plan_input_errors(error: ValidationError) -> str:
         if not problem["loc"]:  # a check across inputs: its message names the flags
             lines.append(str(problem.get("ctx", {}).get("error", problem["msg"])))
             continue
-        *parents, name = problem["loc"]
-        model = planner.ModelShape if parents == ["target"] else planner.PlanInputs
-        out_of_range = problem["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
-        bounds = _valid_range(model.model_fields[name].metadata)
-        lines.append(f"--{str(name).replace('_', '-')} {problem['input']}: "
-                     f"{'out of range' if out_of_range else problem['msg']}" + (f"; it must be {bounds}" if bounds else ""))
+        name = problem["loc"][-1]  # ("samples",), or ("target", "hidden_size") and ("hidden_size",) of the shape
+        field = planner.PlanInputs.model_fields.get(name) or planner.ModelShape.model_fields[name]
+        what = "out of range" if problem["type"] in _OUT_OF_RANGE else problem["msg"]
+        bounds = _valid_range(field.metadata)
+        lines.append(f"--{str(name).replace('_', '-')} {problem['input']}: {what}"
+                     + (f"; it must be {bounds}" if bounds else ""))
     return "\n".join(lines)
 
 

@@ -76,7 +76,7 @@ _JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]|"', re.DOTALL)
 _SPACE = b" \t\r\n"
 # Where a record may begin inside a bad element that ran on past its end: an object after a comma.
 _OBJECT_AFTER_COMMA = re.compile(rb",[ \t\r\n]*\{")
-CONVERSATION_KEYS = ("conversations", "messages")  # a record holds one of these lists (ShareGPT, OpenAI)
+_CONVERSATION_KEYS = ("conversations", "messages")  # a record holds one of these lists (ShareGPT, OpenAI)
 
 
 def _iter_json_array(path: Path, *, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
@@ -173,7 +173,7 @@ def _next_record(data, start: int, stop: int, *, max_bytes: int | None) -> tuple
         if end is None:
             continue
         record = _parse(bytes(data[begin:end]), where=f"byte {begin}", max_bytes=max_bytes)
-        if isinstance(record, dict) and any(isinstance(record.get(key), list) for key in CONVERSATION_KEYS):
+        if isinstance(record, dict) and any(isinstance(record.get(key), list) for key in _CONVERSATION_KEYS):
             return match.start(), begin
     return None
 

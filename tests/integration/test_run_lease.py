@@ -167,3 +167,39 @@ def test_a_dead_pid_on_this_host_is_taken_over_at_once(store, prefix) -> None:
     retry = _lease(store, key, "node-1", messages).acquire()
     assert retry.held and any(f"PID {dead.pid} is no longer running on this host" in m for m in messages), messages
     retry.release()
+
+
+def test_a_lease_lost_mid_run_stops_the_trainer(store, settings, prefix, tmp_path, one_thread) -> None:
+    from dflash_core.train.config import TrainConfig
+    from dflash_core.train.data import load_corpus, read_shard_table
+    from dflash_core.train.loop import Trainer
+
+    config = TrainConfig.model_validate(json.loads(_config(tmp_path, "lost", tmp_path / "runs").read_text()))
+    corpus = load_corpus([(item, read_shard_table(Path(item))) for item in config.data])
+    key = f"{prefix}/checkpoints/lost/lease.json"
+    messages: list[str] = []
+    lease = _lease(store, key, "host-a", messages, heartbeat_every_s=0.2, stale_after_s=3.0).acquire()
+    trainer = Trainer(config.model_copy(update={"max_steps": 100000, "checkpoint_every": 1000}), corpus=corpus,
+                      store=store, checkpoint_prefix=f"{prefix}/checkpoints/lost", lease=lease)
+    store.put_bytes(key, b'{"owner": "someone else"}')  # deleted or taken over behind our back
+    try:
+        with pytest.raises(RunLeaseLost, match="taken over or deleted while this run trained"):
+            trainer.run()
+        assert trainer.step < 100000
+    finally:
+        trainer.close()
+        lease.release()
+    assert store.get_bytes(key) == b'{"owner": "someone else"}', "the run deleted a lease that was not its own"
+
+
+def test_s3_down_at_the_claim_leaves_it_pending(settings, tmp_path) -> None:
+    from tests.conftest import free_port
+
+    down = ObjectStore.from_settings(settings.replace(s3_endpoint_url=f"http://127.0.0.1:{free_port()}",
+                                                      s3_max_attempts=1))
+    messages: list[str] = []
+    lease = _lease(down, "checkpoints/r/lease.json", "host-a", messages, heartbeat_every_s=0.2, stale_after_s=3.0)
+    lease.acquire()
+    assert not lease.held and not lease.wait_held(0.5)
+    assert any(m.startswith("cannot claim run 'r'") and "retrying in the background" in m for m in messages), messages
+    lease.release()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from dflash_core.cli import app
@@ -110,14 +111,15 @@ def test_cli_errors_name_the_flag(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("flags,match", [
-    (["--preset", "qwen3-8b", "--hidden-size", "-5"], "hidden_size"),
-    (["--preset", "qwen3-8b", "--num-layers", "0"], "num_layers"),
-    (["--hidden-size", "4096", "--mean-tokens", "inf"], "mean_tokens"),
-    (["--hidden-size", "4096", "--mean-tokens", "nan"], "mean_tokens"),
-    (["--hidden-size", "4096", "--gpu-memory-gib", "inf"], "gpu_memory_gib"),
-    (["--hidden-size", "4096", "--target-params", "inf"], "--target-params"),
-    (["--hidden-size", "4096", "--target-params", "-8"], "--target-params"),
-    (["--hidden-size", "4096", "--interconnect-gb-s", "-1"], "interconnect_gb_s"),
+    (["--preset", "qwen3-8b", "--hidden-size", "-5"], "--hidden-size -5: out of range; it must be > 0 and <= 10,000,000"),
+    (["--preset", "qwen3-8b", "--num-layers", "0"], "--num-layers 0: out of range"),
+    (["--hidden-size", "-5"], "--hidden-size -5: out of range; it must be > 0 and <= 10,000,000"),
+    (["--hidden-size", "4096", "--mean-tokens", "inf"], "--mean-tokens inf: Input should be a finite number"),
+    (["--hidden-size", "4096", "--mean-tokens", "nan"], "--mean-tokens nan: Input should be a finite number"),
+    (["--hidden-size", "4096", "--gpu-memory-gib", "inf"], "--gpu-memory-gib inf"),
+    (["--hidden-size", "4096", "--target-params", "inf"], "--target-params inf: it must be > 0 and <= 1,000,000"),
+    (["--hidden-size", "4096", "--target-params", "-8"], "--target-params -8.0"),
+    (["--hidden-size", "4096", "--interconnect-gb-s", "-1"], "--interconnect-gb-s -1.0: out of range"),
 ])
 def test_every_input_is_validated_overrides_on_a_preset_too(flags, match) -> None:
     """A preset overridden with a negative size used to give negative bytes and 'fits'; inf crashed."""
@@ -125,6 +127,52 @@ def test_every_input_is_validated_overrides_on_a_preset_too(flags, match) -> Non
     assert result.exit_code == 2, result.output
     assert "error:" in result.output and match in result.output
     assert "Traceback" not in result.output and "fits" not in result.output
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--interconnect-gb-s", "1e-320"], "--interconnect-gb-s 1e-320: out of range; it must be >= 0.001 and <= "),
+    (["--generation-tokens-per-s", "1e-320"], "--generation-tokens-per-s 1e-320: out of range; it must be >= 0.001"),
+    (["--samples", "1e23"], "--samples 1e+23: out of range; it must be > 0 and <= 1,000,000,000,000"),
+    (["--mean-tokens", "1e300"], "--mean-tokens 1e+300: out of range; it must be > 0 and <= 100,000,000"),
+    (["--gpu-memory-gib", "1e300"], "--gpu-memory-gib 1e+300: out of range"),
+    (["--token-budget", str(10**23)], f"--token-budget {10**23}: out of range"),
+])
+def test_cli_json_refuses_what_would_not_be_finite_naming_flag_and_range(flags, match) -> None:
+    """These printed `Infinity` (not JSON) or absurd figures; now each names its flag and valid range."""
+    result = runner.invoke(app, ["plan", "--preset", "qwen3-8b", *flags, "--json"])
+    assert result.exit_code == 2, result.output
+    assert match in " ".join(result.output.split())  # the error panel may wrap lines
+    assert "Infinity" not in result.output and "Traceback" not in result.output
+
+
+def test_cli_samples_may_be_written_in_scientific_notation() -> None:
+    result = runner.invoke(app, ["plan", "--preset", "qwen3-8b", "--samples", "1e6", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["inputs"]["samples"] == 1_000_000
+    assert "fractional part" in runner.invoke(app, ["plan", "--preset", "qwen3-8b", "--samples", "1.5"]).output
+
+
+def test_every_figure_is_finite_at_the_ends_of_the_ranges() -> None:
+    """All sizes at their maximum and the divisors (bandwidth, generation speed) at their minimum."""
+    top = planner.MAX_SIZE
+    target = ModelShape(num_layers=top, hidden_size=top, intermediate_size=top, num_attention_heads=top,
+                        num_key_value_heads=top, head_dim=top, vocab_size=top)
+    result = plan(PlanInputs(target=target, tapped_layers=top, dtype_bytes=8, samples=planner.MAX_SAMPLES,
+                             mean_tokens=planner.MAX_TOKENS, anchors_per_sample=planner.MAX_TOKENS,
+                             drafter_layers=top, block_size=top, token_budget=planner.MAX_TOKENS,
+                             anchors_per_1k_tokens=planner.MAX_TOKENS, gpu_memory_gib=top, num_gpus=top,
+                             interconnect_gb_s=0.001, generation_tokens_per_s=0.001))
+    json.dumps(result.model_dump(), allow_nan=False)
+    assert result.generation_hours > 0 and result.transfer_ms_per_batch > 0
+
+
+def test_ranges_reach_the_prefect_form_and_a_non_finite_plan_is_refused() -> None:
+    properties = PlanInputs.model_json_schema()["properties"]
+    assert properties["samples"]["maximum"] == planner.MAX_SAMPLES
+    assert properties["interconnect_gb_s"]["minimum"] == 0.001
+    figures = _plan(samples=1, mean_tokens=1).model_dump()
+    with pytest.raises(ValidationError, match="finite"):
+        planner.Plan.model_validate({**figures, "transfer_ms_per_batch": float("inf")})
 
 
 def test_an_overridden_preset_is_validated_again_in_code() -> None:
