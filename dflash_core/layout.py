@@ -13,6 +13,8 @@
     reports/evaluate/<run>/<flow run>/attempt-<n>/report.json, acceptance.png
     reports/<stage>/.../<flow run>/attempt-<n>/result.json   (each stage's typed result, dflash_core.stage_results)
     manifests live beside their artifact: <key>.manifest.json
+    prefect-results/<cache key>                 (Prefect's own persisted results, its task cache: not artifacts, no
+                                                 manifests; written by the result block of flows/results.py)
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from enum import StrEnum
 MANIFEST_SUFFIX = ".manifest.json"
 QUARANTINE_SUFFIX = ".quarantine.jsonl"
 RUN_LEASE_FILE = "lease.json"
+# Prefect's persisted results live at the bucket root under this folder, whatever the kind prefixes are. Not an
+# ArtifactKind: nothing of ours writes there and nothing there has a manifest. The S3 audit counts it as its
+# own kind (dflash_core.s3audit). Must equal dflash_core.services.stages.RESULTS_FOLDER (a unit test checks).
+PREFECT_RESULTS_FOLDER = "prefect-results"
 
 
 class ArtifactKind(StrEnum):

@@ -115,14 +115,14 @@ def stage_table(result: dict, stages: list[StageRun], *, title: str) -> Table:
     return table
 
 
-SPLIT_LABELS = {"heldout": "held-out prompts (never trained on)", "train": "IN-SAMPLE training prompts",
-                "file": "a prompt file"}
+SPLIT_LABELS = {"heldout": "on held-out prompts", "train": "IN-SAMPLE: on training prompts",
+                "file": "on a prompt file"}
 
 
 def drafter_table(result: dict) -> Table:
     evaluation = _stage_result(result, "evaluate")
     on = SPLIT_LABELS.get(evaluation.get("split"), "")
-    table = Table(title="drafter: speculative decoding against the target" + (f", on {on}" if on else ""),
+    table = Table(title="drafter: speculative decoding against the target" + (f", {on}" if on else ""),
                   title_justify="left")
     for column in ("mode", "responses", "tau (acceptance length)", "speedup", "tokens/s", "matches target"):
         table.add_column(column, justify="left" if column in ("mode", "matches target") else "right")

@@ -116,6 +116,24 @@ class ExportResult(StageResult):
     exports: dict[str, str] = Field(description="format -> s3://.../exports/(run)/(format)/")
 
 
+class PipelineResult(BaseModel):
+    """What the pipeline made: the plan report, then each stage's own result. (Here, not in flows/: a flow
+    run's result is unpickled by whoever reads it, so its class must import by a stable module name.)"""
+
+    report: str
+    sha256: str
+    fits: list[str]
+    provision: dict[str, Any] | None = None
+    generation: CompletionsDataset | None = None
+    tokenization: TokenizedDataset | None = None
+    training: Checkpoint | dict[str, Any] | None = None
+    evaluation: EvaluationReport | None = None
+    export: ExportResult | None = None
+    preserve: dict[str, Any] | None = None
+    audit: dict[str, Any] | None = None
+    artifacts: list[dict[str, Any]] = Field(default_factory=list)
+
+
 R = TypeVar("R", bound=StageResult)
 
 

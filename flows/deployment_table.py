@@ -85,8 +85,9 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
     DeploymentSpec("tokenize", "flows/tokenize.py:tokenize",
                    "Tokenize a completion run (the generate stage's result, or its result.json or prefix URI) into "
                    "training and held-out shards with the quality gate; only shards whose input, tokenizer or config "
-                   "changed are redone. Its schedule nightly-03-00-utc (inactive until you point its completions at "
+                   "changed are redone. Its form starts pointed at the demo's completions. Its schedule nightly-03-00-utc (inactive until you point its completions at "
                    "yours and turn it on) reruns it every night." + _RERUN_CACHED,
+                   parameters=_demo_completions,
                    schedule=ScheduleSpec("nightly-03-00-utc", "0 3 * * *", parameters=_demo_completions,
                                          active=False)),
     DeploymentSpec("train", "flows/train.py:train",

@@ -34,31 +34,77 @@ def launch(module: str, params: dict) -> int:
     return 0
 
 
-def _follow(client, root_id, *, poll_s: float = 2.0):
-    """Print the logs of a flow run and of every stage it starts (their own flow runs) until it ends."""
+STAGE_WIDTH = 8  # "evaluate", "tokenize": the stage column lines up for the pipeline's stages
+
+
+def log_label(flow_name: str | None, run_name: str | None, task_run_name: str | None = None) -> str:
+    """How `dflash run` labels a log line: the stage (its flow's name without `dflash-`: tokenize, train, ...),
+    the flow run's name, and the task run's name when a task logged it (so a "Finished in state Cached(...)"
+    line says which task's result was reused)."""
+    stage = (flow_name or "").removeprefix("dflash-")
+    label = " ".join(part for part in (f"{stage:<{STAGE_WIDTH}}" if stage else "", run_name) if part).rstrip() or "?"
+    return f"{label} / {task_run_name}" if task_run_name else label
+
+
+def log_line(timestamp, message: str, label: str) -> str:
+    return f"{timestamp:%H:%M:%S} {label} | {message}"
+
+
+def _follow(client, root_id, *, poll_s: float = 2.0, patience: int = 3):
+    """Print the logs of a flow run and of every stage it starts (their own flow runs) until it ends, each
+    labelled by its stage, run and (for a task's line) task run. Flow and task run names are read once each.
+    A task run is recorded from events and may reach the server after its log line: a line whose task run is
+    not known yet waits (with the lines after it) up to `patience` polls, then is printed with the task run's id."""
     from prefect.client.schemas.filters import (
-        FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId, LogFilterTimestamp,
+        FlowFilter, FlowFilterId, FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId,
+        LogFilterTimestamp, TaskRunFilter, TaskRunFilterId,
     )
     from prefect.client.schemas.sorting import LogSort
 
-    runs, names, after = {root_id}, {}, None
+    runs, run_names, run_flows = {root_id}, {}, {}
+    flow_names: dict = {}
+    task_names: dict = {}
+    waited: dict = {}  # task run id -> polls its line has waited for the task run's name
+    after, printed_at_after = None, set()  # the last printed line's timestamp, and the ids printed at it
     while True:
-        state = client.read_flow_run(root_id).state
+        root = client.read_flow_run(root_id)
+        state = root.state
         children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=list(runs))))
-        runs |= {child.id for child in children}
-        names.update({child.id: child.name for child in children})
+        for run in (root, *children):
+            runs.add(run.id)
+            run_names[run.id], run_flows[run.id] = run.name, run.flow_id
+        if unknown_flows := {f for f in run_flows.values() if f not in flow_names}:
+            flow_names.update({f.id: f.name for f in client.read_flows(
+                flow_filter=FlowFilter(id=FlowFilterId(any_=list(unknown_flows))))})
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(runs)),
                                                      timestamp=LogFilterTimestamp(after_=after)),
                                 sort=LogSort.TIMESTAMP_ASC, limit=200)
-        for log in logs:
-            if after is not None and log.timestamp <= after:
-                continue
-            print(f"{log.timestamp:%H:%M:%S} {names.get(log.flow_run_id, 'pipeline'):>28} | {log.message}", flush=True)
-        after = logs[-1].timestamp if logs else after
-        if state is not None and state.is_final() and len(logs) < 200:
+        fresh = [log for log in logs if after is None or log.timestamp > after
+                 or (log.timestamp == after and log.id not in printed_at_after)]
+        if unknown_tasks := {log.task_run_id for log in fresh if log.task_run_id} - task_names.keys():
+            task_names.update({t.id: t.name for t in client.read_task_runs(
+                task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=list(unknown_tasks))))})
+        held = False
+        for log in fresh:
+            task_name = None
+            if log.task_run_id:
+                task_name = task_names.get(log.task_run_id)
+                if task_name is None:
+                    waited[log.task_run_id] = waited.get(log.task_run_id, 0) + 1
+                    if waited[log.task_run_id] <= patience:
+                        held = True
+                        break
+                    task_name = f"task run {str(log.task_run_id)[:8]}"
+            label = log_label(flow_names.get(run_flows.get(log.flow_run_id)), run_names.get(log.flow_run_id),
+                              task_name)
+            print(log_line(log.timestamp, log.message, label), flush=True)
+            if log.timestamp != after:
+                after, printed_at_after = log.timestamp, set()
+            printed_at_after.add(log.id)
+        if state is not None and state.is_final() and len(logs) < 200 and not held:
             return state
-        time.sleep(poll_s if len(logs) < 200 else 0)
+        time.sleep(poll_s if len(logs) < 200 or held else 0)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ Run: `dflash demo`, or `dflash run pipeline --params infra/examples/qwen3.6-27b-
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -25,9 +25,7 @@ from dflash_core.embedded import demo_prompt_params
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.planner import PRESETS, PlanInputs
 from dflash_core.settings import Settings, load_settings
-from dflash_core.stage_results import (
-    Checkpoint, CompletionsDataset, EvaluationReport, ExportResult, TokenizedDataset,
-)
+from dflash_core.stage_results import Checkpoint, CompletionsDataset, PipelineResult, TokenizedDataset
 from dflash_core.storage import ObjectStore
 from dflash_core.train.config import TrainConfig
 from flows.command_line import run_from_command_line
@@ -82,23 +80,6 @@ class PipelineParams(BaseModel):
         return PlanInputs(target=PRESETS[self.target_preset], samples=self.samples, mean_tokens=self.mean_tokens,
                           gpu_memory_gib=self.gpu_memory_gib, num_gpus=self.num_gpus,
                           generation_tokens_per_s=self.generation_tokens_per_s)
-
-
-class PipelineResult(BaseModel):
-    """What the pipeline made: the plan report, then each stage's own result."""
-
-    report: str
-    sha256: str
-    fits: list[str]
-    provision: dict[str, Any] | None = None
-    generation: CompletionsDataset | None = None
-    tokenization: TokenizedDataset | None = None
-    training: Checkpoint | dict[str, Any] | None = None
-    evaluation: EvaluationReport | None = None
-    export: ExportResult | None = None
-    preserve: dict[str, Any] | None = None
-    audit: dict[str, Any] | None = None
-    artifacts: list[dict[str, Any]] = Field(default_factory=list)
 
 
 def demo_pipeline() -> PipelineParams:

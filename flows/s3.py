@@ -27,7 +27,8 @@ from tasks.store import check_store, png_artifact
 
 class S3AuditParams(BaseModel):
     prefix: str = Field("", description="Report on and nominate only keys under this prefix ('' = whole bucket).")
-    retention: Retention = Field(default_factory=Retention)
+    retention: Retention = Field(default_factory=Retention, description="The cleanup rules the dry run applies. "
+                                 "Prefect's results (prefect-results/) are kept unless prefect_results_days is set.")
     verify_hashes: bool = Field(True, description="HEAD every manifested object to compare its sha256.")
     max_graph_nodes: int = Field(80, ge=1, description="Artifacts drawn in the lineage graph (newest first).")
 

@@ -28,6 +28,9 @@ AbandonedOpt = Annotated[float, typer.Option(help="Days without change after whi
                                                   "is abandoned.")]
 KeepPrefixOpt = Annotated[Optional[list[str]], typer.Option(help="Never nominate keys under this prefix "
                                                                   "(repeatable).")]
+PrefectResultsOpt = Annotated[Optional[float], typer.Option(
+    help="Prefect's persisted results (prefect-results/, its task cache) older than this many days are cleanup "
+         "candidates. Unset: kept forever.")]
 
 
 def _fail(message: str) -> typer.Exit:
@@ -45,11 +48,12 @@ def _store():
     return settings, store
 
 
-def _retention(keep_checkpoints: int, abandoned_after_days: float, keep_prefix: list[str] | None):
+def _retention(keep_checkpoints: int, abandoned_after_days: float, keep_prefix: list[str] | None,
+               prefect_results_days: float | None = None):
     from dflash_core.s3audit import Retention
 
     return Retention(keep_checkpoints=keep_checkpoints, abandoned_after_days=abandoned_after_days,
-                     keep_prefixes=keep_prefix or [])
+                     keep_prefixes=keep_prefix or [], prefect_results_days=prefect_results_days)
 
 
 @s3_app.command("audit")
@@ -58,6 +62,7 @@ def audit_command(
     keep_checkpoints: KeepCkptOpt = 3,
     abandoned_after_days: AbandonedOpt = 30.0,
     keep_prefix: KeepPrefixOpt = None,
+    prefect_results_days: PrefectResultsOpt = None,
     verify_hashes: Annotated[bool, typer.Option(help="HEAD every manifested object to compare sha256.")] = True,
     markdown: Annotated[Optional[Path], typer.Option(help="Also write the markdown summary here.")] = None,
     png: Annotated[Optional[Path], typer.Option(help="Also write the bytes-per-kind chart here.")] = None,
@@ -70,7 +75,8 @@ def audit_command(
     try:
         settings, store = _store()
         _, report, plan = audit(store, settings.s3_prefixes, prefix=prefix, verify_hashes=verify_hashes,
-                                retention=_retention(keep_checkpoints, abandoned_after_days, keep_prefix))
+                                retention=_retention(keep_checkpoints, abandoned_after_days, keep_prefix,
+                                                     prefect_results_days))
     except (StoreError, ValueError) as error:
         raise _fail(str(error)) from None
     if markdown:
@@ -103,6 +109,7 @@ def cleanup_command(
     keep_checkpoints: KeepCkptOpt = 3,
     abandoned_after_days: AbandonedOpt = 30.0,
     keep_prefix: KeepPrefixOpt = None,
+    prefect_results_days: PrefectResultsOpt = None,
     confirm: Annotated[bool, typer.Option("--confirm", help="Delete. Without it this is a dry run.")] = False,
     show: Annotated[int, typer.Option(help="Candidates listed.")] = 50,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan (or the result) as JSON.")] = False,
@@ -115,7 +122,8 @@ def cleanup_command(
     try:
         settings, store = _store()
         inventory = take_inventory(store, settings.s3_prefixes, verify_hashes=False)
-        plan = plan_cleanup(inventory, _retention(keep_checkpoints, abandoned_after_days, keep_prefix), prefix=prefix)
+        plan = plan_cleanup(inventory, _retention(keep_checkpoints, abandoned_after_days, keep_prefix,
+                                                  prefect_results_days), prefix=prefix)
     except (StoreError, ValueError) as error:
         raise _fail(str(error)) from None
     if not confirm:

@@ -8,7 +8,11 @@ Rules that nominate objects (each candidate says why):
   tokenize reports), unless what they describe is kept;
 - abandoned prefixes: a prefix group where no object has a manifest and nothing changed for
   `abandoned_after_days` (the 645 GB of dead hidden states looked like this);
-- manifests whose object is gone.
+- manifests whose object is gone;
+- Prefect's persisted results (`prefect-results/`, its task cache) older than
+  `prefect_results_days`, only when that is set: by default they are kept forever, and the
+  abandoned-prefix rule never applies to them (they never have manifests). Deleting one costs only a
+  recomputation: the next run with that cache key finds no result and runs the task again.
 
 The safety rule: nothing that a kept manifest references, directly or through its lineage (its
 inputs' inputs, ...), is ever a candidate, whatever rule nominated it; nor anything under
@@ -25,7 +29,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from dflash_core.layout import MANIFEST_SUFFIX, ArtifactKind
-from dflash_core.s3audit.inventory import Inventory
+from dflash_core.s3audit.inventory import PREFECT_RESULTS_KIND, Inventory
 
 _STEP = re.compile(r"^step-(\d+)$")
 CHECKPOINT_COMPLETE_FILE = "meta.json"  # written last (dflash_core.train.checkpoint): its presence marks a step complete
@@ -36,6 +40,9 @@ class Retention(BaseModel):
     abandoned_after_days: float = Field(30.0, ge=0, description="A prefix with no manifests, untouched this long, "
                                                                 "is abandoned.")
     keep_prefixes: list[str] = Field(default_factory=list, description="Key prefixes never nominated.")
+    prefect_results_days: float | None = Field(
+        None, ge=0, description="Prefect's persisted results (prefect-results/, its task cache) older than this "
+        "many days are cleanup candidates. None (the default): kept forever, never nominated.")
 
 
 class Candidate(BaseModel):
@@ -44,7 +51,8 @@ class Candidate(BaseModel):
     etag: str
     kind: str
     group: str
-    rule: str = Field(description="old-checkpoint | superseded-tokenization | abandoned-prefix | orphan-manifest")
+    rule: str = Field(description="old-checkpoint | superseded-tokenization | abandoned-prefix | orphan-manifest | "
+                                  "old-prefect-result")
     reason: str
 
 
@@ -77,6 +85,7 @@ def find_dead(inventory: Inventory, retention: Retention, *, now: datetime | Non
         ("abandoned-prefix", _abandoned(inventory.artifacts, retention.abandoned_after_days, now)),
         ("orphan-manifest", {key: "manifest of an object that is gone"
                              for key in objects.filter(pl.col("is_manifest") & ~pl.col("object_exists"))["key"]}),
+        ("old-prefect-result", _old_prefect_results(inventory.artifacts, retention.prefect_results_days, now)),
     ]
     for rule, found in rules:
         for key, reason in found.items():
@@ -194,7 +203,8 @@ def _companions_of_kept(inventory: Inventory, nominated: dict[str, tuple[str, st
 
 
 def _abandoned(artifacts: pl.DataFrame, days: float, now: datetime) -> dict[str, str]:
-    groups = artifacts.group_by("group").agg(
+    """Prefix groups of objects that should have manifests (not Prefect's results), none has one, untouched `days`."""
+    groups = artifacts.filter(pl.col("needs_manifest")).group_by("group").agg(
         manifested=pl.col("has_manifest").sum(), newest=pl.col("last_modified").max(), keys=pl.col("key"),
         bytes=pl.col("bytes").sum(),
     ).filter((pl.col("manifested") == 0) & (pl.col("newest") < pl.lit(now) - pl.duration(seconds=days * 86400)))
@@ -205,3 +215,14 @@ def _abandoned(artifacts: pl.DataFrame, days: float, now: datetime) -> dict[str,
                   f"untouched for {idle:.1f} days")
         found.update({key: reason for key in row["keys"]})
     return found
+
+
+def _old_prefect_results(artifacts: pl.DataFrame, days: float | None, now: datetime) -> dict[str, str]:
+    """Prefect's persisted results last written more than `days` ago; none when `days` is None (kept forever)."""
+    if days is None:
+        return {}
+    old = artifacts.filter((pl.col("kind") == PREFECT_RESULTS_KIND)
+                           & (pl.col("last_modified") < pl.lit(now) - pl.duration(seconds=days * 86400)))
+    return {key: f"Prefect result written {(now - modified).total_seconds() / 86400:.1f} days ago, older than "
+                 f"prefect_results_days={days:g} (a run with its cache key recomputes it)"
+            for key, modified in old.select("key", "last_modified").rows()}

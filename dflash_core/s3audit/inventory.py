@@ -3,6 +3,10 @@ prefix group, joined with what the manifests say, and summarized with polars.
 
 One listing, one parallel read of the manifests, optional parallel HEADs to compare each object's
 sha256 with its manifest. Everything after that is computation on the frames (no more S3 calls).
+
+Prefect's own persisted results (`prefect-results/` at the bucket root, its task cache) are their own
+kind, "prefect-results": not "unknown", and never counted as unmanifested (they are not artifacts and
+never have manifests: `needs_manifest` is false for them).
 """
 
 from __future__ import annotations
@@ -13,16 +17,17 @@ from datetime import UTC, datetime
 
 import polars as pl
 
-from dflash_core.layout import MANIFEST_SUFFIX, ArtifactKind
+from dflash_core.layout import MANIFEST_SUFFIX, PREFECT_RESULTS_FOLDER, ArtifactKind
 from dflash_core.lineage import LineageGraph, Manifest
 from dflash_core.storage import ObjectNotFound, ObjectStore
 
 UNKNOWN_KIND = "unknown"
+PREFECT_RESULTS_KIND = "prefect-results"  # Prefect's persisted results under PREFECT_RESULTS_FOLDER/
 # How many leading key segments name one unit of work (a dataset version, a run, a node).
 GROUP_DEPTH: dict[str, int] = {
     ArtifactKind.PROMPTS: 3, ArtifactKind.COMPLETIONS: 3, ArtifactKind.TOKENIZED: 3, ArtifactKind.CHECKPOINT: 2,
     ArtifactKind.EXPORT: 2, ArtifactKind.NODE_BACKUP: 2, ArtifactKind.REPORT: 3, ArtifactKind.SCRATCH: 2,
-    UNKNOWN_KIND: 2,
+    PREFECT_RESULTS_KIND: 2, UNKNOWN_KIND: 2,
 }
 # S3 connections per client are pooled (10 by default): more threads than that only queue.
 DEFAULT_WORKERS = 8
@@ -70,18 +75,21 @@ def list_objects(store: ObjectStore, prefix: str = "") -> pl.DataFrame:
 
 
 def classify(objects: pl.DataFrame, prefixes: dict[ArtifactKind, str]) -> pl.DataFrame:
-    """Add is_manifest, artifact_key (a manifest's artifact), kind (the longest kind prefix the key is under),
-    group (the kind prefix plus the segments that name one unit of work), has_manifest, object_exists."""
+    """Add is_manifest, artifact_key (a manifest's artifact), kind (the longest kind prefix the key is under;
+    "prefect-results" for Prefect's results, "unknown" for none), group (the kind prefix plus the segments that
+    name one unit of work), needs_manifest (false for Prefect's results), has_manifest, object_exists."""
     kind = pl.lit(UNKNOWN_KIND)
     depth = pl.lit(GROUP_DEPTH[UNKNOWN_KIND])
-    for k, prefix in sorted(prefixes.items(), key=lambda item: len(item[1])):  # longest match applied last
+    rules = [*sorted(((str(k), prefix) for k, prefix in prefixes.items()), key=lambda item: len(item[1])),
+             (PREFECT_RESULTS_KIND, PREFECT_RESULTS_FOLDER)]  # longest match applied last; Prefect's folder wins
+    for k, prefix in rules:
         under = pl.col("key").str.starts_with(prefix.rstrip("/") + "/")
-        kind = pl.when(under).then(pl.lit(str(k))).otherwise(kind)
+        kind = pl.when(under).then(pl.lit(k)).otherwise(kind)
         depth = pl.when(under).then(pl.lit(len(prefix.strip("/").split("/")) + GROUP_DEPTH[k] - 1)).otherwise(depth)
     frame = objects.with_columns(
         is_manifest=pl.col("key").str.ends_with(MANIFEST_SUFFIX), parts=pl.col("key").str.split("/"),
         kind=kind, depth=depth,
-    ).with_columns(
+    ).with_columns(needs_manifest=pl.col("kind") != PREFECT_RESULTS_KIND).with_columns(
         artifact_key=pl.when(pl.col("is_manifest")).then(pl.col("key").str.strip_suffix(MANIFEST_SUFFIX))
         .otherwise(pl.col("key")),
         group=pl.col("parts").list.head(pl.min_horizontal(pl.col("depth"), pl.col("parts").list.len() - 1))
@@ -156,10 +164,12 @@ def manifest_cache(inventory: Inventory) -> dict[str, tuple[str, Manifest]]:
 
 
 def summarize(artifacts: pl.DataFrame, by: str | list[str], *, now: datetime | None = None) -> pl.DataFrame:
-    """Objects, bytes, oldest/newest and age in days per `by` (artifact rows; manifests excluded)."""
+    """Objects, bytes, oldest/newest and age in days per `by` (artifact rows; manifests excluded). `unmanifested`
+    counts only objects that should have a manifest (not Prefect's results)."""
     now = now or datetime.now(UTC)
     return (artifacts.group_by(by).agg(
-        objects=pl.len(), bytes=pl.col("bytes").sum(), unmanifested=(~pl.col("has_manifest")).sum(),
+        objects=pl.len(), bytes=pl.col("bytes").sum(),
+        unmanifested=(~pl.col("has_manifest") & pl.col("needs_manifest")).sum(),
         oldest=pl.col("last_modified").min(), newest=pl.col("last_modified").max(),
     ).with_columns(
         age_days=((pl.lit(now) - pl.col("oldest")).dt.total_seconds() / 86400).round(1),

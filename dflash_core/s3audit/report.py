@@ -12,7 +12,9 @@ from pydantic import BaseModel, Field
 from dflash_core.layout import ArtifactKind
 from dflash_core.s3audit.cleanup import CleanupPlan, plan_cleanup
 from dflash_core.s3audit.dead import Retention
-from dflash_core.s3audit.inventory import DEFAULT_WORKERS, Inventory, summarize, take_inventory
+from dflash_core.s3audit.inventory import (
+    DEFAULT_WORKERS, PREFECT_RESULTS_KIND, Inventory, summarize, take_inventory,
+)
 from dflash_core.storage import ObjectStore
 from dflash_core.units import binary_bytes
 
@@ -62,7 +64,7 @@ def build_report(inventory: Inventory, plan: CleanupPlan, *, prefix: str = "", n
                  seconds: float = 0.0) -> AuditReport:
     objects = inventory.objects.filter(pl.col("key").str.starts_with(prefix))
     artifacts = objects.filter(~pl.col("is_manifest"))
-    unmanifested = artifacts.filter(~pl.col("has_manifest"))
+    unmanifested = artifacts.filter(~pl.col("has_manifest") & pl.col("needs_manifest"))  # not Prefect's results
     graph = inventory.graph()
     dead = pl.DataFrame([c.model_dump() for c in plan.candidates],
                         schema={"key": pl.String, "bytes": pl.Int64, "etag": pl.String, "kind": pl.String,
@@ -111,6 +113,8 @@ def audit_markdown(report: AuditReport, plan: CleanupPlan, *, max_rows: int = 25
         *[f"| {r['kind']} | {r['objects']:,} | {binary_bytes(r['bytes'])} | {r['unmanifested']:,} | "
           f"{str(r['oldest'])[:10]} | {str(r['newest'])[:10]} |" for r in report.by_kind],
         "",
+        _prefect_results_line(report, plan),
+        "",
         "## Largest prefixes",
         "",
         "| prefix | kind | objects | size | unmanifested | idle days |",
@@ -146,6 +150,16 @@ def audit_markdown(report: AuditReport, plan: CleanupPlan, *, max_rows: int = 25
         lines += ["", "## Nominated but kept (referenced by live data)", "",
                   *[f"- `{p.key}`: {p.kept_because} (was: {p.nominated_because})" for p in plan.protected[:max_rows]]]
     return "\n".join(lines) + "\n"
+
+
+def _prefect_results_line(report: AuditReport, plan: CleanupPlan) -> str:
+    row = next((r for r in report.by_kind if r["kind"] == PREFECT_RESULTS_KIND), None)
+    days = plan.retention.prefect_results_days
+    found = f"{row['objects']:,} objects, {binary_bytes(row['bytes'])}" if row else "none here"
+    rule = ("kept forever (set the retention's prefect_results_days to clean up old ones)" if days is None else
+            f"those older than {days:g} days are cleanup candidates (rule old-prefect-result)")
+    return (f"Prefect's persisted results (`prefect-results/`, its task cache; no manifests by design, never counted "
+            f"as unmanifested): {found}; {rule}.")
 
 
 def bytes_by_kind_png(report: AuditReport) -> bytes:

@@ -55,11 +55,12 @@ def test_evaluate_flow_reports_with_lineage(prefect_server, store, env_settings,
     state = evaluate(params, return_state=True)
     assert state.is_completed(), state
     summary = state.result()
-    assert [s["mode"] for s in summary["summaries"]] == (["block", "tree"] if variant == "dflash" else ["block"])
-    for s in summary["summaries"]:
+    assert summary.split == "file" and summary.prompts == [store.uri(f"{prefix}/prompts.jsonl")]
+    assert [s["mode"] for s in summary.summaries] == (["block", "tree"] if variant == "dflash" else ["block"])
+    for s in summary.summaries:
         assert s["num_responses"] == 2 and s["all_match_target"] and s["tau"] >= 1.0 and s["new_tokens"] == 24
 
-    report_key = summary["report"].split("/", 3)[3]
+    report_key = summary.report.split("/", 3)[3]
     report = json.loads(store.get_bytes(report_key))
     assert len(report["summaries"][0]["acceptance_per_position"]) == 3
     assert sum(report["summaries"][0]["tau_histogram"].values()) == report["summaries"][0]["num_rounds"]
@@ -75,10 +76,11 @@ def test_evaluate_flow_reports_with_lineage(prefect_server, store, env_settings,
     # Keyed by flow run (a retry never overwrites a failed attempt's evidence); the result lists the
     # records of what the flow stored, and the flow's version is the git SHA.
     assert report_key.endswith(f"/{state.state_details.flow_run_id}/attempt-1/report.json")
-    records = {r["uri"]: r for r in summary["artifacts"]}
-    assert set(records) == {summary["report"], report["plot_uri"]}
-    assert records[summary["report"]] == {"uri": summary["report"], "kind": "report", "sha256": manifest.sha256,
-                                          "manifest": summary["report"] + ".manifest.json"}
+    records = {r["uri"]: r for r in summary.artifacts}
+    assert set(records) == {summary.report, report["plot_uri"], summary.result_uri}
+    assert records[summary.report] == {"uri": summary.report, "kind": "report", "sha256": manifest.sha256,
+                                       "manifest": summary.report + ".manifest.json"}
+    assert report["measured_on"] == "a prompt file given by the user"
     assert evaluate.version == manifest.producer.git_sha
 
 

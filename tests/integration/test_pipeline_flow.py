@@ -18,16 +18,16 @@ def test_pipeline_flow_writes_verified_report_and_artifacts(prefect_server, stor
 
     from flows.pipeline import PipelineParams, pipeline
 
-    state = pipeline(PipelineParams(generation=None, tokenization=None, training=None), return_state=True)
+    state = pipeline(PipelineParams(), return_state=True)  # the real pipeline's form, empty: the plan only
     assert state.is_completed(), state
     result = state.result()
-    key = result["report"].removeprefix(f"s3://{store.bucket}/")
+    key = result.report.removeprefix(f"s3://{store.bucket}/")
     manifest = read_manifest(store, key)
-    assert manifest.sha256 == result["sha256"]
+    assert manifest.sha256 == result.sha256
     assert manifest.producer.flow_run_id == str(state.state_details.flow_run_id)
     assert manifest.producer.task_run_id is not None
     assert manifest.config["target_preset"] == "smollm2-135m"
-    assert "colocated" in result["fits"]
+    assert "colocated" in result.fits
 
     async def artifacts():
         async with get_client() as client:
@@ -35,7 +35,7 @@ def test_pipeline_flow_writes_verified_report_and_artifacts(prefect_server, stor
 
     keys = {artifact.key for artifact in asyncio.run(artifacts())}
     assert {"capacity-plan-smollm2-135m", "plan-report"} <= keys
-    assert result["artifacts"] == [{"uri": manifest.uri, "kind": "report", "sha256": manifest.sha256,
+    assert result.artifacts == [{"uri": manifest.uri, "kind": "report", "sha256": manifest.sha256,
                                     "manifest": manifest.uri + ".manifest.json"}]
     assert manifest.producer.git_sha == pipeline.version
 
@@ -43,7 +43,7 @@ def test_pipeline_flow_writes_verified_report_and_artifacts(prefect_server, stor
 def test_pipeline_refuses_a_layout_that_does_not_fit(prefect_server, env_settings):
     from flows.pipeline import PipelineParams, pipeline
 
-    state = pipeline(PipelineParams(target_preset="qwen3-32b", gpu_memory_gib=24, generation=None, tokenization=None, training=None), return_state=True)
+    state = pipeline(PipelineParams(target_preset="qwen3-32b", gpu_memory_gib=24), return_state=True)
     assert state.is_failed()
     with pytest.raises(Exception, match="no GPU layout fits"):
         state.result()

@@ -1,6 +1,7 @@
 """S3 audit and cleanup on the real S3 server: a planted bucket with live lineage, old checkpoints, a
 superseded tokenization, an abandoned prefix of dead hidden states, an unmanifested object, a manifest
-whose object is gone and an object that no longer matches its manifest.
+whose object is gone and an object that no longer matches its manifest. Beside it, Prefect's own
+persisted results (`prefect-results/`): their own kind, kept unless a retention setting says otherwise.
 
 Every test plants under its own root (all kind prefixes moved below `audit-<id>/`), audits the whole
 shared bucket (lineage needs all of it) and nominates only under that root.
@@ -18,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from dflash_core.layout import DEFAULT_PREFIXES, ArtifactKind
+from dflash_core.layout import DEFAULT_PREFIXES, PREFECT_RESULTS_FOLDER, ArtifactKind
 from dflash_core.lineage import InputRef, Manifest, input_ref, read_manifest, write_artifact
 from dflash_core.s3audit import (
     CleanupNotConfirmed, Retention, audit, audit_markdown, execute_cleanup, take_inventory, write_deletion_record,
@@ -249,3 +250,84 @@ def test_cli_cleanup_is_a_dry_run_until_confirmed(store: ObjectStore, env_settin
     audit_out = runner.invoke(cli.app, ["s3", "audit", "--prefix", f"{root}/", "--json", "--no-verify-hashes"])
     assert audit_out.exit_code == 0, audit_out.output
     assert json.loads(audit_out.output)["unmanifested_keys"] == [dead[2]]
+
+
+def plant_prefect_results(store: ObjectStore, tag: str) -> list[str]:
+    """Objects shaped like Prefect's persisted results (flat keys under prefect-results/ at the bucket root,
+    no manifests), named after `tag` so a test can nominate only its own."""
+    keys = [f"{PREFECT_RESULTS_FOLDER}/{tag}-{i:02d}" for i in range(3)]
+    for i, key in enumerate(keys):
+        store.put_bytes(key, b'{"metadata": {}, "result": "x"}' * (i + 1))
+    return keys
+
+
+def test_prefect_results_are_their_own_kind_and_kept_unless_a_retention_says_so(store: ObjectStore) -> None:
+    p = plant(store)
+    results = plant_prefect_results(store, p.root)
+    ours = f"{PREFECT_RESULTS_FOLDER}/{p.root}-"
+    # The whole folder, whatever else wrote results into this shared bucket: 45 days on, with the default rules.
+    inventory, report, plan = audit(store, p.prefixes, prefix=f"{PREFECT_RESULTS_FOLDER}/", now=LATER,
+                                    retention=Retention(keep_checkpoints=2), verify_hashes=False)
+    kinds = inventory.objects.filter(inventory.objects["key"].str.starts_with(f"{PREFECT_RESULTS_FOLDER}/"))["kind"]
+    assert set(kinds.to_list()) == {"prefect-results"}
+    assert [row["kind"] for row in report.by_kind] == ["prefect-results"]  # no "unknown" row
+    by_kind = report.by_kind[0]
+    assert by_kind["objects"] >= 3 and by_kind["unmanifested"] == 0
+    assert report.unmanifested == 0 and report.unmanifested_keys == [] and report.unmanifested_bytes == 0
+    # Untouched for 45 days and without manifests, yet not an abandoned prefix: no candidate at all by default.
+    assert plan.candidates == [] and report.dead_objects == 0
+    markdown = audit_markdown(report, plan)
+    assert "Prefect's persisted results" in markdown and "kept forever" in markdown
+    # The rest of the bucket's audit is unchanged by them (the planted root still has its own unknown objects).
+    _, rooted, rooted_plan = audit(store, p.prefixes, prefix=p.root + "/", now=LATER,
+                                   retention=Retention(keep_checkpoints=2), verify_hashes=False)
+    assert {row["kind"]: row["bytes"] for row in rooted.by_kind}["unknown"] == 3000
+    assert {c.key for c in rooted_plan.candidates} == _expected_dead(p)
+
+    # With a retention setting, results older than it are candidates, each with its reason.
+    _, _, old = audit(store, p.prefixes, prefix=ours, now=LATER, verify_hashes=False,
+                      retention=Retention(prefect_results_days=30))
+    assert [c.key for c in old.candidates] == results
+    assert {(c.rule, c.kind) for c in old.candidates} == {("old-prefect-result", "prefect-results")}
+    assert all("older than prefect_results_days=30" in c.reason for c in old.candidates)
+    assert "older than 30 days are cleanup candidates" in audit_markdown(*audit(
+        store, p.prefixes, prefix=ours, now=LATER, verify_hashes=False,
+        retention=Retention(prefect_results_days=30))[1:])
+    # ... and only those older than it; keep_prefixes still protects them.
+    _, _, young = audit(store, p.prefixes, prefix=ours, now=LATER, verify_hashes=False,
+                        retention=Retention(prefect_results_days=60))
+    _, _, today = audit(store, p.prefixes, prefix=ours, verify_hashes=False,
+                        retention=Retention(prefect_results_days=30))
+    assert young.candidates == [] and today.candidates == []
+    _, _, kept = audit(store, p.prefixes, prefix=ours, now=LATER, verify_hashes=False,
+                       retention=Retention(prefect_results_days=30, keep_prefixes=[ours]))
+    assert kept.candidates == [] and {k.key for k in kept.protected} == set(results)
+
+    # A confirmed cleanup of that plan deletes exactly them (re-checked under the same retention).
+    result = execute_cleanup(store, p.prefixes, old, confirm=True, who="test")
+    assert {o.key for o in result.deleted} == set(results) and result.complete and result.skipped == []
+    assert not any(store.exists(k) for k in results)
+
+
+def test_cli_keeps_prefect_results_unless_prefect_results_days_is_given(store: ObjectStore, env_settings) -> None:
+    from typer.testing import CliRunner
+
+    from dflash_core import cli
+
+    tag = f"cli-{uuid.uuid4().hex[:10]}"
+    results = plant_prefect_results(store, tag)
+    time.sleep(1.1)  # last_modified has one-second resolution: be older than "now" for 0 days
+    runner = CliRunner()
+    base = ["s3", "cleanup", "--prefix", f"{PREFECT_RESULTS_FOLDER}/{tag}-", "--abandoned-after-days", "0", "--json"]
+    default = runner.invoke(cli.app, base)
+    assert default.exit_code == 0, default.output
+    assert json.loads(default.output)["candidates"] == []
+    aged = runner.invoke(cli.app, [*base, "--prefect-results-days", "0"])
+    assert aged.exit_code == 0, aged.output
+    assert [c["key"] for c in json.loads(aged.output)["candidates"]] == results
+    audit_out = runner.invoke(cli.app, ["s3", "audit", "--prefix", f"{PREFECT_RESULTS_FOLDER}/{tag}-", "--json",
+                                        "--no-verify-hashes"])
+    assert audit_out.exit_code == 0, audit_out.output
+    audited = json.loads(audit_out.output)
+    assert audited["unmanifested_keys"] == [] and [r["kind"] for r in audited["by_kind"]] == ["prefect-results"]
+    store.delete_many(results)

@@ -47,8 +47,15 @@ def _children(client, parent_id):
         parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
 
 
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from tests.tiny_models import build_tiny_chat_model
+
+    return build_tiny_chat_model(tmp_path_factory.mktemp("stage-target"), num_layers=4)
+
+
 def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_server, store, env_settings,
-                                                                          monkeypatch, tmp_path):
+                                                                          monkeypatch, tmp_path, tiny_target):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.deployments import run_deployment
@@ -58,15 +65,21 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
     from flows.deployments import deployment_for, retry_flow_run
     from flows.pipeline import PipelineParams
     from flows.tokenize import TokenizeParams
+    from flows.train import TrainFlowParams
 
     from dflash_core.services.stages import result_store_env
 
     for name, value in result_store_env(env_settings).items():  # S3 keys to read results from the bucket
         monkeypatch.setenv(name, value)
     dataset = f"stages-{uuid.uuid4().hex[:8]}"
-    tokenization = TokenizeParams(dataset=dataset, run="run-a", tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
+    tokenization = TokenizeParams(tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
                                   workers=1, gate=GateThresholds(max_skipped_fraction=0.1))
-    params = PipelineParams(generation=None, tokenization=tokenization, training=None)
+    training = TrainFlowParams(config={
+        "run_name": dataset, "target": str(tiny_target), "output_dir": str(tmp_path / "runs"), "token_budget": 96,
+        "max_steps": 2, "checkpoint_every": 2, "log_every": 1, "validate_capture_batches": 1,
+        "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0}})
+    params = PipelineParams(completions=f"s3://{store.bucket}/completions/{dataset}/run-a/", tokenization=tokenization,
+                            training=training)
     with get_client(sync_client=True) as client:
         # The pipeline as `dflash demo` starts it: a run of its deployment, on the stage server.
         pipeline_run = run_deployment(deployment_for("pipeline"), parameters={"params": params.model_dump(mode="json")},
@@ -74,7 +87,7 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
         pipeline_run = _wait_final(client, pipeline_run.id)
         assert pipeline_run.state.is_failed()  # no completions yet: a fixable cause
         [stage] = _children(client, pipeline_run.id)
-        tokenize_deployment = client.read_deployment_by_name("dflash-tokenize/tokenize-nightly")
+        tokenize_deployment = client.read_deployment_by_name("dflash-tokenize/tokenize")
         assert stage.deployment_id == tokenize_deployment.id and stage.state.is_failed()
         assert "no completion shards" in stage.state.message
         assert pipeline_run.deployment_id is not None  # the pipeline itself has a Retry too
@@ -87,13 +100,21 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
         assert client.read_flow_run(pipeline_run.id).state.is_failed()  # untouched by the stage's retry
 
         retry_flow_run(client, pipeline_run.id)
-        pipeline_run = _wait_final(client, pipeline_run.id)
+        pipeline_run = _wait_final(client, pipeline_run.id, timeout_s=400)
         assert pipeline_run.state.is_completed(), pipeline_run.state
-        [again] = _children(client, pipeline_run.id)
+        again, trained = sorted(_children(client, pipeline_run.id), key=lambda run: run.start_time)
         assert again.id == stage.id and again.run_count == 2  # reused, not run a third time
+        assert trained.deployment_id == client.read_deployment_by_name("dflash-train/train").id
         result = pipeline_run.state.result()
-        assert result["tokenization"]["quality_gate"] == "passed"
-        assert len(result["tokenization"]["outputs"]) == 2
+        assert result.tokenization.quality_gate == "passed" and len(result.tokenization.train_shards) == 2
+        # train took tokenize's result: the edge the UI draws, and the shards in the checkpoint's manifest
+        assert [(s.uri, s.sha256) for s in result.training.data] == \
+            [(s.uri, s.sha256) for s in result.tokenization.train_shards]
+        stand_ins = {t.task_key: t for t in client.read_task_runs(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[pipeline_run.id])))}
+        train_inputs = stand_ins["dflash.stage.train"].task_inputs["params"]
+        assert [i.id for i in train_inputs] == [stand_ins["dflash.stage.tokenize"].id]
+        assert trained.parent_task_run_id == stand_ins["dflash.stage.train"].id
 
         # Another process (this one), another local result dir: every shard comes back Cached from S3.
         assert any(i.key.startswith("prefect-results/") for i in store.list("prefect-results/"))
@@ -105,7 +126,7 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
 
         with temporary_settings(updates={PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK: RESULTS_BLOCK,
                                          PREFECT_LOCAL_STORAGE_PATH: tmp_path / "results"}):
-            rerun = tokenize(tokenization, return_state=True)
+            rerun = tokenize(tokenization.model_copy(update={"completions": params.completions}), return_state=True)
         assert rerun.is_completed(), rerun
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[rerun.state_details.flow_run_id])))
         shard_runs = [t for t in task_runs if t.name.startswith("tokenize ")]
@@ -156,12 +177,12 @@ def test_the_export_deployment_exports_a_checkpoint(stage_server, store, env_set
         run = _wait_final(client, run.id)
     assert run.state.is_completed(), run.state
     result = run.state.result()
-    assert set(result["exports"]) == {"native", "speculators"}
+    assert set(result.exports) == {"native", "speculators"}
     config_key = f"exports/{run_name}/native/config.json"
     manifest = read_manifest(store, config_key)
     assert manifest.inputs[0].uri == store.uri(f"{checkpoint_key}/model.safetensors")
     assert manifest.producer.flow_run_id == str(run.id)
-    records = {r["uri"]: r for r in result["artifacts"]}
+    records = {r["uri"]: r for r in result.artifacts}
     assert records[store.uri(config_key)] == {"uri": store.uri(config_key), "kind": "export", "sha256": manifest.sha256,
                                              "manifest": store.uri(config_key) + ".manifest.json"}
 
@@ -179,9 +200,8 @@ def test_a_gate_failure_in_the_pipeline_logs_one_error_and_no_traceback(stage_se
 
     dataset = f"gate-{uuid.uuid4().hex[:8]}"
     put_shards(store, env_settings, dataset, [shard(0, content="")])  # empty answers: the gate refuses them
-    tokenization = TokenizeParams(dataset=dataset, run="run-a", tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
-                                  workers=1)
-    params = PipelineParams(generation=None, tokenization=tokenization, training=None)
+    tokenization = TokenizeParams(tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)), workers=1)
+    params = PipelineParams(completions=f"s3://{store.bucket}/completions/{dataset}/run-a/", tokenization=tokenization)
     run = run_deployment(deployment_for("pipeline"), parameters={"params": params.model_dump(mode="json")},
                          timeout=0, as_subflow=False)
     with get_client(sync_client=True) as client:

@@ -108,7 +108,7 @@ def test_training_flow_refuses_a_failed_dataset(prefect_server, store, env_setti
 
     prefix, shard_key = failed_dataset
     config = json.loads(_config(tmp_path, f"flow-{uuid.uuid4().hex[:6]}", [prefix]).read_text())
-    state = train(TrainFlowParams(config=config, evaluate=False, export_formats=[]), return_state=True)
+    state = train(TrainFlowParams(config=config), return_state=True)
     assert state.is_failed()
     with pytest.raises(Exception) as error:
         state.result()

@@ -2,8 +2,10 @@
 against the real Prefect server, S3 server and stage server: the deployments are listed, the
 tokenize deployment's form renders its descriptions (no text lost to markdown), a run started from
 the form fails for a fixable cause (no completions yet), the cause is fixed, Retry is pressed on the
-run's page, the run completes and its artifacts and task runs are listed. Screenshots of the page
-are saved (path printed) when a step fails.
+run's page, the run completes and its artifacts and task runs are listed. Then a pipeline run of two
+stages (tokenize -> train): its page draws the run graph, saved as a screenshot (path printed), and
+the graph the UI draws (the server's graph-v2) has the edge from tokenize to train. Screenshots of
+the page are saved (path printed) when a step fails.
 
 Needs `chromium` and `chromium-driver` (Debian) and `selenium` (the dev extra); skips, saying which is
 missing, otherwise. Run: `.venv/bin/python -m pytest -q tests/integration/test_ui_browser.py`
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_stage_deployments import stage_server  # noqa: F401 - the module's stage server
+from tests.integration.test_stage_deployments import stage_server, tiny_target  # noqa: F401 - module fixtures
 from tests.integration.test_tokenize_flow import shard
 from tests.unit.conftest_tokenize import MODEL_CACHE
 
@@ -120,13 +122,36 @@ def _new_run(base: str, deployment_id: str, known: set[str], *, timeout_s: float
     raise AssertionError("the form created no flow run")
 
 
+def _run_pipeline(base: str, store, target, tmp_path) -> str:
+    """A pipeline deployment run of two stages on the demo's completions: tokenize, then train on its result."""
+    from dflash_core.embedded import embedded_tokenizer_dir
+    from flows.pipeline import PipelineParams
+    from flows.tokenize import TokenizeParams
+    from flows.train import TrainFlowParams
+
+    training = TrainFlowParams(config={
+        "run_name": f"ui-{tmp_path.name}"[:40], "target": str(target), "output_dir": str(tmp_path / "runs"),
+        "token_budget": 96, "max_steps": 2, "checkpoint_every": 2, "log_every": 1, "validate_capture_batches": 1,
+        "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0}})
+    params = PipelineParams(completions=f"s3://{store.bucket}/completions/demo/smollm2/", training=training,
+                            tokenization=TokenizeParams(tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
+                                                        workers=1, gate={"max_skipped_fraction": 0.1}))
+    deployment = _api(base, "/deployments/name/dflash-pipeline/pipeline")
+    run = _api(base, f"/deployments/{deployment['id']}/create_flow_run",
+               {"parameters": {"params": params.model_dump(mode="json")}})
+    finished = _wait_state(base, run["id"], timeout_s=400)
+    assert finished["state_type"] == "COMPLETED", finished["state"]
+    return run["id"]
+
+
 def _utc_iso(seconds: float) -> str:
     import datetime
 
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat()
 
 
-def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, store, settings, tmp_path):  # noqa: F811
+def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, store, settings, tmp_path,  # noqa: F811
+                                                       tiny_target):  # noqa: F811
     from dflash_core.embedded import TOKENIZER_DIR_NAME, embedded_tokenizer_dir
 
     base = settings.prefect_api_url.removesuffix("/api")
@@ -135,12 +160,12 @@ def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, st
     try:
         browser.get(f"{base}/deployments")
         # The list shows 10 deployments a page, by name: these are on the first.
-        _wait_text(browser, "embedded-demo", "evaluate", "export", "generate", "tokenize-nightly")
+        _wait_text(browser, "embedded-demo", "evaluate", "export", "generate", "pipeline")
 
-        deployment = _api(base, "/deployments/name/dflash-tokenize/tokenize-nightly")
+        deployment = _api(base, "/deployments/name/dflash-tokenize/tokenize")
         browser.get(f"{base}/deployments/deployment/{deployment['id']}/run")
-        form = _wait_text(browser, "Dataset name in S3 keys", "Completion run to tokenize")
-        assert "completions///" not in form and "completions/(dataset)/(run)/" in form
+        form = _wait_text(browser, "What to tokenize", "Tokenized run name")
+        assert "tokenized///" not in form and "tokenized/(dataset)/(output_run)/" in form
         known = _run_ids(base, deployment["id"])
         for attempt in range(3):  # the UI's first request on a busy 2-core machine sometimes errors ("Oops")
             _click_button(browser, "Submit")
@@ -179,6 +204,18 @@ def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, st
         _wait_text(browser, "tokenize-report", "tokenize-stats")
         _click_tab(browser, "Task Runs")
         _wait_text(browser, "tokenize completions/demo/smollm2/shard-00000.jsonl")
+
+        pipeline_run = _run_pipeline(base, store, tiny_target, tmp_path)
+        browser.get(f"{base}/runs/flow-run/{pipeline_run}")
+        _wait_text(browser, "Completed", "dflash-tokenize/tokenize", "dflash-train/train")
+        time.sleep(2)  # the graph's canvas draws after the text
+        shot = Path(tmp_path) / "pipeline-run-graph.png"
+        browser.save_screenshot(str(shot))
+        print(f"run graph of pipeline flow run {pipeline_run}: {shot}")
+        nodes = dict((node_id, node) for node_id, node in _api(base, f"/flow_runs/{pipeline_run}/graph-v2")["nodes"])
+        by_label = {node["label"]: node_id for node_id, node in nodes.items()}
+        train_node = nodes[by_label["dflash-train/train"]]
+        assert [edge["id"] for edge in train_node["parents"]] == [by_label["dflash-tokenize/tokenize"]]
     except Exception:
         shot = Path(tmp_path) / "ui-failure.png"
         browser.save_screenshot(str(shot))

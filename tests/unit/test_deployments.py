@@ -70,3 +70,18 @@ def test_every_stage_param_form_has_a_refresh_or_no_cache():
     from flows.tokenize import TokenizeParams
 
     assert "refresh" in GenerateParams.model_fields and "refresh" in TokenizeParams.model_fields
+
+
+def test_the_real_run_example_fills_every_stage_of_the_pipeline_form():
+    import json
+    from pathlib import Path
+
+    from flows.deployments import REPO_DIR
+    from flows.pipeline import PipelineParams
+
+    raw = json.loads((Path(REPO_DIR) / "infra/examples/qwen3.6-27b-4gpu.json").read_text())
+    params = PipelineParams.model_validate(raw)
+    assert all(getattr(params, stage) is not None for stage in ("provision", "generation", "tokenization", "training",
+                                                                "evaluation", "export", "preserve", "audit"))
+    assert params.training.config.data == [] and params.tokenization.completions is None  # the DAG fills them
+    assert params.generation.engine.engine == "vllm" and params.training.nproc_per_node == 4
