@@ -21,10 +21,9 @@ from rich.table import Table
 
 from dflash_core.lineage import flow_run_url
 
-# Which part of the pipeline's result (flows/pipeline.py PipelineResult) each stage's flow returned.
-STAGE_RESULTS = {"generate": ("generation",), "tokenize": ("tokenization",), "train": ("training",),
-                 "evaluate": ("evaluation",), "export": ("export",), "provision": ("provision",),
-                 "preserve": ("preserve",), "s3-audit": ("audit",)}
+# Which field of the pipeline's result (dflash_core.stage_results.PipelineResult) each stage's flow returned.
+STAGE_RESULTS = {"generate": "generation", "tokenize": "tokenization", "train": "training", "evaluate": "evaluation",
+                 "export": "export", "provision": "provision", "preserve": "preserve", "s3-audit": "audit"}
 _FLOW_RUN_LINK = re.compile(r"/runs/flow-run/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
 
 
@@ -154,9 +153,7 @@ def artifact_table(result: dict) -> Table:
 
 
 def _stage_result(result: dict, stage: str) -> dict:
-    value: Any = result
-    for key in STAGE_RESULTS.get(stage, ()):
-        value = value.get(key) if isinstance(value, dict) else None
+    value = result.get(STAGE_RESULTS.get(stage, ""))
     return value if isinstance(value, dict) else {}
 
 

@@ -18,6 +18,11 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 Split = Literal["train", "heldout"]
+MeasuredOn = Literal["heldout", "train", "file"]
+# What an evaluation measured, as its report, the UI and the run summary say it.
+MEASURED_ON: dict[str, str] = {"heldout": "held-out prompts (never trained on)",
+                               "train": "IN-SAMPLE training prompts (asked for: overstates acceptance)",
+                               "file": "a prompt file given by the user"}
 RESULT_FILE = "result.json"  # each stage's record, beside its report in S3
 
 
@@ -53,9 +58,6 @@ class CompletionsDataset(StageResult):
                                           description="Prompts held out at import: never trained on.")
     outcomes: dict[str, int] = Field(default_factory=dict, description="Prompts by outcome (completed, failed, ...).")
     report: str | None = Field(None, description="URI of the generation report.")
-
-    def split(self, name: Split) -> list[StoredShard]:
-        return [s for s in self.shards if s.split == name]
 
 
 class TokenizedDataset(StageResult):
@@ -101,7 +103,7 @@ class EvaluationReport(StageResult):
 
     kind: Literal["evaluation"] = "evaluation"
     report: str
-    split: Literal["heldout", "train", "file"] = Field(
+    split: MeasuredOn = Field(
         description="heldout: prompts never trained on; train: in-sample (asked for); file: a prompt file given.")
     prompts: list[str] = Field(description="URIs of the prompt shards or file read.")
     checkpoint: str

@@ -135,9 +135,8 @@ def spec_named(name: str) -> DeploymentSpec:
 
 def spec_for(module_or_name: str) -> DeploymentSpec:
     """The deployment called `module_or_name`, else the first whose entrypoint is flows/<module_or_name>.py."""
-    for spec in DEPLOYMENTS:
-        if spec.name == module_or_name:
-            return spec
+    if any(spec.name == module_or_name for spec in DEPLOYMENTS):
+        return spec_named(module_or_name)
     for spec in DEPLOYMENTS:
         if spec.module == module_or_name:
             return spec

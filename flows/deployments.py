@@ -40,9 +40,10 @@ def _load_flow(entrypoint: str):
     return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
 
 
-def deployment_for(module: str) -> str:
-    """`flow name/deployment name` of the first deployment whose entrypoint is flows/<module>.py."""
-    spec = spec_for(module)
+def deployment_for(module_or_name: str) -> str:
+    """`flow name/deployment name` of the deployment called `module_or_name`, else of the first whose
+    entrypoint is flows/<module_or_name>.py."""
+    spec = spec_for(module_or_name)
     return f"{flow_name(spec.entrypoint)}/{spec.name}"
 
 
@@ -100,11 +101,11 @@ class StageFailed(RuntimeError):
     the pipeline)."""
 
 
-def run_stage(deployment: str, params: BaseModel, *, timeout_s: float | None = None) -> Any:
+def run_stage(deployment: str, params: BaseModel, *, key: str | None = None, timeout_s: float | None = None) -> Any:
     """Run the deployment named `deployment` (flows/deployment_table.py) as a subflow of the current flow
     run and return its result.
 
-    The run is keyed by (this flow run, deployment): when this flow run is retried, a stage that already
+    The run is keyed by (this flow run, `key` or the deployment): when this flow run is retried, a stage that already
     completed is not run again (its result is reused), and a failed one is retried in place (same
     flow run, its finished tasks come back Cached) instead of starting a new one. Upstream results in
     `params` (stage records from dflash_core.stage_results) become the run's task inputs, so the UI draws
@@ -125,9 +126,9 @@ def run_stage(deployment: str, params: BaseModel, *, timeout_s: float | None = N
         return state.result()
     name = f"{flow_name(spec.entrypoint)}/{spec.name}"
     with get_client(sync_client=True) as client:
-        run = _create_stage_run(client, name, params, parent_flow_run_id=current.id,
-                                idempotency_key=f"{current.id}:{deployment}",
-                                flow_run_name=_run_name(current.name, deployment))
+        run = _create_stage_run(client, spec, name, params, parent_flow_run_id=current.id,
+                                idempotency_key=f"{current.id}:{key or deployment}",
+                                flow_run_name=_run_name(current.name, key or deployment))
         state = client.read_flow_run(run.id).state
         if state is not None and state.is_final() and not state.is_completed():
             retry_flow_run(client, run.id, message=f"retried by {current.flow_name} {current.name}")
@@ -138,8 +139,8 @@ def run_stage(deployment: str, params: BaseModel, *, timeout_s: float | None = N
     return state.result()
 
 
-def _create_stage_run(client, name: str, params: BaseModel, *, parent_flow_run_id, idempotency_key: str,
-                      flow_run_name: str | None):
+def _create_stage_run(client, spec: DeploymentSpec, name: str, params: BaseModel, *, parent_flow_run_id,
+                      idempotency_key: str, flow_run_name: str | None):
     """What `run_deployment(as_subflow=True)` does, with the upstream stages as task inputs: a task run in
     the parent that stands for the stage (its state follows the stage's), then the stage's flow run."""
     from prefect import Task
@@ -149,7 +150,7 @@ def _create_stage_run(client, name: str, params: BaseModel, *, parent_flow_run_i
     deployment = client.read_deployment_by_name(name)
     upstream = [TaskRunResult(id=task_run_id) for task_run_id in _upstream_task_runs(client, params, parent_flow_run_id)]
     stand_in = Task(name=name, fn=lambda: None, version=deployment.version)
-    stand_in.task_key = f"dflash.stage.{spec_named(name.split('/', 1)[1]).name}"
+    stand_in.task_key = f"dflash.stage.{spec.name}"
     task_run = client.create_task_run(task=stand_in, flow_run_id=parent_flow_run_id, dynamic_key=idempotency_key,
                                       task_inputs={"params": upstream}, state=Pending())
     return client.create_flow_run_from_deployment(
@@ -160,6 +161,8 @@ def _create_stage_run(client, name: str, params: BaseModel, *, parent_flow_run_i
 def _upstream_task_runs(client, params: BaseModel, parent_flow_run_id) -> list:
     """The stand-in task runs, in this flow run, of the stages whose results `params` carries."""
     from dflash_core.stage_results import StageResult
+
+    from prefect.exceptions import ObjectNotFound
 
     found: list = []
 
@@ -178,12 +181,12 @@ def _upstream_task_runs(client, params: BaseModel, parent_flow_run_id) -> list:
     for flow_run_id in dict.fromkeys(found):
         try:
             producer = client.read_flow_run(flow_run_id)
-        except Exception:  # noqa: BLE001 - a result from another server or a deleted run: no edge to draw
+        except ObjectNotFound:  # a result of a run this server does not know (deleted): no edge to draw
             continue
         if producer.parent_task_run_id is None:
             continue
         stand_in = client.read_task_run(producer.parent_task_run_id)
-        if stand_in.flow_run_id == parent_flow_run_id and stand_in.id not in task_runs:
+        if str(stand_in.flow_run_id) == str(parent_flow_run_id) and stand_in.id not in task_runs:
             task_runs.append(stand_in.id)
     return task_runs
 

@@ -7,7 +7,7 @@ reports/evaluate/<run>/<flow run>/attempt-<n>/{report.json, acceptance.png, resu
 whose inputs are the checkpoint files and the prompt shards) + Prefect table, markdown and image.
 The result is an `EvaluationReport` that says which split it measured.
 
-Run: `dflash run evaluate --params '{"checkpoint": "s3://dflash/checkpoints/run-1/step-000100"}'`
+Run: `dflash run evaluate --params '{"checkpoint": "s3://dflash/reports/train/run-1/.../result.json"}'`
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.lineage import read_manifest
 from dflash_core.settings import load_settings
-from dflash_core.stage_results import RESULT_FILE, Checkpoint, EvaluationReport, TokenizedDataset
+from dflash_core.stage_results import MEASURED_ON, RESULT_FILE, Checkpoint, EvaluationReport, Split, TokenizedDataset
 from flows.command_line import run_from_command_line
 from tasks.artifacts import artifact_record
 from tasks.evaluate import fetch_checkpoint, fetch_prompt_bytes, publish_evaluation, run_evaluation
@@ -37,7 +37,7 @@ class EvaluateParams(BaseModel):
     dataset: TokenizedDataset | str | None = Field(None, description=(
         "Where the prompts come from: a tokenize result (or its result.json URI); None: the dataset the checkpoint "
         "was trained on."))
-    split: Literal["heldout", "train"] = Field("heldout", description=(
+    split: Split = Field("heldout", description=(
         "heldout: prompts never trained on (the default, what a user should read); train: in-sample, labelled so "
         "in the report (it overstates acceptance)."))
     prompts: str | None = Field(None, description="Or a prompt file instead of a dataset split: a tokenized .arrow "
@@ -59,14 +59,11 @@ class EvaluateParams(BaseModel):
     device: str = Field("cpu", description="cpu or cuda[:n]; the target runs in bf16 on GPU, fp32 on CPU.")
 
 
-MEASURED_ON = {"heldout": "held-out prompts (never trained on)",
-               "train": "IN-SAMPLE training prompts (asked for: overstates acceptance)",
-               "file": "a prompt file given by the user"}
-
-
 def prompt_sources(settings, params: EvaluateParams, checkpoint: Checkpoint) -> tuple[str, list[str]]:
     """(split label, the prompt files or shards to read), by the rule in EvaluateParams."""
     if params.prompts is not None:
+        if "split" in params.model_fields_set:
+            raise ValueError("pass prompts (a file) or split (of a dataset), not both")
         return "file", [params.prompts]
     dataset = params.dataset if params.dataset is not None else checkpoint.dataset
     if dataset is None:
@@ -132,7 +129,7 @@ def evaluate(params: EvaluateParams) -> EvaluationReport:
     """checkpoint + prompts -> speculative decoding rounds -> report with lineage."""
     logger = get_run_logger()
     settings = load_settings()
-    checkpoint = resolve_checkpoint(settings, params.checkpoint)
+    checkpoint = resolve_checkpoint(settings, params.checkpoint, target=params.target)
     split, sources = prompt_sources(settings, params, checkpoint)
     checkpoint_dir, checkpoint_refs = fetch_checkpoint(settings, checkpoint=checkpoint.uri,
                                                        cache_dir=settings.work_path("cache", "checkpoints"))

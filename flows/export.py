@@ -46,7 +46,7 @@ class ExportParams(BaseModel):
 def export(params: ExportParams) -> ExportResult:
     """checkpoint -> exported formats in S3; the records of every stored file."""
     settings = load_settings()
-    checkpoint = resolve_checkpoint(settings, params.checkpoint)
+    checkpoint = resolve_checkpoint(settings, params.checkpoint, target=params.target)
     run_name = params.run_name or checkpoint.run_name
     checkpoint_dir, inputs = fetch_checkpoint(settings, checkpoint=checkpoint.uri,
                                               cache_dir=settings.work_path("cache", "checkpoints"))

@@ -107,12 +107,17 @@ def preserve_on_failure(flow_obj, flow_run_obj, state) -> None:
     if it was given one. Never raises: a failed backup is logged, the run's own failure stays the story."""
     raw = (flow_run_obj.parameters or {}).get("params") or {}
     node_data = raw.get("node") if isinstance(raw, dict) else getattr(raw, "node", None)
-    if not node_data:
-        return
+    if node_data:
+        preserve_after(lambda settings: node_data if isinstance(node_data, Node) else Node.model_validate(node_data),
+                       state)
+
+
+def preserve_after(resolve_node, state) -> None:
+    """Preserve the node `resolve_node(settings)` names after a run ended in `state`; never raises."""
     logger = get_run_logger() if _has_run_context() else None
     try:
-        node = node_data if isinstance(node_data, Node) else Node.model_validate(node_data)
         settings = load_settings()
+        node = resolve_node(settings)
         store = ObjectStore.from_settings(settings)
         with node.connect() as access:
             result = preserve(access, node, store, settings.s3_prefixes, PreserveConfig())

@@ -5,8 +5,9 @@ be retried alone from the UI.
     plan -> (provision) -> generate -> tokenize -> train -> evaluate -> export -> (preserve) -> (S3 audit)
             CompletionsDataset -> TokenizedDataset -> Checkpoint -> EvaluationReport, ExportResult
 
-Stages left out of the form are skipped; a run may start from an earlier run's completions or tokenized
-dataset (its result or result.json URI). The embedded demo is this pipeline with `demo_pipeline()`'s
+Stages left out of the form are skipped; a run may start from earlier work by giving the first stage
+its input (tokenization.completions, training.dataset, evaluation.checkpoint: an earlier result or its
+result.json URI). The form is checked as a DAG before anything runs. The embedded demo is this pipeline with `demo_pipeline()`'s
 parameters (the `embedded-demo` deployment); a real target fills the `pipeline` deployment's form or
 `infra/examples/qwen3.6-27b-4gpu.json`. Evaluation measures the held-out split by default.
 
@@ -17,15 +18,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from dflash_core.embedded import demo_prompt_params
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.planner import PRESETS, PlanInputs
 from dflash_core.settings import Settings, load_settings
-from dflash_core.stage_results import Checkpoint, CompletionsDataset, PipelineResult, TokenizedDataset
+from dflash_core.stage_results import Checkpoint, PipelineResult
 from dflash_core.storage import ObjectStore
 from dflash_core.train.config import TrainConfig
 from flows.command_line import run_from_command_line
@@ -34,7 +35,7 @@ from flows.evaluate import EvaluateParams
 from flows.export import ExportParams
 from flows.failures import fail_run
 from flows.generate import GenerateParams
-from flows.nodes import PreserveParams, ProvisionParams
+from flows.nodes import PreserveParams, ProvisionParams, preserve_after
 from flows.s3 import S3AuditParams
 from flows.tokenize import TokenizeParams
 from flows.train import TrainFlowParams
@@ -57,16 +58,12 @@ class PipelineParams(BaseModel):
     provision: ProvisionParams | None = Field(None, description=(
         "Provision this node first (from the inventory: node_name + inventory, or inline); None: no node step."))
     generation: GenerateParams | None = Field(None, description="Generation stage; None skips it.")
-    completions: CompletionsDataset | str | None = Field(None, description=(
-        "Without a generation stage: tokenize these completions (an earlier generate result, its result.json URI, "
-        "or a completion run's prefix)."))
-    tokenization: TokenizeParams | None = Field(None, description="Tokenization stage (its input: the completions "
-                                                                  "above); None skips it.")
-    dataset: TokenizedDataset | str | None = Field(None, description=(
-        "Without a tokenization stage: train on this tokenized dataset (an earlier tokenize result or its "
-        "result.json URI)."))
-    training: TrainFlowParams | None = Field(None, description="Training stage (its input: the dataset above; leave "
-                                                              "config.data empty); None skips it.")
+    tokenization: TokenizeParams | None = Field(None, description=(
+        "Tokenization stage; None skips it. Its input is the generation stage's result: leave its completions "
+        "empty, or set them (an earlier result, its result.json URI or a completion run's prefix) without one."))
+    training: TrainFlowParams | None = Field(None, description=(
+        "Training stage; None skips it. Its input is the tokenization stage's result: leave its dataset and "
+        "config.data empty, or set the dataset without one."))
     train_deployment: Literal["train", "train-demo"] = Field("train", description="The deployment training runs as.")
     evaluation: EvaluateParams | None = Field(None, description=(
         "Evaluation stage (its input: the checkpoint; prompts: the dataset's held-out split unless split=train); "
@@ -75,6 +72,26 @@ class PipelineParams(BaseModel):
     preserve: PreserveParams | None = Field(None, description=(
         "Preserve this node at the end, and when a stage fails (logs, configs, inventory to S3; nothing deleted)."))
     audit: S3AuditParams | None = Field(None, description="An S3 audit at the end: what the run wrote, dead data.")
+
+    @model_validator(mode="after")
+    def _a_dag(self) -> PipelineParams:
+        """Every stage has exactly one source for its input: the stage before it, or the form."""
+        problems = []
+        links = (("tokenization", "completions", "generation"), ("training", "dataset", "tokenization"),
+                 ("evaluation", "checkpoint", "training"), ("export", "checkpoint", "training"))
+        for stage, field, upstream in links:
+            params = getattr(self, stage)
+            if params is None:
+                continue
+            given = getattr(params, field) is not None or (stage == "training" and bool(params.config.data))
+            if getattr(self, upstream) is not None and given:
+                problems.append(f"{stage}.{field} is set, but the {upstream} stage's result is its input: leave it "
+                                f"empty")
+            elif getattr(self, upstream) is None and not given:
+                problems.append(f"the {stage} stage needs {field}: add a {upstream} stage or set {stage}.{field}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     def plan_inputs(self) -> PlanInputs:
         return PlanInputs(target=PRESETS[self.target_preset], samples=self.samples, mean_tokens=self.mean_tokens,
@@ -105,7 +122,17 @@ def demo_completions_prefix(settings: Settings) -> str:
     return ObjectStore.from_settings(settings).uri(key) + "/"
 
 
-@flow(name="dflash-pipeline", log_prints=True, version=flow_version())
+def _preserve_on_crash(flow_obj, flow_run_obj, state) -> None:
+    """Hook for a crashed or cancelled pipeline run: preserve the form's node, in this process."""
+    raw = (flow_run_obj.parameters or {}).get("params") or {}
+    preserve = raw.get("preserve") if isinstance(raw, dict) else getattr(raw, "preserve", None)
+    if preserve:
+        params = preserve if isinstance(preserve, PreserveParams) else PreserveParams.model_validate(preserve)
+        preserve_after(params.resolve, state)
+
+
+@flow(name="dflash-pipeline", log_prints=True, version=flow_version(), on_crashed=[_preserve_on_crash],
+      on_cancellation=[_preserve_on_crash])
 def pipeline(params: PipelineParams = PipelineParams()) -> PipelineResult:
     """Plan here; each stage runs as a run of its own deployment (a subflow with its own Retry) on the result
     of the stage before it."""
@@ -122,54 +149,48 @@ def pipeline(params: PipelineParams = PipelineParams()) -> PipelineResult:
             result.provision = run_stage("provision", params.provision)
         _run_stages(params, result)
     except StageFailed as failed:
-        if params.preserve is not None:
-            _preserve(params, result)
+        _preserve(params, result, when="failure")
         return fail_run(failed, already_logged=True)  # the stage's own run logged the cause
-    except ValueError as error:  # a form that does not make a DAG: say what is missing
-        return fail_run(error)
-    if params.preserve is not None:
-        _preserve(params, result)
+    _preserve(params, result, when="end")
     if params.audit is not None:
-        result.audit = run_stage("s3-audit", params.audit)
+        try:
+            result.audit = run_stage("s3-audit", params.audit)
+        except StageFailed as failed:  # the drafter is made; the audit's own run says what went wrong
+            get_run_logger().warning("the S3 audit failed: %s", failed)
     result.artifacts = _records(result)
     return result
 
 
 def _run_stages(params: PipelineParams, result: PipelineResult) -> None:
-    """generate -> tokenize -> train -> evaluate, export: each stage's input is the result before it."""
-    completions = params.completions
+    """generate -> tokenize -> train -> evaluate, export: each stage's input is the result before it (the form's
+    own value for the first stage that runs)."""
     if params.generation is not None:
-        completions = result.generation = run_stage("generate", params.generation)
-    dataset = params.dataset
+        result.generation = run_stage("generate", params.generation)
     if params.tokenization is not None:
-        if completions is None:
-            raise ValueError("the tokenization stage needs completions: add a generation stage or pass completions")
-        dataset = result.tokenization = run_stage(
-            "tokenize", params.tokenization.model_copy(update={"completions": completions}))
-    checkpoint = None
+        given = {"completions": result.generation} if result.generation is not None else {}
+        result.tokenization = run_stage("tokenize", params.tokenization.model_copy(update=given))
     if params.training is not None:
-        if dataset is None:
-            raise ValueError("the training stage needs a dataset: add a tokenization stage or pass dataset")
-        checkpoint = result.training = run_stage(
-            params.train_deployment, params.training.model_copy(update={"dataset": dataset}))
-        if not isinstance(checkpoint, Checkpoint):  # another node of a multi-node run holds rank 0
+        given = {"dataset": result.tokenization} if result.tokenization is not None else {}
+        result.training = run_stage(params.train_deployment, params.training.model_copy(update=given))
+        if not isinstance(result.training, Checkpoint):  # another node of a multi-node run holds rank 0
             return
     for field, stage in (("evaluation", "evaluate"), ("export", "export")):
         stage_params = getattr(params, field)
-        if stage_params is None:
-            continue
-        if checkpoint is None and stage_params.checkpoint is None:
-            raise ValueError(f"the {stage} stage needs a checkpoint: add a training stage or set {field}.checkpoint")
-        given = stage_params if checkpoint is None else stage_params.model_copy(update={"checkpoint": checkpoint})
-        setattr(result, field, run_stage(stage, given))
+        if stage_params is not None:
+            given = {"checkpoint": result.training} if result.training is not None else {}
+            setattr(result, field, run_stage(stage, stage_params.model_copy(update=given)))
 
 
-def _preserve(params: PipelineParams, result: PipelineResult) -> None:
-    """Preserve the node; a failed backup is logged, never the run's story."""
+def _preserve(params: PipelineParams, result: PipelineResult, *, when: str) -> None:
+    """Preserve the node, once per attempt of this run (a Retry preserves again after its own stages); a failed
+    backup is logged, never the run's story."""
+    if params.preserve is None:
+        return
     try:
-        result.preserve = run_stage("preserve", params.preserve)
+        result.preserve = run_stage("preserve", params.preserve,
+                                    key=f"preserve-{when}-attempt-{flow_run.run_count or 1}")
     except StageFailed as failed:
-        print(f"preserving the node failed: {failed}")
+        get_run_logger().warning("preserving the node failed: %s", failed)
 
 
 def _records(result: PipelineResult) -> list[dict]:

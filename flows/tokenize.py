@@ -27,6 +27,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
+from dflash_core.data.holdout import heldout_leaks
 from dflash_core.data.verdict import DATASET_MANIFEST_NAME, DatasetManifest, verdict_from_problems
 from dflash_core.embedded import embedded_tokenizer_dir
 from dflash_core.layout import (
@@ -83,8 +84,9 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> TokenizedDataset:
     store = ObjectStore.from_settings(settings)
     store.check()
     if params.completions is None:
-        raise ValueError("tokenize needs completions: the generate stage's result, the URI of its result.json, or "
-                         "a completion run's prefix (s3://BUCKET/completions/DATASET/RUN/)")
+        example = artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, "DATASET", "RUN")
+        raise ValueError(f"tokenize needs completions: the generate stage's result, the URI of its result.json, or "
+                         f"a completion run's prefix ({store.uri(example)}/)")
     completions = resolve_completions(settings, params.completions)
     if not completions.shards:
         raise ValueError(f"no completion shards in {completions.result_uri or completions.report or completions.run}: "
@@ -98,7 +100,8 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> TokenizedDataset:
     ids = {key: future.result() for key, future in [  # one id per line, in shard order
         (key, read_completion_ids.submit(settings, input_key=key, max_record_bytes=params.tokenize.max_record_bytes))
         for key in input_keys]}
-    # The splits apart: an id in both is a held-out leak (refused below), not a duplicate to drop.
+    check_no_heldout_in_training(ids, heldout_ids=set(completions.heldout_prompt_ids))
+    # The splits apart: an id in both is a held-out leak (refused above), not a duplicate to drop.
     duplicates = {**find_duplicates({k: v for k, v in ids.items() if is_heldout_key(k)}),
                   **find_duplicates({k: v for k, v in ids.items() if not is_heldout_key(k)})}
     with TokenizePool(target=target, config=params.tokenize, workers=params.workers) as pool:
@@ -114,7 +117,6 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> TokenizedDataset:
     frames = [summary_frames(s) for s in summaries]
     samples = pl.concat([f[0] for f in frames], how="vertical_relaxed")
     skipped = pl.concat([f[1] for f in frames], how="vertical_relaxed")
-    check_no_heldout_in_training(samples, heldout_ids=set(completions.heldout_prompt_ids))
     short = params.gate.short_loss_tokens
     by_shard, by_source, overall = (summarize(samples, skipped, by="shard", short_loss_tokens=short),
                                     summarize(samples, skipped, by="source", short_loss_tokens=short),
@@ -201,15 +203,13 @@ def completions_from_prefix(settings, uri: str) -> CompletionsDataset:
     return CompletionsDataset(dataset=segments[1], run=segments[2], shards=shards, heldout_prompt_ids=heldout_ids)
 
 
-def check_no_heldout_in_training(samples: pl.DataFrame, *, heldout_ids: set[str]) -> None:
-    """Refuse a training shard that holds a held-out prompt id (it would be measured on what it learned)."""
-    if not heldout_ids or not samples.height:
-        return
-    training = samples.filter(~pl.col("shard").str.starts_with(f"{HELDOUT_STEM}-"))
-    leaked = training.filter(pl.col("id").is_in(sorted(heldout_ids)))
-    if leaked.height:
-        examples = ", ".join(f"{row['id']} in {row['shard']}" for row in leaked.head(5).iter_rows(named=True))
-        raise HeldOutLeak(f"{leaked.height} training samples have held-out prompt ids ({examples}): the held-out "
+def check_no_heldout_in_training(ids: dict[str, list[str | None]], *, heldout_ids: set[str]) -> None:
+    """Refuse, before anything is written, a training shard that holds a held-out prompt id (the drafter would
+    be measured on what it learned)."""
+    leaked = heldout_leaks(ids, heldout_ids=heldout_ids, is_heldout=is_heldout_key)
+    if leaked:
+        examples = ", ".join(f"{prompt_id} in {shard.rsplit('/', 1)[-1]}" for shard, prompt_id in leaked[:5])
+        raise HeldOutLeak(f"{len(leaked)} training samples have held-out prompt ids ({examples}): the held-out "
                           f"split must never be trained on; give those prompts new ids or re-import with a holdout "
                           f"that keeps them apart")
 

@@ -33,10 +33,6 @@ def _retry_unless_user_error(task, task_run, state) -> bool:
 _RETRY = {"retries": 3, "retry_delay_seconds": [2, 5, 15], "retry_condition_fn": _retry_unless_user_error}
 
 
-def _store_key(store: ObjectStore, spec: str) -> str:
-    return spec.removeprefix(f"s3://{store.bucket}/")
-
-
 @task(**_RETRY)
 def fetch_checkpoint(settings: Settings, *, checkpoint: str, cache_dir: Path) -> tuple[Path, list[InputRef]]:
     """A local checkpoint dir (downloaded from S3 unless `checkpoint` is a local dir) and its input refs."""
@@ -46,7 +42,7 @@ def fetch_checkpoint(settings: Settings, *, checkpoint: str, cache_dir: Path) ->
         return local, [InputRef(uri=(local / n).resolve().as_uri(), sha256=sha256_file(local / n))
                        for n in names if (local / n).is_file()]
     store = ObjectStore.from_settings(settings)
-    prefix = _store_key(store, checkpoint).rstrip("/")
+    prefix = store.key_of(checkpoint).rstrip("/")
     if not store.exists(f"{prefix}/{CHECKPOINT_META_FILE}"):
         raise ValueError(f"checkpoint {checkpoint!r} is neither a local dir nor an S3 checkpoint with {CHECKPOINT_META_FILE}")
     target = cache_dir / prefix
@@ -64,7 +60,7 @@ def fetch_prompt_bytes(settings: Settings, *, prompts: str) -> tuple[bytes, Inpu
     if local.is_file():
         return local.read_bytes(), InputRef(uri=local.resolve().as_uri(), sha256=sha256_file(local))
     store = ObjectStore.from_settings(settings)
-    key = _store_key(store, prompts)
+    key = store.key_of(prompts)
     if not store.exists(key):
         raise ValueError(f"prompts {prompts!r} is neither a local file nor an S3 object")
     return store.get_bytes(key), input_ref(store, key)

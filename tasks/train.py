@@ -181,5 +181,6 @@ def stored_checkpoint(settings: Settings, config: TrainConfig, checkpoint: str) 
     if not store.exists(f"{key}/{CHECKPOINT_META_FILE}"):
         return Checkpoint(uri=str(checkpoint), **common)
     inputs = read_manifest(store, f"{key}/{CHECKPOINT_MODEL_FILE}").inputs
-    data = [StoredShard(uri=i.uri, sha256=i.sha256 or "") for i in inputs if not is_heldout_key(i.uri)]
+    data = [StoredShard(uri=i.uri, sha256=i.sha256 or "") for i in inputs]
+    assert not any(is_heldout_key(s.uri) for s in data), "fetch_shards refuses held-out shards"
     return Checkpoint(uri=store.uri(key), data=data, **common)

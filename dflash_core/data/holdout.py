@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
@@ -28,15 +28,15 @@ P = TypeVar("P", bound=HasIdAndSource)
 class HoldoutSpec(BaseModel):
     """How many prompts of each source to hold out for evaluation."""
 
-    fraction: float = Field(DEFAULT_HOLDOUT_FRACTION, ge=0, lt=1, description=(
-        "Share of each source's prompts held out (rounded; at least one from a source of two or more). "
-        "0 holds none out: evaluation then needs prompts of its own."))
+    fraction: float | None = Field(None, ge=0, lt=1, description=(
+        f"Share of each source's prompts held out (rounded; at least one from a source of two or more). None "
+        f"(and no count): {DEFAULT_HOLDOUT_FRACTION}. 0 holds none out: evaluation then needs prompts of its own."))
     count: int | None = Field(None, ge=0, description="Or: exactly this many per source (at most all but one).")
     seed: int = Field(0, description="Which prompts: the same seed gives the same split.")
 
     @model_validator(mode="after")
     def _one_rule(self) -> HoldoutSpec:
-        if self.count is not None and "fraction" in self.model_fields_set:
+        if self.count is not None and self.fraction is not None:
             raise ValueError(f"holdout: give a count ({self.count}) or a fraction ({self.fraction}), not both")
         return self
 
@@ -46,13 +46,22 @@ class HoldoutSpec(BaseModel):
             return 0
         if self.count is not None:
             return min(self.count, num_prompts - 1)
-        if self.fraction == 0:
+        fraction = DEFAULT_HOLDOUT_FRACTION if self.fraction is None else self.fraction
+        if fraction == 0:
             return 0
-        return min(max(1, round(self.fraction * num_prompts)), num_prompts - 1)
+        return min(max(1, round(fraction * num_prompts)), num_prompts - 1)
 
 
 def holdout_rank(seed: int, source: str, prompt_id: str) -> str:
     return hashlib.sha256(f"{seed}\0{source}\0{prompt_id}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def heldout_leaks(ids_by_shard: dict[str, list[str | None]], *, heldout_ids: set[str],
+                  is_heldout: Callable[[str], bool]) -> list[tuple[str, str]]:
+    """(shard, id) of every training-shard line whose id is a held-out prompt's (the given ids and those of
+    the held-out shards)."""
+    held = heldout_ids | {i for shard, ids in ids_by_shard.items() if is_heldout(shard) for i in ids if i}
+    return [(shard, i) for shard, ids in ids_by_shard.items() if not is_heldout(shard) for i in ids if i in held]
 
 
 def split_heldout(prompts: Sequence[P], spec: HoldoutSpec) -> tuple[list[P], list[P]]:

@@ -36,6 +36,8 @@ def fetch_shards(items: list[str], *, store: ObjectStore | None, cache_dir: Path
     verdicts = []
     manifests: dict[str, DatasetManifest | None] = {}
     for item in items:
+        if is_heldout_key(item):
+            raise ValueError(f"data item {item!r} is a held-out shard: the evaluation split is never trained on")
         local = Path(item)
         if local.is_file():
             shards.append((local, None))

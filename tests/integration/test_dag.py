@@ -65,8 +65,9 @@ def test_a_pipeline_on_its_own_dataset_trains_on_its_shards_and_evaluates_held_o
         "shard-00000.jsonl": _records("a", 8), "shard-00001.jsonl": _records("b", 8),
         "heldout-00000.jsonl": _records("h", 3)})
     run_name = f"dag-{tmp_path.name}"[:50]
-    state = pipeline(PipelineParams(completions=completions, **_stages(tiny_target, tmp_path, run_name)),
-                     return_state=True)
+    stages = _stages(tiny_target, tmp_path, run_name)
+    stages["tokenization"].completions = completions  # the first stage's input: from the form
+    state = pipeline(PipelineParams(**stages), return_state=True)
     assert state.is_completed(), state
     result = state.result()
     tokenized, checkpoint, evaluation = result.tokenization, result.training, result.evaluation
@@ -112,8 +113,8 @@ def test_in_sample_evaluation_is_asked_for_and_labelled(prefect_server, store, e
     completions = _put_completions(store, env_settings, dataset, {"shard-00000.jsonl": _records("a", 8),
                                                                   "heldout-00000.jsonl": _records("h", 2)})
     stages = _stages(tiny_target, tmp_path, f"ins-{tmp_path.name}"[:50])
-    trained = pipeline(PipelineParams(completions=completions, tokenization=stages["tokenization"],
-                                      training=stages["training"])).training
+    stages["tokenization"].completions = completions
+    trained = pipeline(PipelineParams(tokenization=stages["tokenization"], training=stages["training"])).training
     state = evaluate(EvaluateParams(checkpoint=trained.result_uri, split="train", num_prompts=2, max_new_tokens=4,
                                     modes=["block"]), return_state=True)
     assert state.is_completed(), state
@@ -132,15 +133,27 @@ def test_a_training_shard_holding_a_held_out_prompt_id_is_refused(prefect_server
     state = tokenize(TokenizeParams(completions=completions, tokenizer_dir=str(tiny_target), workers=1),
                      return_state=True)
     assert state.is_failed()
-    with pytest.raises(HeldOutLeak, match=r"1 training samples have held-out prompt ids \(h0 in shard-00000.arrow\)"):
+    with pytest.raises(HeldOutLeak, match=r"1 training samples have held-out prompt ids \(h0 in shard-00000.jsonl\)"):
         state.result()
+    assert not list(store.list(f"tokenized/{dataset}/")), "refused before any shard was written"
 
 
-def test_a_stage_without_its_input_says_what_to_pass(prefect_server, env_settings):
-    from flows.pipeline import PipelineParams, pipeline
+def test_the_form_is_checked_as_a_dag_before_anything_runs():
+    """One source per stage input: the stage before it, or the form; said at once, not hours in."""
+    from pydantic import ValidationError
+
+    from flows.evaluate import EvaluateParams
+    from flows.pipeline import PipelineParams
+    from flows.tokenize import TokenizeParams
     from flows.train import TrainFlowParams
 
-    state = pipeline(PipelineParams(training=TrainFlowParams(config={"target": "embedded"})), return_state=True)
-    assert state.is_failed()
-    with pytest.raises(ValueError, match="the training stage needs a dataset: add a tokenization stage or pass dataset"):
-        state.result()
+    with pytest.raises(ValidationError, match="the training stage needs dataset: add a tokenization stage or set "
+                                              "training.dataset"):
+        PipelineParams(training=TrainFlowParams(config={"target": "embedded"}))
+    with pytest.raises(ValidationError, match="training.dataset is set, but the tokenization stage's result is its "
+                                              "input: leave it empty"):
+        PipelineParams(tokenization=TokenizeParams(completions="s3://b/completions/d/r/"),
+                       training=TrainFlowParams(config={"target": "embedded", "data": ["s3://b/x.arrow"]}))
+    with pytest.raises(ValidationError, match="the evaluation stage needs checkpoint"):
+        PipelineParams(evaluation=EvaluateParams())
+    PipelineParams(evaluation=EvaluateParams(checkpoint="s3://b/reports/train/r/x/attempt-1/result.json"))

@@ -33,10 +33,10 @@ def test_the_summary_renders_from_a_real_pipeline_run(prefect_server, store, env
 
     dataset = f"summary-{uuid.uuid4().hex[:8]}"
     put_shards(store, env_settings, dataset, [shard(0), shard(1)])
-    tokenization = TokenizeParams(tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)), workers=1,
+    tokenization = TokenizeParams(completions=f"s3://{store.bucket}/completions/{dataset}/run-a/",
+                                  tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)), workers=1,
                                   gate=GateThresholds(max_skipped_fraction=0.1))
-    completions = f"s3://{store.bucket}/completions/{dataset}/run-a/"
-    state = pipeline(PipelineParams(completions=completions, tokenization=tokenization), return_state=True)
+    state = pipeline(PipelineParams(tokenization=tokenization), return_state=True)
     assert state.is_completed(), state
     flow_run_id = str(state.state_details.flow_run_id)
     # What flows.launch prints: the link first, logs, then the result as indented JSON.

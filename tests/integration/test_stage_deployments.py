@@ -72,14 +72,14 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
     for name, value in result_store_env(env_settings).items():  # S3 keys to read results from the bucket
         monkeypatch.setenv(name, value)
     dataset = f"stages-{uuid.uuid4().hex[:8]}"
-    tokenization = TokenizeParams(tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
+    tokenization = TokenizeParams(completions=f"s3://{store.bucket}/completions/{dataset}/run-a/",
+                                  tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
                                   workers=1, gate=GateThresholds(max_skipped_fraction=0.1))
     training = TrainFlowParams(config={
         "run_name": dataset, "target": str(tiny_target), "output_dir": str(tmp_path / "runs"), "token_budget": 96,
         "max_steps": 2, "checkpoint_every": 2, "log_every": 1, "validate_capture_batches": 1,
         "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0}})
-    params = PipelineParams(completions=f"s3://{store.bucket}/completions/{dataset}/run-a/", tokenization=tokenization,
-                            training=training)
+    params = PipelineParams(tokenization=tokenization, training=training)
     with get_client(sync_client=True) as client:
         # The pipeline as `dflash demo` starts it: a run of its deployment, on the stage server.
         pipeline_run = run_deployment(deployment_for("pipeline"), parameters={"params": params.model_dump(mode="json")},
@@ -126,7 +126,7 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
 
         with temporary_settings(updates={PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK: RESULTS_BLOCK,
                                          PREFECT_LOCAL_STORAGE_PATH: tmp_path / "results"}):
-            rerun = tokenize(tokenization.model_copy(update={"completions": params.completions}), return_state=True)
+            rerun = tokenize(tokenization, return_state=True)
         assert rerun.is_completed(), rerun
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[rerun.state_details.flow_run_id])))
         shard_runs = [t for t in task_runs if t.name.startswith("tokenize ")]
@@ -200,8 +200,9 @@ def test_a_gate_failure_in_the_pipeline_logs_one_error_and_no_traceback(stage_se
 
     dataset = f"gate-{uuid.uuid4().hex[:8]}"
     put_shards(store, env_settings, dataset, [shard(0, content="")])  # empty answers: the gate refuses them
-    tokenization = TokenizeParams(tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)), workers=1)
-    params = PipelineParams(completions=f"s3://{store.bucket}/completions/{dataset}/run-a/", tokenization=tokenization)
+    tokenization = TokenizeParams(completions=f"s3://{store.bucket}/completions/{dataset}/run-a/",
+                                  tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)), workers=1)
+    params = PipelineParams(tokenization=tokenization)
     run = run_deployment(deployment_for("pipeline"), parameters={"params": params.model_dump(mode="json")},
                          timeout=0, as_subflow=False)
     with get_client(sync_client=True) as client:

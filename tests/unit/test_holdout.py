@@ -53,6 +53,34 @@ def test_counts_zero_and_bad_specs():
         HoldoutSpec(count=2, fraction=0.2)
     with pytest.raises(ValidationError):
         HoldoutSpec(fraction=1.0)
+    for spec in (HoldoutSpec(count=2), HoldoutSpec(fraction=0.2), HoldoutSpec()):  # what a deployment run receives
+        assert HoldoutSpec.model_validate(spec.model_dump(mode="json")) == spec
+
+
+def test_leaks_are_training_lines_with_a_held_out_id():
+    from dflash_core.data.holdout import heldout_leaks
+    from dflash_core.layout import is_heldout_key
+
+    ids = {"c/shard-00000.jsonl": ["a", "h1", None], "c/shard-00001.jsonl": ["x"], "c/heldout-00000.jsonl": ["h1"]}
+    assert heldout_leaks(ids, heldout_ids={"x"}, is_heldout=is_heldout_key) == [
+        ("c/shard-00000.jsonl", "h1"), ("c/shard-00001.jsonl", "x")]
+    assert heldout_leaks({"c/shard-00000.jsonl": ["a"]}, heldout_ids=set(), is_heldout=is_heldout_key) == []
+
+
+def test_every_stage_form_survives_the_trip_to_a_deployment_run():
+    """run_stage sends model_dump(mode="json"); the stage validates it back: the demo and the real example."""
+    import json
+    from pathlib import Path
+
+    from flows.pipeline import PipelineParams, demo_pipeline
+
+    example = Path(__file__).resolve().parents[2] / "infra/examples/qwen3.6-27b-4gpu.json"
+    for params in (demo_pipeline(), PipelineParams.model_validate(json.loads(example.read_text()))):
+        for field in ("provision", "generation", "tokenization", "training", "evaluation", "export", "preserve",
+                      "audit"):
+            stage = getattr(params, field)
+            if stage is not None:
+                assert type(stage).model_validate(stage.model_dump(mode="json")) == stage, field
 
 
 def test_the_demo_holds_out_four_of_its_38_prompts():
