@@ -167,7 +167,7 @@ def run_speculators(job: Job, variant: Variant) -> dict:
         kwargs = dict(hidden_states=captured.tapped_hidden, input_ids=tensors["input_ids"],
                       loss_mask=tensors["loss_mask"].long(), verifier_last_hidden_states=captured.final_hidden,
                       document_ids=tensors["document_ids"], position_ids=tensors["position_ids"],
-                      loss_config=loss_config, max_anchors=config.drafter.num_anchors,
+                      loss_config=loss_config, max_anchors=config.resolved_num_anchors,
                       per_position_loss_weight="dpace", dpace_alpha=0.5)
         with autocast:
             try:

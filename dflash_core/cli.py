@@ -173,7 +173,9 @@ def services_up() -> None:
     for service in _services(settings):
         with console.status(f"starting {service.name} ..."):
             try:
-                status = local.start(service)
+                # A second `services up` at once waits for the first's start (a lock per service), then
+                # finds the service running: one set of servers, and both commands succeed.
+                status = local.start(service, on_wait=lambda line: console.print(f"[yellow]{line}[/]"))
             except ServiceError as error:
                 raise _fail(str(error)) from None
         console.print(f"[green]{status.name}[/] running (pid {status.pid}) at {status.url}")

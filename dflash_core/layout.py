@@ -8,6 +8,8 @@
     exports/<run>/<format>/...
     node-backups/<node>/<timestamp>/...
     reports/<kind>/<run>/...                    (plan, training metrics)
+    reports/train/<run>/run.yaml, provenance.json, metrics.jsonl   (the trainer, at start and each checkpoint;
+                                                 the train flow's report again at the end, with curves.png)
     reports/tokenize/<dataset>/<run>/<flow run>/attempt-<n>/stats.json, loss-histogram.png
     reports/generate/<dataset>/<run>/<flow run>/attempt-<n>/summary.json
     reports/evaluate/<run>/<flow run>/attempt-<n>/report.json, acceptance.png
@@ -73,6 +75,17 @@ def artifact_key(prefixes: dict[ArtifactKind, str], kind: ArtifactKind, *segment
 def run_lease_key(prefixes: dict[ArtifactKind, str], run_name: str) -> str:
     """`checkpoints/<run>/lease.json`: which process trains `run_name` now (dflash_core.train.run_lease)."""
     return artifact_key(prefixes, ArtifactKind.CHECKPOINT, run_name, RUN_LEASE_FILE)
+
+
+# A training run's record, written in its run dir: the resolved config, the code and versions that ran, the
+# metrics log. Uploaded beside its checkpoints so a run stays auditable from the bucket after its node is gone.
+TRAIN_RUN_FILES = ("run.yaml", "provenance.json", "metrics.jsonl")
+
+
+def train_report_key(prefixes: dict[ArtifactKind, str], run_name: str, name: str) -> str:
+    """`reports/train/<run>/<name>`: a file of a training run's record (TRAIN_RUN_FILES, which the trainer uploads
+    at its start and at each checkpoint) or of the train flow's report (curves.png)."""
+    return artifact_key(prefixes, ArtifactKind.REPORT, "train", run_name, name)
 
 
 HELDOUT_STEM = "heldout"  # shards of the held-out split: prompts never trained on

@@ -18,6 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS
+
 GiB = 1024**3
 TB = 10**12
 
@@ -133,8 +135,9 @@ class PlanInputs(BaseModel):
     drafter_layers: int = Field(5, gt=0, le=MAX_SIZE)
     block_size: int = Field(16, gt=1, le=MAX_SIZE)
     token_budget: int = Field(8192, gt=0, le=MAX_TOKENS, description="Tokens per training micro-batch per GPU.")
-    anchors_per_1k_tokens: float = Field(250.0, gt=0, le=MAX_TOKENS,
-                                         description="Anchors per 1,000 batch tokens (512 per 2,048).")
+    anchors_per_1k_tokens: float = Field(ANCHORS_PER_1024_TOKENS * 1000 / 1024, gt=0, le=MAX_TOKENS,
+                                         description="Anchors per 1,000 batch tokens; default: a training run's "
+                                         "default density (dflash_core.train.anchor_budget, 512 per 2,048).")
     gpu_memory_gib: float = Field(139.0, gt=0, le=MAX_SIZE, description="Usable memory of one GPU (H200: ~139 GiB).")
     num_gpus: int = Field(1, gt=0, le=MAX_SIZE)
     interconnect_gb_s: float = Field(450.0, ge=0.001, le=MAX_SIZE,
@@ -237,7 +240,9 @@ def plan(inputs: PlanInputs) -> Plan:
         _TARGET_TRANSIENT_PER_H * hidden + _TARGET_TRANSIENT_PER_I * intermediate
         + (inputs.tapped_layers + 1) * hidden
     )
-    query_tokens = math.ceil(budget * inputs.anchors_per_1k_tokens / 1000) * inputs.block_size
+    # Rounded first: a run's anchors reach here as num_anchors * 1000 / token_budget, whose float product can
+    # land a hair above the integer it came from (12,345 tokens, 15 anchors -> 15.000000000000002).
+    query_tokens = math.ceil(round(budget * inputs.anchors_per_1k_tokens / 1000, 6)) * inputs.block_size
     drafter_activations = 2 * inputs.drafter_layers * (
         query_tokens * (_DRAFTER_SAVED_PER_H * hidden + _DRAFTER_SAVED_PER_I * intermediate)
         + budget * 2 * hidden  # projected K/V of the target context, per layer

@@ -144,11 +144,12 @@ def _create_stage_run(client, spec: DeploymentSpec, name: str, params: BaseModel
     """What `run_deployment(as_subflow=True)` does, with the upstream stages as task inputs: a task run in
     the parent that stands for the stage (its state follows the stage's), then the stage's flow run."""
     from prefect import Task
-    from prefect.client.schemas.objects import TaskRunResult
+    from prefect.client.schemas.objects import FlowRunResult
     from prefect.states import Pending, Scheduled
 
     deployment = client.read_deployment_by_name(name)
-    upstream = [TaskRunResult(id=task_run_id) for task_run_id in _upstream_task_runs(client, params, parent_flow_run_id)]
+    # The run graph joins an input's id to a node's, and a stage's node is its flow run: name the flow runs.
+    upstream = [FlowRunResult(id=run_id) for run_id in _upstream_stage_runs(client, params, parent_flow_run_id)]
     stand_in = Task(name=name, fn=lambda: None, version=deployment.version)
     stand_in.task_key = f"dflash.stage.{spec.name}"
     task_run = client.create_task_run(task=stand_in, flow_run_id=parent_flow_run_id, dynamic_key=idempotency_key,
@@ -158,8 +159,8 @@ def _create_stage_run(client, spec: DeploymentSpec, name: str, params: BaseModel
         name=flow_run_name, idempotency_key=idempotency_key, parent_task_run_id=task_run.id)
 
 
-def _upstream_task_runs(client, params: BaseModel, parent_flow_run_id) -> list:
-    """The stand-in task runs, in this flow run, of the stages whose results `params` carries."""
+def _upstream_stage_runs(client, params: BaseModel, parent_flow_run_id) -> list:
+    """The flow runs of this flow run's stages whose results `params` carries."""
     from dflash_core.stage_results import StageResult
 
     from prefect.exceptions import ObjectNotFound
@@ -177,7 +178,7 @@ def _upstream_task_runs(client, params: BaseModel, parent_flow_run_id) -> list:
                 visit(item)
 
     visit(params)
-    task_runs = []
+    runs = []
     for flow_run_id in dict.fromkeys(found):
         try:
             producer = client.read_flow_run(flow_run_id)
@@ -186,9 +187,9 @@ def _upstream_task_runs(client, params: BaseModel, parent_flow_run_id) -> list:
         if producer.parent_task_run_id is None:
             continue
         stand_in = client.read_task_run(producer.parent_task_run_id)
-        if str(stand_in.flow_run_id) == str(parent_flow_run_id) and stand_in.id not in task_runs:
-            task_runs.append(stand_in.id)
-    return task_runs
+        if str(stand_in.flow_run_id) == str(parent_flow_run_id):
+            runs.append(producer.id)
+    return runs
 
 
 def retry_flow_run(client, flow_run_id, *, message: str = "Retry") -> None:

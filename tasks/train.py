@@ -11,7 +11,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact
 from prefect.artifacts import update_progress_artifact
 
-from dflash_core.layout import ArtifactKind, artifact_key, is_heldout_key
+from dflash_core.layout import TRAIN_RUN_FILES, ArtifactKind, artifact_key, is_heldout_key, train_report_key
 from dflash_core.lineage import InputRef, Manifest, read_manifest, write_artifact
 from dflash_core.planner import PRESETS, Plan, PlanInputs, plan, shape_from_config
 from dflash_core.settings import Settings
@@ -64,7 +64,7 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
     result = plan(PlanInputs(target=shape, samples=samples, mean_tokens=mean_tokens,
                              tapped_layers=drafter.tapped_layer_count,
                              drafter_layers=drafter.num_layers, block_size=drafter.block_size,
-                             anchors_per_1k_tokens=drafter.num_anchors * 1000 / config.token_budget,
+                             anchors_per_1k_tokens=config.resolved_num_anchors * 1000 / config.token_budget,
                              token_budget=config.token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,
                              target_fp8=config.target_fp8, variant=drafter.variant,
                              conv_kernel_size=drafter.conv_kernel_size, conv_group_size=drafter.conv_group_size,
@@ -133,26 +133,28 @@ class TrainingReport:
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
 def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str) -> TrainingReport:
-    """Curves and a summary table as artifacts; metrics, PNG, run.yaml and provenance.json to S3 with
-    manifests pointing at the checkpoint."""
+    """Curves and a summary table as artifacts; the PNG, metrics.jsonl, run.yaml and provenance.json to S3
+    with manifests pointing at the checkpoint. The trainer uploaded the last three to the same keys during
+    the run (so they outlive its node); this final write is what ties them to the checkpoint they describe."""
     store = ObjectStore.from_settings(settings)
     metrics = load_metrics(config.run_dir / "metrics.jsonl")
     if metrics.skipped_lines:
         get_run_logger().warning(metrics.skipped_message())
     records = metrics.records
     png = curves_png(records, title=config.run_name)
-    prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "train", config.run_name)
     checkpoint_uri = store.uri(f"{checkpoint_prefix(settings, config, checkpoint)}/model.safetensors")
     inputs = [InputRef(uri=checkpoint_uri)]
     producer = run_producer()
-    manifests = [write_artifact(store, f"{prefix}/curves.png", png, kind=ArtifactKind.REPORT, inputs=inputs,
+    key = {name: train_report_key(settings.s3_prefixes, config.run_name, name)
+           for name in ("curves.png", *TRAIN_RUN_FILES)}
+    manifests = [write_artifact(store, key["curves.png"], png, kind=ArtifactKind.REPORT, inputs=inputs,
                                 producer=producer)]
-    manifests.append(write_artifact(store, f"{prefix}/metrics.jsonl", config.run_dir / "metrics.jsonl",
+    manifests.append(write_artifact(store, key["metrics.jsonl"], config.run_dir / "metrics.jsonl",
                                     kind=ArtifactKind.REPORT, inputs=inputs, config=config, producer=producer))
     stored = {}
     for name in ("run.yaml", "provenance.json"):
         if (config.run_dir / name).is_file():
-            manifests.append(write_artifact(store, f"{prefix}/{name}", config.run_dir / name, kind=ArtifactKind.REPORT,
+            manifests.append(write_artifact(store, key[name], config.run_dir / name, kind=ArtifactKind.REPORT,
                                             inputs=inputs, producer=producer))
             stored[name] = manifests[-1].uri
     create_table_artifact(summary_rows(records, every=max(1, len(records) // 12)), key="training-metrics",

@@ -4,19 +4,29 @@ Both bind 127.0.0.1, keep data, logs and PID records under `<work_dir>/services/
 idempotent: `up` leaves a healthy running service alone, `down` stops only what `up` recorded.
 
 SeaweedFS serves data only through its S3 port, which requires signed requests. Its other ports
-refuse anyone else on the host: the master and filer serve no HTTP (`-disableHttp`), the volume
+refuse anyone else on the host: the master and filer serve no HTTP API (`-disableHttp`), the volume
 server reads and writes only with a JWT that the master and filer sign with keys drawn at each start
-(kept in the process's environment only), and every gRPC port requires a client certificate from a
-CA made for this work dir (`services/s3/tls/`, private key readable by its owner only).
+(kept in the process's environment only), every gRPC port requires a client certificate from a
+CA made for this work dir (`services/s3/tls/`, private key readable by its owner only), and the
+master, volume and admin HTTP ports speak HTTPS that requires the same client certificate: the
+master UI, `/cluster/status`, the volume's `/status` (data dir, disk usage) and the admin's
+`/metrics` answer nobody without it. Each service's home (`<work_dir>/services/<name>/`) is readable
+by its owner only, and the services run with umask 077 (SeaweedFS's volume files and its unix
+sockets under /tmp are not readable or connectable by others). What stays open, and why:
+docs/troubleshooting.md ("What the local S3 server leaves open").
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import secrets
 import shutil
 import sys
+import time
 import urllib.request
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +90,12 @@ def s3_service(settings: Settings) -> LocalService:
     data = home / "data"
     ports = [settings.s3_master_port, settings.s3_volume_port, settings.s3_filer_port,
              settings.s3_port, settings.s3_admin_port]
+    # What `weed mini` 4.48 lets a flag close is closed here: the admin UI (-admin.ui=false; its
+    # /health and /metrics stay, so HTTPS with client certificates guards that port, see
+    # seaweed_security_env), WebDAV, the Iceberg and Lance ports, telemetry, the master's and filer's
+    # HTTP API (-disableHttp; the master UI and /cluster/status stay: HTTPS guards them). No -debug
+    # (pprof port) and no -metricsPort / -s3.metricsPort (0: no Prometheus listener). There is no
+    # flag to drop the admin server, the master UI or the volume's /status: the certificates do.
     argv = [
         _venv_binary("weed"), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-master.port={ports[0]}", f"-volume.port={ports[1]}", f"-filer.port={ports[2]}",
@@ -116,10 +132,17 @@ def s3_service(settings: Settings) -> LocalService:
 _JWT_KEYS = ("WEED_JWT_SIGNING_KEY", "WEED_JWT_SIGNING_READ_KEY",  # master <-> volume, writes / reads
              "WEED_JWT_FILER_SIGNING_KEY", "WEED_JWT_FILER_SIGNING_READ_KEY")  # s3 <-> filer
 _GRPC_COMPONENTS = ("MASTER", "VOLUME", "FILER", "S3", "ADMIN", "WORKER", "MSG_BROKER", "MSG_AGENT", "MQ", "CLIENT")
+# HTTP ports that answer without credentials in plain HTTP: the master (UI, /cluster/status, /healthz),
+# the volume server (/status: data dir and disk usage, /healthz) and the admin server (/metrics,
+# /health). As [https.<component>] with a CA they require a client certificate, and [https.client]
+# makes SeaweedFS's own requests (filer and S3 to the volume server) present ours. The filer's HTTP
+# port serves nothing (-disableHttp); the S3 port stays plain HTTP with signed requests.
+_HTTPS_COMPONENTS = ("MASTER", "VOLUME", "ADMIN")
 
 
 def seaweed_security_env(tls_dir: Path) -> dict[str, str]:
-    """JWT signing keys (new at each start) and gRPC mutual TLS for every SeaweedFS component."""
+    """JWT signing keys (new at each start), gRPC mutual TLS for every SeaweedFS component, and
+    HTTPS with client certificates on the master, volume and admin HTTP ports."""
     ca, cert, key = grpc_certificates(tls_dir)
     env = {name: secrets.token_urlsafe(32) for name in _JWT_KEYS}
     env["WEED_FILER_EXPOSE_DIRECTORY_METADATA_ENABLED"] = "false"
@@ -128,6 +151,11 @@ def seaweed_security_env(tls_dir: Path) -> dict[str, str]:
     for component in _GRPC_COMPONENTS:
         env[f"WEED_GRPC_{component}_CERT"] = str(cert)
         env[f"WEED_GRPC_{component}_KEY"] = str(key)
+    for component in _HTTPS_COMPONENTS:
+        env.update({f"WEED_HTTPS_{component}_CERT": str(cert), f"WEED_HTTPS_{component}_KEY": str(key),
+                    f"WEED_HTTPS_{component}_CA": str(ca)})
+    env.update({"WEED_HTTPS_CLIENT_ENABLED": "true", "WEED_HTTPS_CLIENT_CERT": str(cert),
+                "WEED_HTTPS_CLIENT_KEY": str(key), "WEED_HTTPS_CLIENT_CA": str(ca)})
     return env
 
 
@@ -212,29 +240,72 @@ def _healthy(service: LocalService) -> bool:
         return False
 
 
-def start(service: LocalService) -> ServiceStatus:
-    """Start `service` unless our recorded process already runs healthy; wait until it is ready."""
-    record = service.record()
-    if is_alive(record):
-        wait_ready(record, service.probe, timeout_s=service.ready_timeout_s)
-    else:
-        busy = [port for port in service.ports if not port_is_free(port)]
-        if busy:
-            raise ServiceError(
-                f"cannot start {service.name}: port(s) {busy} on 127.0.0.1 are taken by another process; "
-                f"stop it or choose other ports (DFLASH_* port settings)"
-            )
-        service.home.mkdir(parents=True, exist_ok=True)
-        record = start_detached(service.name, service.argv, log_path=service.log_path,
-                                record_path=service.record_path, env=service.env, cwd=service.home)
-        try:
+def start(service: LocalService, *, on_wait: Callable[[str], None] | None = None) -> ServiceStatus:
+    """Start `service` unless our recorded process already runs healthy; wait until it is ready.
+
+    One start at a time per service home: a second caller (another `dflash services up`) waits on
+    `<home>/start.lock` (calling `on_wait` with a line saying who holds it), then finds the service
+    running and leaves it alone. The lock is an flock: it goes with the process that holds it."""
+    with _start_lock(service, on_wait=on_wait):
+        record = service.record()
+        if is_alive(record):
             wait_ready(record, service.probe, timeout_s=service.ready_timeout_s)
-        except ServiceError:
-            stop(record)
-            raise
-    if service.after_ready is not None:
-        service.after_ready()
+        else:
+            busy = [port for port in service.ports if not port_is_free(port)]
+            if busy:
+                raise ServiceError(
+                    f"cannot start {service.name}: port(s) {busy} on 127.0.0.1 are taken by another process; "
+                    f"stop it or choose other ports (DFLASH_* port settings)"
+                )
+            record = start_detached(service.name, service.argv, log_path=service.log_path,
+                                    record_path=service.record_path, env=service.env, cwd=service.home,
+                                    umask=0o077)
+            try:
+                wait_ready(record, service.probe, timeout_s=service.ready_timeout_s)
+            except ServiceError:
+                stop(record)
+                raise
+        if service.after_ready is not None:
+            service.after_ready()
     return status(service)
+
+
+START_LOCK_MARGIN_S = 60.0  # beyond the holder's ready timeout: its after_ready step and a slow exit
+
+
+@contextmanager
+def _start_lock(service: LocalService, *, on_wait: Callable[[str], None] | None):
+    """Hold `<home>/start.lock` (flock) for one start; wait for another holder up to its ready timeout."""
+    service.home.mkdir(parents=True, exist_ok=True)
+    os.chmod(service.home, 0o700)  # logs, data, keys and records: the owner's only
+    with open(service.home / "start.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = f"another `dflash services up` ({handle.read().strip() or 'pid unknown'})"
+            if on_wait is not None:
+                on_wait(f"{service.name}: {holder} is starting it; waiting until that start finishes")
+            deadline = time.monotonic() + service.ready_timeout_s + START_LOCK_MARGIN_S
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise ServiceError(
+                            f"cannot start {service.name}: {holder} has been starting it for longer than "
+                            f"{service.ready_timeout_s + START_LOCK_MARGIN_S:.0f} s (lock {handle.name}); "
+                            f"see {service.log_path}") from None
+                    time.sleep(0.2)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()}")
+            handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def shutdown(service: LocalService) -> bool:

@@ -45,13 +45,15 @@ class ProcessRecord:
 
 
 def start_detached(name: str, argv: Sequence[str], *, log_path: Path, record_path: Path,
-                   env: Mapping[str, str] | None = None, cwd: Path | None = None) -> ProcessRecord:
-    """Start `argv` in a new session with stdout+stderr appended to `log_path`; record its PID."""
+                   env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                   umask: int = -1) -> ProcessRecord:
+    """Start `argv` in a new session with stdout+stderr appended to `log_path`; record its PID.
+    `umask` (e.g. 0o077) applies to the process; -1 keeps ours."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+            env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True, umask=umask,
         )
     record = ProcessRecord(name=name, pid=process.pid, argv=redact_argv(list(argv)), log_path=str(log_path),
                            started_at=time.time())

@@ -26,6 +26,7 @@ from dflash_core.serving.client import ClientConfig, FailedPrompt, SamplingParam
 from dflash_core.storage import ObjectNotFound, ObjectStore
 
 PARTIAL_SUFFIX = ".partial"
+MAX_NAMED_FAILURES = 20  # failed prompt ids a verdict names; every one is in <shard>.failures.jsonl
 FAILURES_SUFFIX = ".failures.jsonl"
 
 
@@ -39,6 +40,7 @@ class ShardOutcome:
     completion_tokens_now: int
     skipped: bool = False
     first_errors: list[str] = field(default_factory=list)  # "<prompt id>: <error>", at most 3
+    failed_ids: list[str] = field(default_factory=list)  # every failed prompt's id, in prompt order
 
 
 class GenerationFailed(RuntimeError):
@@ -54,9 +56,13 @@ def failure_verdict(outcomes: list[ShardOutcome], *, max_failed_fraction: float)
         return None
     errors = [error for o in outcomes for error in o.first_errors][:3]
     empty = [o.output_key for o in outcomes if o.prompts and o.completed == 0]
+    # getattr: an outcome cached by an earlier version of this code has no failed_ids.
+    ids = [id_ for o in outcomes for id_ in getattr(o, "failed_ids", [])]
+    named = (f"; failed prompts: {', '.join(ids[:MAX_NAMED_FAILURES])}"
+             + (f" (+{len(ids) - MAX_NAMED_FAILURES} more)" if len(ids) > MAX_NAMED_FAILURES else "")) if ids else ""
     line = (f"{failed} of {prompts} prompts failed ({failed / max(1, prompts):.1%}; max_failed_fraction "
             f"{max_failed_fraction:.1%}) in {sum(1 for o in outcomes if o.failed)} shard(s); first errors: "
-            + "; ".join(errors)
+            + "; ".join(errors) + named
             + (f"; shards without any answer (not registered): {', '.join(empty)}" if empty else "")
             + ". Each shard's failures are in <shard>.failures.jsonl; rerunning the flow retries only those.")
     if failed / max(1, prompts) > max_failed_fraction:
@@ -153,8 +159,10 @@ def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, targ
         store.delete_many([k for k in (failures_key, failures_key + ".manifest.json") if store.exists(k)])
     store.delete_many([k for k in (output_key + PARTIAL_SUFFIX,) if store.exists(k)])
     local_partial.unlink(missing_ok=True)
+    failed_ids = {f.id for f in failures}
     return ShardOutcome(output_key, len(prompts), len(prompts) - len(failures), len(failures), new, tokens,
-                        first_errors=[f"{f.id}: {f.error[:200]}" for f in failures[:3]])
+                        first_errors=[f"{f.id}: {f.error[:200]}" for f in failures[:3]],
+                        failed_ids=[prompt.id for prompt in prompts if prompt.id in failed_ids])
 
 
 def _made_from(store: ObjectStore, output_key: str, prompt_sha256: str | None, config: dict) -> bool:

@@ -12,13 +12,17 @@ from pydantic import BaseModel, Field, model_validator
 
 from dflash_core.model.config import REGULARIZATION_FIELDS, tapped_layer_ids
 from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
+from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS, default_num_anchors
 
 _DFLASH2 = {field.name: field.default for field in dataclasses.fields(DFlash2Config) if field.name in DFLASH2_FIELDS}
 
 class DrafterSettings(BaseModel):
     num_layers: int = Field(5, ge=1, description="Drafter decoder layers.")
     block_size: int = Field(16, ge=2, description="Tokens per draft block (anchor + B-1 masks).")
-    num_anchors: int = Field(2048, ge=1, description="Anchors per packed row (512 per 2,048 tokens).")
+    num_anchors: int | None = Field(
+        None, ge=1, description=f"Anchors per packed row. None: {ANCHORS_PER_1024_TOKENS} per 1,024 tokens of "
+        "token_budget (512 per 2,048; dflash_core.train.anchor_budget), so memory and step time follow the "
+        "budget.")
     loss_target: Literal["teacher", "data"] = Field(
         "teacher", description="Learn the target's argmax (teacher) or the data tokens.")
     loss_gamma: float | None = Field(None, gt=0, description="Position-weight decay; None: 7 for B=16, 4 for B=8.")
@@ -210,7 +214,9 @@ class TrainConfig(BaseModel):
     checkpoint_every: int = Field(200, ge=1, description="Save a checkpoint every this many steps (and at the "
                                   "end).")
     keep_last: int = Field(3, ge=1, description="Local checkpoints kept; older ones are deleted.")
-    upload_checkpoints: bool = Field(True, description="Copy each checkpoint to S3 with manifests.")
+    upload_checkpoints: bool = Field(
+        True, description="Copy each checkpoint to S3 with manifests, and the run's run.yaml, provenance.json and "
+        "metrics.jsonl at its start and at each checkpoint (dflash_core.layout.train_report_key).")
     prefetch_batches: int = Field(2, ge=0, description="Micro-batches packed and pinned ahead on a background "
                                   "thread (0: packed on the main thread when needed; the same batches either way).")
     stop_check_every: int = Field(10, ge=1, description="With several ranks: steps between their agreements on a "
@@ -231,6 +237,14 @@ class TrainConfig(BaseModel):
         if self.placement == "pair" and self.drafter_device is None and self.target_device is not None:
             raise ValueError("placement=pair needs drafter_device (e.g. cuda:1) when target_device is set")
         return self
+
+    @property
+    def resolved_num_anchors(self) -> int:
+        """`drafter.num_anchors`, or the budget's default (`default_num_anchors(token_budget)`) when it is None:
+        what the trainer samples per row and the fit check plans for."""
+        if self.drafter.num_anchors is not None:
+            return self.drafter.num_anchors
+        return default_num_anchors(self.token_budget)
 
     @property
     def run_dir(self) -> Path:

@@ -210,7 +210,7 @@ def _train(args: argparse.Namespace, config: TrainConfig, dist_info: Distributed
     trainer_class = PairOverlapTrainer if config.pair_overlap else Trainer
     trainer = trainer_class(devices, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
                             flow_run_id=args.flow_run_id, s3_outage_limit_s=args.s3_outage_limit_s,
-                            checkpoint_prefix=checkpoint_prefix, lease=lease)
+                            checkpoint_prefix=checkpoint_prefix, lease=lease, s3_prefixes=settings.s3_prefixes)
     try:
         if dist_info.is_main:
             write_run_record(config)

@@ -1,7 +1,8 @@
 """The online training loop: one process per device (torchrun), DDP over the drafter, exact resume.
 
 Rank 0 logs (console progress bar, JSONL metrics) and writes checkpoints, which a background thread
-uploads to S3 (dflash_core.train.uploader: an S3 outage does not stop training); every rank restores
+uploads to S3 with the run's record (run.yaml, provenance.json, metrics.jsonl) at the start and after
+each checkpoint (dflash_core.train.uploader: an S3 outage does not stop training); every rank restores
 the same step, sampler position and RNG state, so a resumed run continues bit-for-bit (on CPU).
 
 Nothing in a step waits for the device: batches are packed ahead on a background thread
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from dflash_core.hybrid import GDNKernels, install_packed_gdn
+from dflash_core.layout import DEFAULT_PREFIXES, TRAIN_RUN_FILES, ArtifactKind, train_report_key
 from dflash_core.model.dflash2 import config_from_dict, variant_of
 from dflash_core.model.init_from_target import init_from_target_layers
 from dflash_core.provenance import current_producer
@@ -134,10 +136,12 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
                  checkpoint_prefix: str | None = None, dist_info: Distributed | None = None,
                  flow_run_id: str | None = None, corpus: TokenizedCorpus | None = None,
-                 s3_outage_limit_s: float | None = None, lease: RunLease | None = None):
+                 s3_outage_limit_s: float | None = None, lease: RunLease | None = None,
+                 s3_prefixes: dict[ArtifactKind, str] | None = None):
         """`corpus` given (benchmarks, tests) replaces reading `config.data`; `s3_outage_limit_s`: how long
         checkpoint uploads may keep failing before the run fails (None: the uploader's default); `lease`:
-        this run's claim on its name in S3 (rank 0): uploads start once it is held, the run stops if it is lost."""
+        this run's claim on its name in S3 (rank 0): uploads start once it is held, the run stops if it is lost;
+        `s3_prefixes`: the bucket's layout (None: DEFAULT_PREFIXES), which keys the run's record in S3."""
         self.prefetch_batches = config.prefetch_batches
         self.stop_check_every = config.stop_check_every
         self.config = config
@@ -146,6 +150,8 @@ class Trainer:
         self.checkpoint_prefix = checkpoint_prefix or f"checkpoints/{config.run_name}"
         self.flow_run_id = flow_run_id
         self.run_dir = config.run_dir
+        self.run_file_keys = {name: train_report_key(s3_prefixes or DEFAULT_PREFIXES, config.run_name, name)
+                              for name in TRAIN_RUN_FILES}
         self.s3_outage_limit_s = s3_outage_limit_s
         self.lease = lease
         self.uploader: CheckpointUploader | None = None
@@ -237,10 +243,12 @@ class Trainer:
                                     meta=meta, keep_last=self.config.keep_last)
         if self.uploader is not None:
             self.uploader.submit(path)
+            self.uploader.submit_run_files()
         return path
 
     def _start_uploader(self) -> None:
-        """Rank 0 with a store: the background uploader, which first reconciles S3 with local checkpoints."""
+        """Rank 0 with a store: the background uploader, which first reconciles S3 with local checkpoints, then
+        uploads the run's record."""
         if self.store is None or not self.config.upload_checkpoints or not self.dist.is_main or self.uploader:
             return
         if self.lease is not None and not self.lease.held:  # S3 was down at the claim: no S3 writes before it
@@ -251,6 +259,7 @@ class Trainer:
             self.store, root=self.run_dir / "checkpoints", key_prefix=self.checkpoint_prefix,
             keep_last=self.config.keep_last, inputs=self.inputs, config=self.config.model_dump(mode="json"),
             producer=current_producer(flow_run_id=self.flow_run_id),
+            run_files={key: self.run_dir / name for name, key in self.run_file_keys.items()},
             outage_limit_s=self.s3_outage_limit_s or DEFAULT_OUTAGE_LIMIT_S)
 
     def resume(self) -> bool:
@@ -399,7 +408,7 @@ class Trainer:
             context = self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else nullcontext()
             with context, record_function("dflash.drafter_step"):
                 metrics = drafter_step(
-                    self.model, tensors=tensors, captured=captured, num_anchors=config.drafter.num_anchors,
+                    self.model, tensors=tensors, captured=captured, num_anchors=config.resolved_num_anchors,
                     block_size=self.drafter_config.block_size, teacher=self.teacher,
                     generator=step_generator(config.seed, self.step, micro * self.dist.world_size + self.dist.rank),
                     device=self.drafter_device, attention_backend=config.attention_backend, loss_scale=1 / accum)

@@ -193,7 +193,7 @@ class PairOverlapSteps:
             with context:
                 metrics = drafter_step(
                     self.model, tensors=flight.tensors, captured=flight.captured,
-                    num_anchors=config.drafter.num_anchors, block_size=self.drafter_config.block_size,
+                    num_anchors=config.resolved_num_anchors, block_size=self.drafter_config.block_size,
                     teacher=self.teacher,
                     generator=step_generator(config.seed, self.step, micro * self.dist.world_size + self.dist.rank),
                     device=self.drafter_device, attention_backend=config.attention_backend, loss_scale=1 / accum)

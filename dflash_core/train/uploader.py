@@ -12,6 +12,11 @@ local checkpoint is complete in S3 with manifests and matching sha256 (what is m
 different is uploaded again), S3 keeps the same last N steps (older and incomplete step dirs are
 deleted) and leftover multipart uploads are aborted. `finish` raises unless the final checkpoint is
 complete in S3.
+
+The run's record (`run_files`: run.yaml, provenance.json, metrics.jsonl) rides the same queue, with the
+same retries and outage limit: uploaded with manifests at start, after each checkpoint
+(`submit_run_files`) and at the end, each file only when S3's copy differs, metrics.jsonl up to its
+last complete record (the trainer may be appending one).
 """
 
 from __future__ import annotations
@@ -24,17 +29,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_core.layout import manifest_key
-from dflash_core.lineage import InputRef, read_manifest
+from dflash_core.layout import ArtifactKind, manifest_key
+from dflash_core.lineage import InputRef, read_manifest, write_artifact
 from dflash_core.provenance import Producer
 from dflash_core.storage import (
-    ChecksumMismatch, ObjectNotFound, ObjectStore, StoreConfigError, StoreError, StoreUnavailable, sha256_file,
+    ChecksumMismatch, ObjectNotFound, ObjectStore, StoreConfigError, StoreError, StoreUnavailable, sha256_bytes,
+    sha256_file,
 )
 from dflash_core.train.checkpoint import _FILES, complete_checkpoints
 from dflash_core.train.remote import upload_checkpoint
 
 DEFAULT_OUTAGE_LIMIT_S = 300.0  # below entry's process-group timeout: other ranks wait while rank 0 finishes
 _RECONCILE = "reconcile"
+_RUN_FILES = "run-files"
 
 
 class CheckpointUploadFailed(StoreError):
@@ -71,8 +78,10 @@ def remote_checkpoints(store: ObjectStore, key_prefix: str) -> dict[int, RemoteS
 class CheckpointUploader:
     def __init__(self, store: ObjectStore, *, root: Path, key_prefix: str, keep_last: int,
                  inputs: list[InputRef] = (), config: dict | None = None, producer: Producer | None = None,
-                 outage_limit_s: float = DEFAULT_OUTAGE_LIMIT_S, backoff_s: tuple[float, float] = (1.0, 30.0),
-                 log: Callable[[str], None] | None = None):
+                 run_files: dict[str, Path] | None = None, outage_limit_s: float = DEFAULT_OUTAGE_LIMIT_S,
+                 backoff_s: tuple[float, float] = (1.0, 30.0), log: Callable[[str], None] | None = None):
+        """`run_files`: S3 key -> local file of the run's record, uploaded at start, on `submit_run_files` and
+        at `finish` (a file not written yet is skipped)."""
         self.store = store
         self.root = Path(root)
         self.key_prefix = key_prefix.rstrip("/")
@@ -80,11 +89,13 @@ class CheckpointUploader:
         self.inputs = list(inputs)
         self.config = config or {}
         self.producer = producer
+        self.run_files = dict(run_files or {})
         self.outage_limit_s = outage_limit_s
         self.backoff_s = backoff_s
         self.log = log or (lambda message: print(f"[checkpoint upload] {message}", file=sys.stderr, flush=True))
         self.uploaded: list[int] = []  # steps uploaded by this uploader, in order (tests, reports)
-        self._jobs: deque[str | Path] = deque([_RECONCILE])
+        self.uploaded_run_files: list[str] = []  # keys of the run's record as uploaded, in order (tests, reports)
+        self._jobs: deque[str | Path] = deque([_RECONCILE, _RUN_FILES] if self.run_files else [_RECONCILE])
         self._cond = threading.Condition()
         self._closing = False
         self._error: StoreError | None = None
@@ -106,14 +117,24 @@ class CheckpointUploader:
                 self.log(f"behind: {len(pending)} checkpoints wait for upload ({', '.join(p.name for p in pending)})")
             self._cond.notify_all()
 
+    def submit_run_files(self) -> None:
+        """Queue an upload of the run's record as it will be when the job runs; returns at once."""
+        if not self.run_files:
+            return
+        with self._cond:
+            if _RUN_FILES not in list(self._jobs)[1:]:  # one waiting behind the running job reads the latest files
+                self._jobs.append(_RUN_FILES)
+                self._cond.notify_all()
+
     def raise_if_failed(self) -> None:
         """Raise the uploader's fatal error (configuration error, or an outage past the limit) if any."""
         if self._error is not None:
             raise self._error
 
     def finish(self, *, final: Path | None) -> None:
-        """Upload what is pending, reconcile, and raise unless `final` (the run's last checkpoint) is
-        complete in S3. Waits at most as long as the outage limit allows."""
+        """Upload what is pending and the run's record as it ends, reconcile, and raise unless `final` (the
+        run's last checkpoint) is complete in S3. Waits at most as long as the outage limit allows."""
+        self.submit_run_files()
         with self._cond:
             self._jobs.append(_RECONCILE)
             self._closing = True
@@ -161,6 +182,8 @@ class CheckpointUploader:
             try:
                 if job == _RECONCILE:
                     self.reconcile()
+                elif job == _RUN_FILES:
+                    self._upload_run_files()
                 else:
                     self._upload(job)
                 if self._down_since is not None:
@@ -185,7 +208,8 @@ class CheckpointUploader:
                         f"Local checkpoints are intact under {self.root}; rerun with --resume when S3 is back")
                     self.log(str(self._error))
                     return False
-                what = "reconcile with S3" if job == _RECONCILE else f"upload of {job.name}"
+                what = ("reconcile with S3" if job == _RECONCILE else "upload of the run's record"
+                        if job == _RUN_FILES else f"upload of {job.name}")
                 kind = "S3 unavailable" if isinstance(error, StoreUnavailable) else type(error).__name__
                 self.log(f"{what} failed ({kind}: {error}); retrying in {delay:.0f} s, down {down:.0f} s of the "
                          f"{self.outage_limit_s:.0f} s limit; training goes on with local checkpoints")
@@ -213,6 +237,22 @@ class CheckpointUploader:
         if written:
             self.uploaded.append(step_of(path.name))
         return bool(written)
+
+    def _upload_run_files(self) -> None:
+        """Each file of the run's record whose S3 copy (or manifest) differs from the local file, with its
+        manifest; a .jsonl up to its last complete line."""
+        for key, path in self.run_files.items():
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue  # not written yet: metrics.jsonl before the first logged step
+            if path.suffix == ".jsonl":
+                data = data[:data.rfind(b"\n") + 1]
+            if not data or self._matches(key, sha256_bytes(data)):
+                continue
+            write_artifact(self.store, key, data, kind=ArtifactKind.REPORT, inputs=self.inputs, config=self.config,
+                           producer=self.producer)
+            self.uploaded_run_files.append(key)
 
     def _matches(self, key: str, sha256: str) -> bool:
         try:

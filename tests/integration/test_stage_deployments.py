@@ -110,10 +110,13 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
         # train took tokenize's result: the edge the UI draws, and the shards in the checkpoint's manifest
         assert [(s.uri, s.sha256) for s in result.training.data] == \
             [(s.uri, s.sha256) for s in result.tokenization.train_shards]
-        stand_ins = {t.task_key: t for t in client.read_task_runs(flow_run_filter=FlowRunFilter(
-            id=FlowRunFilterId(any_=[pipeline_run.id])))}
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[pipeline_run.id])))
+        assert sorted(t.task_key for t in task_runs if t.task_key.startswith("dflash.stage.")) == \
+            ["dflash.stage.tokenize", "dflash.stage.train"], "a Retry reuses each stage's stand-in task run"
+        stand_ins = {t.task_key: t for t in task_runs}
         train_inputs = stand_ins["dflash.stage.train"].task_inputs["params"]
-        assert [i.id for i in train_inputs] == [stand_ins["dflash.stage.tokenize"].id]
+        assert [i.id for i in train_inputs] == [again.id]  # the run graph's edge: tokenize's flow run -> train
+        assert stand_ins["dflash.stage.tokenize"].id == again.parent_task_run_id
         assert trained.parent_task_run_id == stand_ins["dflash.stage.train"].id
 
         # Another process (this one), another local result dir: every shard comes back Cached from S3.

@@ -58,3 +58,34 @@ def test_the_check_is_of_the_runs_own_placement(tmp_path):
         plan_training.fn(colocated, gpu_memory_gib=110.0, num_gpus=2, samples=1000, mean_tokens=2000)
     pair = colocated.model_copy(update={"placement": "pair"})
     assert plan_training.fn(pair, gpu_memory_gib=110.0, num_gpus=2, samples=1000, mean_tokens=2000) is not None
+
+
+def test_the_fit_check_plans_the_anchors_the_trainer_samples(tmp_path, monkeypatch) -> None:
+    import tasks.train as train_tasks
+
+    planned = []
+    real_plan = train_tasks.plan
+    monkeypatch.setattr(train_tasks, "plan", lambda inputs: planned.append(inputs) or real_plan(inputs))
+
+    def fit(token_budget, **drafter):
+        config = _config(tmp_path, **drafter).model_copy(update={"token_budget": token_budget})
+        result = _plan(config)
+        anchors_per_row = planned[-1].anchors_per_1k_tokens * token_budget / 1000
+        return result, round(anchors_per_row, 6), config.resolved_num_anchors
+
+    small, small_anchors, resolved = fit(512)
+    assert small_anchors == resolved == 128  # not 2,048 anchors in a 512-token row
+    old_default, _, _ = fit(512, num_anchors=2048)
+    assert small.drafter_activation_bytes < old_default.drafter_activation_bytes / 4
+    default, default_anchors, _ = fit(8192)
+    assert default_anchors == 2048
+    assert default.drafter_activation_bytes == fit(8192, num_anchors=2048)[0].drafter_activation_bytes
+    assert fit(8192, num_anchors=16)[1] == 16  # explicit wins
+
+
+def test_each_anchor_costs_the_same_at_an_odd_budget(tmp_path) -> None:
+    # 15 anchors in a 12,345-token row reach the planner as 15 * 1000 / 12345 per 1,000 tokens, whose float
+    # product with the budget is a hair above 15: planned as 15 anchors, not 16.
+    configs = [_config(tmp_path, num_anchors=n).model_copy(update={"token_budget": 12345}) for n in (14, 15, 16)]
+    acts = [_plan(config).drafter_activation_bytes for config in configs]
+    assert acts[2] - acts[1] == acts[1] - acts[0] > 0
