@@ -90,3 +90,14 @@ def test_one_form_runs_the_whole_dag_over_an_ssh_node(sshd: Sshd, prefect_server
     assert result.audit["objects"] > 0
     stored = {record["uri"] for record in result.artifacts}
     assert generation.result_uri in stored and result.evaluation.report in stored and result.report in stored
+
+    # The stage table `dflash run pipeline` prints (shown with -s), read back from the Prefect server.
+    from rich.console import Console
+
+    from dflash_core import run_summary
+
+    stages = run_summary.read_stage_runs(env_settings.prefect_api_url, str(state.state_details.flow_run_id))
+    assert [s.stage for s in stages] == ["pipeline", "provision", "generate", "tokenize", "train", "evaluate", "export",
+                                         "preserve", "s3-audit"]
+    assert all(s.state == "Completed" for s in stages)
+    Console(width=200).print(run_summary.stage_table(result.model_dump(mode="json"), stages, title="real run (CPU)"))

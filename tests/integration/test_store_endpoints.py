@@ -54,7 +54,10 @@ def _get(url: str, context: ssl.SSLContext | None = None) -> tuple[int | str, by
         with urllib.request.urlopen(url, timeout=10, context=context) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, error.read()
+        try:
+            return error.code, error.read()
+        except ConnectionError:  # Go's TLS server may reset right after its 400 to plain HTTP
+            return error.code, b"(reset)"
     except (urllib.error.URLError, ConnectionError, ssl.SSLError) as error:
         return type(getattr(error, "reason", error)).__name__, b""
 
@@ -84,8 +87,8 @@ def admin_up(settings, s3_server):
 def test_endpoint_refuses_an_unauthenticated_request(settings, s3_server, admin_up, port_name, path) -> None:
     port = _ports(settings)[port_name]
     anonymous, holder = _contexts(s3_server)
-    status, body = _get(f"http://127.0.0.1:{port}{path}")
-    assert status == 400 and b"HTTPS" in body, (status, body[:200])  # Go's answer to plain HTTP on a TLS port
+    status, body = _get(f"http://127.0.0.1:{port}{path}")  # Go's TLS server answers plain HTTP with a 400
+    assert status == 400 and (b"HTTPS" in body or body == b"(reset)"), (status, body[:200])
     status, body = _get(f"https://127.0.0.1:{port}{path}", anonymous)
     assert isinstance(status, str) and body == b"", f"answered without a client certificate: {status} {body[:200]}"
     if (port_name, path) in WITH_CERTIFICATE:

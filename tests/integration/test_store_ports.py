@@ -27,7 +27,10 @@ def _http(method: str, url: str, data: bytes | None = None) -> tuple[int | str, 
         with urllib.request.urlopen(urllib.request.Request(url, data=data, method=method), timeout=10) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, error.read()
+        try:
+            return error.code, error.read()
+        except ConnectionError:  # an HTTPS port answers plain HTTP with 400 and may reset before the body
+            return error.code, b""
     except (urllib.error.URLError, ConnectionError) as error:
         return type(error).__name__, b""
 
