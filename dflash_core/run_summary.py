@@ -181,6 +181,12 @@ def _made(run: StageRun, result: dict) -> str:
     if run.stage == "export":
         exports = part.get("exports") if isinstance(part.get("exports"), dict) else {}
         return "; ".join(f"{name} {uri}" for name, uri in exports.items())
+    if run.stage == "provision":
+        return f"node {part.get('node')}: {'; '.join(part.get('actions') or []) or 'already provisioned'}"
+    if run.stage == "preserve":
+        return f"{len(part.get('saved', []))} objects under {part.get('prefix')}"
+    if run.stage == "s3-audit":
+        return f"{part.get('objects', '?')} objects, {part.get('dead_objects', '?')} dead; report {part.get('report')}"
     if run.stage == "evaluate":
         return f"on {part.get('split', '?')} prompts: " + "; ".join(
             f"{s.get('mode')}: tau {_number(s.get('tau'), '{:.3f}')}" for s in part.get("summaries", []))
