@@ -105,14 +105,14 @@ def demo_pipeline() -> PipelineParams:
     generation = GenerateParams(
         dataset=DEMO_DATASET, prompts_version="sharegpt-seed0", run=DEMO_RUN, **demo_prompt_params(), shard_size=6,
         holdout={"fraction": 0.1},
-        sampling={"max_tokens": 48, "temperature": 0.0, "enable_thinking": False},  # SmolLM2 has no thinking mode
+        sampling={"max_tokens": 40, "temperature": 0.0, "enable_thinking": False},  # SmolLM2 has no thinking mode
         client={"concurrency": 6}, canary_prompts=2, canary={"max_length_fraction": 1.0})
     training = TrainFlowParams(config=TrainConfig(
         run_name="demo-drafter", target="embedded", token_budget=512, max_steps=20, checkpoint_every=10, log_every=2,
         validate_capture_batches=1, drafter={"num_layers": 2, "block_size": 8, "num_anchors": 64},
         optim={"lr": 1e-3, "warmup_steps": 2}))
     return PipelineParams(generation=generation, tokenization=TokenizeParams(), training=training,
-                          train_deployment="train-demo", evaluation=EvaluateParams(num_prompts=4, max_new_tokens=32),
+                          train_deployment="train-demo", evaluation=EvaluateParams(num_prompts=4, max_new_tokens=24),
                           export=ExportParams())
 
 
