@@ -100,7 +100,10 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> TokenizedDataset:
     ids = {key: future.result() for key, future in [  # one id per line, in shard order
         (key, read_completion_ids.submit(settings, input_key=key, max_record_bytes=params.tokenize.max_record_bytes))
         for key in input_keys]}
-    check_no_heldout_in_training(ids, heldout_ids=set(completions.heldout_prompt_ids))
+    # The held-out ids: those the generate result names, and those of the held-out shards themselves.
+    heldout_ids = list(dict.fromkeys([*completions.heldout_prompt_ids,
+                                      *(i for key, line_ids in ids.items() if is_heldout_key(key) for i in line_ids if i)]))
+    check_no_heldout_in_training(ids, heldout_ids=set(heldout_ids))
     # The splits apart: an id in both is a held-out leak (refused above), not a duplicate to drop.
     duplicates = {**find_duplicates({k: v for k, v in ids.items() if is_heldout_key(k)}),
                   **find_duplicates({k: v for k, v in ids.items() if not is_heldout_key(k)})}
@@ -168,7 +171,7 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> TokenizedDataset:
         [artifact_record(m) for m in stored]
     result = TokenizedDataset(
         dataset=completions.dataset, run=out_run, train_shards=[s for s in shards if s.split == "train"],
-        heldout_shards=[s for s in shards if s.split == "heldout"], heldout_prompt_ids=completions.heldout_prompt_ids,
+        heldout_shards=[s for s in shards if s.split == "heldout"], heldout_prompt_ids=heldout_ids,
         dataset_manifest=store.uri(dataset_key), quality_gate=verdict.verdict, gate=[p.message for p in problems],
         stats=stored[1].uri, histogram=stored[2].uri, overall=stats_rows(overall)[0] if overall.height else {},
         completions=completions.result_uri, flow_run=str(flow_run.id or ""), artifacts=records)
@@ -198,9 +201,8 @@ def completions_from_prefix(settings, uri: str) -> CompletionsDataset:
         raise ValueError(f"no completion shards under {store.uri(prefix)}: run the generate stage first")
     shards = [StoredShard(uri=store.uri(key), sha256=store.head(key).sha256 or sha256_bytes(store.get_bytes(key)),
                           split="heldout" if is_heldout_key(key) else "train") for key in keys]
-    heldout_ids = [json.loads(line)["id"] for s in shards if s.split == "heldout"
-                   for line in store.get_bytes(store.key_of(s.uri)).splitlines() if line.strip()]
-    return CompletionsDataset(dataset=segments[1], run=segments[2], shards=shards, heldout_prompt_ids=heldout_ids)
+    # The held-out ids are read with every shard's ids by the flow: no second download here.
+    return CompletionsDataset(dataset=segments[1], run=segments[2], shards=shards)
 
 
 def check_no_heldout_in_training(ids: dict[str, list[str | None]], *, heldout_ids: set[str]) -> None:

@@ -37,8 +37,6 @@ def resolve_result(settings: Settings, value: R | str, model: type[R]) -> R:
     local file); a ValueError saying what was expected otherwise."""
     if isinstance(value, model):
         return value
-    if isinstance(value, dict):
-        return model.model_validate(value)
     local = Path(value)
     if local.is_file():
         return parse_result(local.read_bytes(), model, name=value)

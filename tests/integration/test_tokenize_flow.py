@@ -110,6 +110,11 @@ def test_flow_tokenizes_registers_lineage_and_reruns_only_what_changed(prefect_s
     tokenize(params_for(dataset))
     assert {k: read_manifest(store, k).created_at for k in first_outputs} == \
         {k: m.created_at for k, m in manifests.items()}
+    # refresh=true (how a finished run is rerun): every shard is tokenized again, the cache ignored.
+    refreshed = tokenize(params_for(dataset, refresh=True))
+    assert all(read_manifest(store, k).created_at != manifests[k].created_at for k in first_outputs)
+    assert [s.sha256 for s in refreshed.train_shards] == [s.sha256 for s in first.train_shards]
+    manifests = {key: read_manifest(store, key) for key in first_outputs}
 
     # One shard changes: only it is re-tokenized (its input hash flows into the new manifest).
     store.put_bytes(inputs[2], shard(2, count=4))

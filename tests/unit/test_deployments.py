@@ -65,13 +65,6 @@ def test_descriptions_say_how_to_rerun_and_hold_no_markup():
             assert "refresh=true" in spec.description, spec.name
 
 
-def test_every_stage_param_form_has_a_refresh_or_no_cache():
-    from flows.generate import GenerateParams
-    from flows.tokenize import TokenizeParams
-
-    assert "refresh" in GenerateParams.model_fields and "refresh" in TokenizeParams.model_fields
-
-
 def test_the_real_run_example_fills_every_stage_of_the_pipeline_form():
     import json
     from pathlib import Path
