@@ -4,9 +4,11 @@ Every object written here carries its sha256 in user metadata (`x-amz-meta-sha25
 it. The same hash goes into the artifact manifest (dflash_core.lineage), so a manifest and the
 object it describes can be checked against each other without downloading twice.
 
-Errors come in two kinds a caller must treat differently: `StoreUnavailable` (unreachable, timeouts,
-5xx, throttling: retry later) and `StoreConfigError` (wrong credentials, missing bucket, an endpoint
-that is not an S3 server: retrying cannot help, fix the named setting).
+Every failure is one of the errors of `dflash_core.storage_errors` (importable from here too), which
+tell the caller what to do: `StoreUnavailable` (unreachable, timeouts, 5xx, throttling: retry later),
+`StoreConfigError` (wrong credentials, missing bucket, an endpoint that is not an S3 server: retrying
+cannot help, fix the named setting), `ObjectNotFound`, `ChecksumMismatch`, `PreconditionFailed` (a
+conditional write or delete found the object changed).
 """
 
 from __future__ import annotations
@@ -22,17 +24,22 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import boto3
-from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import (
-    ClientError, ConnectionError as BotoConnectionError, ConnectTimeoutError, EndpointConnectionError,
-    HTTPClientError,
+
+from dflash_core.storage_errors import (
+    BOTO_ERRORS, ChecksumMismatch, ObjectNotFound, PreconditionFailed, StoreConfigError, StoreError,
+    StoreUnavailable, not_s3, translate,
 )
-from botocore.parsers import ResponseParserError
 
 if TYPE_CHECKING:
     from dflash_core.settings import Settings
+
+__all__ = [  # the error kinds are part of this module's interface
+    "MULTIPART_THRESHOLD", "PROGRESS_THRESHOLD", "SHA256_METADATA_KEY", "ChecksumMismatch", "ObjectInfo",
+    "ObjectNotFound", "ObjectStore", "PreconditionFailed", "StoreConfigError", "StoreError",
+    "StoreUnavailable", "sha256_bytes", "sha256_file",
+]
 
 SHA256_METADATA_KEY = "sha256"
 MULTIPART_THRESHOLD = 16 * 1024**2
@@ -41,36 +48,8 @@ _DELETE_BATCH = 1000
 _HASH_CHUNK = 4 * 1024**2
 
 
-class StoreError(RuntimeError):
-    """Base of every object-store error; the message says what to do."""
-
-
-class StoreConfigError(StoreError):
-    """The endpoint, bucket or credentials in Settings are wrong: retrying cannot help."""
-
-
-class StoreUnavailable(StoreError):
-    """A transient fault: the endpoint is unreachable, timed out, failed (5xx) or throttled us.
-    Retry later; a setting is wrong only if this persists."""
-
-
-_THROTTLING = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-               "RequestTimeout", "ServiceUnavailable", "InternalError", "503", "500", "502", "504"}
 _CHECK_ATTEMPTS = 2
 _CHECK_CONNECT_TIMEOUT_S = 2
-
-
-class ObjectNotFound(StoreError, KeyError):
-    def __init__(self, uri: str):
-        super().__init__(uri)
-        self.uri = uri
-
-    def __str__(self) -> str:
-        return f"{self.uri} does not exist"
-
-
-class ChecksumMismatch(StoreError):
-    """The bytes read back do not hash to the sha256 recorded when they were written."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +148,8 @@ class ObjectStore:
                 listing = self.probe_client.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
             if listing.get("Name") != self.bucket:  # some HTTP server answered 200 with a page, not a listing
                 server = listing["ResponseMetadata"].get("HTTPHeaders", {}).get("server", "unnamed")
-                raise StoreConfigError(self._not_s3(f"its answer to a bucket listing is not one (server: {server})"))
+                detail = f"its answer to a bucket listing is not one (server: {server})"
+                raise StoreConfigError(not_s3(self.endpoint_url, detail))
         except StoreConfigError as error:
             if create_bucket and "does not exist" in str(error):
                 with self._errors(key=None):
@@ -180,12 +160,18 @@ class ObjectStore:
     # ---- writes -----------------------------------------------------------------------------
 
     def put_bytes(self, key: str, data: bytes, *, metadata: dict[str, str] | None = None,
-                  content_type: str = "application/octet-stream") -> ObjectInfo:
+                  content_type: str = "application/octet-stream", if_absent: bool = False,
+                  if_match: str | None = None) -> ObjectInfo:
+        """Write `data` under `key`. Conditional with `if_absent` (only if no object has the key:
+        If-None-Match: *) or `if_match` (only if the object is still at that ETag: If-Match); when
+        the condition does not hold, `PreconditionFailed` and nothing is written. A server that ignores
+        preconditions writes anyway, so a caller that relies on them reads the object back."""
+        condition, extra = _precondition(if_absent=if_absent, if_match=if_match)
         digest = sha256_bytes(data)
         meta = {**(metadata or {}), SHA256_METADATA_KEY: digest}
-        with self._errors(key):
+        with self._errors(key, condition=condition):
             response = self.client.put_object(
-                Bucket=self.bucket, Key=key, Body=data, Metadata=meta, ContentType=content_type
+                Bucket=self.bucket, Key=key, Body=data, Metadata=meta, ContentType=content_type, **extra
             )
         return ObjectInfo(key=key, size=len(data), etag=response["ETag"].strip('"'), metadata=meta)
 
@@ -297,6 +283,13 @@ class ObjectStore:
 
     # ---- deletes and links ------------------------------------------------------------------
 
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        """Delete one object (an absent key is no error, as in S3). With `if_match`, only while the
+        object is at that ETag: `PreconditionFailed` when it changed or is gone."""
+        condition, extra = _precondition(if_match=if_match)
+        with self._errors(key, condition=condition):
+            self.client.delete_object(Bucket=self.bucket, Key=key, **extra)
+
     def delete_many(self, keys: Iterable[str]) -> int:
         """Delete in batches of 1,000; raise naming the keys the server refused."""
         batch: list[str] = []
@@ -363,58 +356,25 @@ class ObjectStore:
             )
 
     @contextlib.contextmanager
-    def _errors(self, key: str | None) -> Iterator[None]:
-        """Turn botocore errors into transient (`StoreUnavailable`) or configuration (`StoreConfigError`)
-        ones that name the key or the setting to fix."""
+    def _errors(self, key: str | None, *, condition: str | None = None) -> Iterator[None]:
+        """Turn botocore errors into the `dflash_core.storage_errors` kinds, naming the key or the
+        setting to fix; `condition`: the request's precondition, if any."""
         try:
             yield
-        except (S3UploadFailedError, BotoConnectionError, HTTPClientError, ResponseParserError, ClientError) as error:
-            raise self._translate(error, key) from error
+        except BOTO_ERRORS as error:
+            raise translate(error, bucket=self.bucket, endpoint_url=self.endpoint_url, key=key,
+                            condition=condition) from error
 
-    def _translate(self, error: Exception, key: str | None) -> StoreError:
-        if isinstance(error, S3UploadFailedError):  # boto3 wraps upload_file's error: classify the cause
-            cause = error.__cause__ or error.__context__
-            if isinstance(cause, (BotoConnectionError, HTTPClientError, ResponseParserError, ClientError)):
-                return self._translate(cause, key)
-            return StoreUnavailable(f"upload of {self.uri(key or '')} failed: {error}")
-        if isinstance(error, (EndpointConnectionError, ConnectTimeoutError)):
-            return StoreUnavailable(
-                f"cannot reach the S3 endpoint {self.endpoint_url} ({type(error).__name__}): if the server should "
-                "be running it is down (retry later); if the URL is wrong set DFLASH_S3_ENDPOINT_URL, or start the "
-                "local server with `dflash services up`")
-        if isinstance(error, (BotoConnectionError, HTTPClientError)):  # read timeouts, connections closed mid-request
-            return StoreUnavailable(f"S3 endpoint {self.endpoint_url} failed mid-request on {self.uri(key or '')} "
-                                    f"({type(error).__name__}: {error}); retry later")
-        if isinstance(error, ResponseParserError):
-            return StoreConfigError(self._not_s3(f"its answer is not S3's XML ({str(error)[:120]})"))
-        assert isinstance(error, ClientError), error
-        code = str(error.response.get("Error", {}).get("Code", ""))
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        headers = error.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
-        if code in _THROTTLING or status >= 500:
-            return StoreUnavailable(f"S3 endpoint {self.endpoint_url} answered {code or status} on "
-                                    f"{self.uri(key or '')} (a transient fault: retry later)")
-        # An S3 server puts an XML error code in the body of every failed GET/PUT/POST (and sends
-        # x-amz-* headers); a bare HTTP status there means some other HTTP server answered.
-        bodyless = error.operation_name in {"HeadObject", "HeadBucket"}
-        if (not code or code.isdigit()) and not bodyless and not any(name.startswith("x-amz-") for name in headers):
-            return StoreConfigError(self._not_s3(f"it answered HTTP {status} without an S3 error code "
-                                                 f"(server: {headers.get('server', 'unnamed')})"))
-        if code == "NoSuchBucket" or (key is None and code in {"404", "NotFound"}):
-            return StoreConfigError(
-                f"bucket {self.bucket!r} does not exist at {self.endpoint_url}: set DFLASH_S3_BUCKET "
-                "to an existing bucket, or create it (`dflash services up` creates the local one)")
-        if code in {"NoSuchKey", "404", "NotFound"}:
-            return ObjectNotFound(self.uri(key or ""))
-        if code in {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"} or status == 403:
-            return StoreConfigError(
-                f"the S3 server at {self.endpoint_url} refused our credentials ({code}): check "
-                "DFLASH_S3_ACCESS_KEY_ID and DFLASH_S3_SECRET_ACCESS_KEY")
-        return StoreError(f"S3 {code or status} on {self.uri(key or '')}: {error}")
 
-    def _not_s3(self, detail: str) -> str:
-        return (f"{self.endpoint_url} is not an S3 server: {detail}; set DFLASH_S3_ENDPOINT_URL to the S3 "
-                "endpoint (the local one is started by `dflash services up`)")
+def _precondition(*, if_absent: bool = False, if_match: str | None = None) -> tuple[str | None, dict]:
+    """A conditional request's precondition: as text for its error, and as boto3 arguments."""
+    if if_absent and if_match is not None:
+        raise ValueError("if_absent and if_match exclude each other")
+    if if_absent:
+        return "If-None-Match: *", {"IfNoneMatch": "*"}
+    if if_match is not None:
+        return f"If-Match: {if_match}", {"IfMatch": f'"{if_match}"'}
+    return None, {}
 
 
 @contextlib.contextmanager

@@ -308,7 +308,7 @@ async def regenerate_completion(prompt: PromptRecord,
     the turn before it. The result is the last turn's record, its prompt the whole conversation so far
     (`regenerated=True`). A turn cut at max_tokens or ending in tool calls (which need tool results,
     not a user turn) ends the conversation early; `generation.extra` says how many turns were answered.
-    A single-turn prompt is one `complete` call, as before."""
+    A single-turn prompt is one `complete` call."""
     turns = [None, *(prompt.followups or [])]
     conversation = list(prompt.messages)
     record: CompletionRecord | None = None

@@ -53,7 +53,7 @@ def check_runtime_conventions(config: DFlashConfig) -> None:
     each drafter layer plain Qwen3 attention (q/k RMSNorm always, whole-head rotary, SGLang with
     rotary_dim = head_dim hard-coded; no bias on o_proj in vLLM/SGLang). A drafter trained otherwise
     would load and draft something else, so it is refused here (drafters built by `from_target`
-    always conform; only old checkpoints can trip this)."""
+    always conform; only a checkpoint whose config sets these fields otherwise trips this)."""
     if not config.qk_norm:
         raise ValueError(
             "this drafter was trained without q/k RMSNorm; every runtime (z-lab, vLLM, SGLang, speculators) "

@@ -36,7 +36,7 @@ from dflash_core.services.process import (
 from dflash_core.settings import Settings
 
 S3_READY_TIMEOUT_S = 60.0
-PREFECT_READY_TIMEOUT_S = 120.0  # ~22 s on a fresh SQLite DB, more on a busy 2-core machine
+PREFECT_READY_TIMEOUT_S = 120.0  # generous: a fresh SQLite DB on a busy 2-core machine starts slowly
 
 
 @dataclass

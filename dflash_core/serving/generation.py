@@ -56,7 +56,7 @@ def failure_verdict(outcomes: list[ShardOutcome], *, max_failed_fraction: float)
         return None
     errors = [error for o in outcomes for error in o.first_errors][:3]
     empty = [o.output_key for o in outcomes if o.prompts and o.completed == 0]
-    # getattr: an outcome cached by an earlier version of this code has no failed_ids.
+    # getattr: an outcome restored from Prefect's result cache may lack failed_ids.
     ids = [id_ for o in outcomes for id_ in getattr(o, "failed_ids", [])]
     named = (f"; failed prompts: {', '.join(ids[:MAX_NAMED_FAILURES])}"
              + (f" (+{len(ids) - MAX_NAMED_FAILURES} more)" if len(ids) > MAX_NAMED_FAILURES else "")) if ids else ""

@@ -121,9 +121,10 @@ class TransformersProfile(_EngineProfile):
 
     engine: Literal["transformers"] = "transformers"
     device: str = "cpu"
-    # Off by default: once in our test runs a continuous-batching instance stopped answering after two
-    # requests on a busy 2-core machine; on it is ~2x aggregate tokens/s with concurrent requests.
-    continuous_batching: bool = Field(False, description="~2x aggregate tokens/s on CPU; seen to stall once.")
+    # Off by default: on a busy 2-core machine a continuous-batching instance can stop answering after
+    # two requests (docs/benchmarks.md).
+    continuous_batching: bool = Field(False, description="More aggregate tokens/s on CPU with concurrent "
+                                      "requests; can stall on a busy machine.")
     ready_timeout_s: float = Field(180.0, gt=0)
 
     def argv(self, *, port: int) -> list[str]:

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 # A completion line longer than this is quarantined unread (`record_too_large`). No real record comes
 # near it: the importer caps a prompt at 200,000 characters (data/prompts.py DEFAULT_MAX_PROMPT_CHARS,
 # <= 800 KB even at 4 UTF-8 bytes each) and a 128K-token completion is ~0.5 MB of text, while 4 MiB is
-# ~1M tokens, past any target's context. It bounds what one line can cost: a 50 MB line took 58 s to
-# tokenize, and max_length would cut it to 8,192 tokens anyway.
+# ~1M tokens, past any target's context. It bounds the tokenizer time one line can cost, for text
+# that max_length would cut to 8,192 tokens anyway.
 DEFAULT_MAX_RECORD_BYTES = 4 * 1024 * 1024
 
 

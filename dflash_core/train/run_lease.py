@@ -34,12 +34,11 @@ from pathlib import Path
 
 from botocore.exceptions import ClientError
 
-from dflash_core.storage import SHA256_METADATA_KEY, ObjectStore, StoreError, StoreUnavailable, sha256_bytes
+from dflash_core.storage import ObjectStore, PreconditionFailed, StoreError, StoreUnavailable
 
 HEARTBEAT_EVERY_S = 30.0
 # Six missed heartbeats: a long S3 hiccup does not hand a live run away; a dead one frees its name in minutes.
 LEASE_STALE_AFTER_S = 180.0
-_PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 
 
 class RunLeaseHeld(StoreError):
@@ -147,13 +146,9 @@ class RunLease:
         if etag is None or self._lost is not None:
             return
         try:
-            with self.store._errors(self.key):
-                try:
-                    self.store.client.delete_object(Bucket=self.store.bucket, Key=self.key, IfMatch=f'"{etag}"')
-                except ClientError as error:
-                    if not _precondition_failed(error):
-                        raise
-                    self.log(f"{self.uri} is no longer ours at release: left as it is")
+            self.store.delete(self.key, if_match=etag)
+        except PreconditionFailed:
+            self.log(f"{self.uri} is no longer ours at release: left as it is")
         except StoreError as error:  # the lease goes stale by itself
             self.log(f"could not delete {self.uri} ({error}); it is free once {self.stale_after_s:.0f} s old")
 
@@ -168,7 +163,7 @@ class RunLease:
     def _claim(self) -> None:
         """Create the lease, or take over a stale or dead one; RunLeaseHeld when a live owner has it."""
         for _ in range(3):  # a takeover raced by another claimant: look again
-            etag = self._put(if_none_match=True)
+            etag = self._put(if_absent=True)
             if etag is None:
                 seen = self._read()
                 if seen is None:
@@ -252,20 +247,15 @@ class RunLease:
 
     # ---- S3 ----------------------------------------------------------------------------------------
 
-    def _put(self, *, if_none_match: bool = False, if_match: str | None = None) -> str | None:
+    def _put(self, *, if_absent: bool = False, if_match: str | None = None) -> str | None:
         """Write our record under a precondition; its ETag, or None when the precondition failed."""
         body = json.dumps(asdict(self.record), indent=2).encode()
-        condition = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": f'"{if_match}"'}
-        with self.store._errors(self.key):
-            try:
-                response = self.store.client.put_object(
-                    Bucket=self.store.bucket, Key=self.key, Body=body, ContentType="application/json",
-                    Metadata={SHA256_METADATA_KEY: sha256_bytes(body)}, **condition)
-            except ClientError as error:
-                if _precondition_failed(error) or (if_match and _not_found(error)):
-                    return None
-                raise
-        return response["ETag"].strip('"')
+        try:
+            info = self.store.put_bytes(self.key, body, content_type="application/json",
+                                        if_absent=if_absent, if_match=if_match)
+        except PreconditionFailed:
+            return None
+        return info.etag
 
     def _read(self) -> _Seen | None:
         with self.store._errors(self.key):
@@ -286,12 +276,6 @@ class RunLease:
         if age is None and record is not None:  # no server clock to go by: the owner's own heartbeat time
             age = time.time() - record.heartbeat_at
         return _Seen(record=record, etag=response["ETag"].strip('"'), age_s=age)
-
-
-def _precondition_failed(error: ClientError) -> bool:
-    code = str(error.response.get("Error", {}).get("Code", ""))
-    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code in _PRECONDITION_CODES or status in (409, 412)
 
 
 def _not_found(error: ClientError) -> bool:
