@@ -90,7 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling benches,
 from dflash_core.planner import PRESETS, ModelShape, PlanInputs, plan  # noqa: E402
 from dflash_core.train.config import TrainConfig  # noqa: E402
 from dflash_core.train.data import TokenizedCorpus  # noqa: E402
-from dflash_core.train.loop import Trainer  # noqa: E402
+from dflash_core.train.assemble import build_trainer  # noqa: E402
 
 from bench_train_e2e import StepClock  # noqa: E402
 from hybrid_profile import print_profile, step_profiler  # noqa: E402
@@ -191,7 +191,7 @@ def run_one(args, *, packing: str, corpus: TokenizedCorpus, cuda: bool) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    trainer = Trainer(config, corpus=corpus)
+    trainer = build_trainer(config, corpus=corpus)
     trainer.save = lambda: None  # time training, not checkpoint writes
     setup_s = time.perf_counter() - started
     trainer.validate_capture()  # also: GDN outputs non-zero and different per document

@@ -80,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.train.config import TrainConfig  # noqa: E402
 from dflash_core.train.data import TokenizedCorpus  # noqa: E402
-from dflash_core.train.loop import Trainer  # noqa: E402
+from dflash_core.train.assemble import build_trainer  # noqa: E402
 
 PHASES = ("dflash.prepare_batch", "dflash.target_forward", "dflash.drafter_step", "dflash.optimizer")
 
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
         target_fp8=args.target_fp8,
     )
     started = time.perf_counter()
-    trainer = Trainer(config, corpus=corpus)
+    trainer = build_trainer(config, corpus=corpus)
     trainer.save = lambda: None  # time training, not checkpoint writes
     setup_s = time.perf_counter() - started
     trainer.validate_capture()

@@ -36,7 +36,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, no install
 
 from dflash_core.model import DFlashConfig, plan_blocks  # noqa: E402
-from dflash_core.model.loss import compile_loss_kernel  # noqa: E402
 from dflash_core.target import (  # noqa: E402
     HiddenStateCapture,
     build_target,
@@ -150,7 +149,6 @@ def run_variant(args, *, name, teacher_mode, target, target_config, anchors_per_
     else:
         drafter = config.build()
     drafter.attach_target(target_heads(target))
-    compile_loss_kernel(False)
     if compile_drafter:
         drafter.compile_layers()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=cuda)

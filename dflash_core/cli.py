@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_core import planner
+from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 from dflash_core.nodes.cli import node_app
 from dflash_core.s3audit.cli import lineage_app, s3_app
 from dflash_core.settings import load_settings
@@ -44,15 +45,15 @@ def plan(
     hidden_size: Annotated[Optional[int], typer.Option(help="Target hidden size (overrides preset/config).")] = None,
     num_layers: Annotated[Optional[int], typer.Option(help="Target decoder layers.")] = None,
     target_params: Annotated[Optional[float], typer.Option(help="Target parameters, in billions.")] = None,
-    tapped_layers: Annotated[int, typer.Option(help="Target layers the drafter reads.")] = 5,
+    tapped_layers: Annotated[int, typer.Option(help="Target layers the drafter reads.")] = DEFAULT_NUM_LAYERS,
     dtype_bytes: Annotated[int, typer.Option(help="Bytes per stored value (bf16 = 2).")] = 2,
     target_fp8: Annotated[bool, typer.Option(help="Target decoder-layer weights in FP8 (train's target_fp8).")] = False,
     samples: Annotated[float, typer.Option(help="Training samples (1e6 is fine).")] = 100_000,
     mean_tokens: Annotated[float, typer.Option(help="Mean tokens per sample.")] = 2000,
     mean_completion_tokens: Annotated[Optional[float], typer.Option(help="Mean generated tokens per sample.")] = None,
     anchors_per_sample: Annotated[int, typer.Option(help="Anchors per sample (anchor-only storage).")] = 512,
-    drafter_layers: Annotated[int, typer.Option(help="Drafter decoder layers.")] = 5,
-    block_size: Annotated[int, typer.Option(help="Draft block size B.")] = 16,
+    drafter_layers: Annotated[int, typer.Option(help="Drafter decoder layers.")] = DEFAULT_NUM_LAYERS,
+    block_size: Annotated[int, typer.Option(help="Draft block size B.")] = DEFAULT_BLOCK_SIZE,
     token_budget: Annotated[int, typer.Option(help="Tokens per micro-batch per GPU.")] = 8192,
     gpu_memory_gib: Annotated[float, typer.Option(help="Usable GiB of one GPU.")] = 139.0,
     num_gpus: Annotated[int, typer.Option(help="GPUs available for training.")] = 1,

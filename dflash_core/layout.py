@@ -72,6 +72,12 @@ def artifact_key(prefixes: dict[ArtifactKind, str], kind: ArtifactKind, *segment
     return "/".join([prefixes[kind], *(_check_segment(s) for s in segments)])
 
 
+def checkpoints_key(prefixes: dict[ArtifactKind, str], run_name: str, step_dir: str | None = None) -> str:
+    """`checkpoints/<run>`, the S3 home of a training run's checkpoints, or `checkpoints/<run>/<step_dir>`
+    (e.g. step-000200), one of them."""
+    return artifact_key(prefixes, ArtifactKind.CHECKPOINT, run_name, *([step_dir] if step_dir else []))
+
+
 def run_lease_key(prefixes: dict[ArtifactKind, str], run_name: str) -> str:
     """`checkpoints/<run>/lease.json`: which process trains `run_name` now (dflash_core.train.run_lease)."""
     return artifact_key(prefixes, ArtifactKind.CHECKPOINT, run_name, RUN_LEASE_FILE)

@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS
 
 GiB = 1024**3
@@ -122,7 +123,7 @@ class PlanInputs(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
 
     target: ModelShape
-    tapped_layers: int = Field(5, gt=0, le=MAX_SIZE, description="Target layers whose hidden states the drafter reads.")
+    tapped_layers: int = Field(DEFAULT_NUM_LAYERS, gt=0, le=MAX_SIZE, description="Target layers whose hidden states the drafter reads.")
     dtype_bytes: int = Field(2, gt=0, le=8, description="Bytes per hidden-state value (bf16 = 2).")
     target_fp8: bool = Field(False, description="The target's decoder-layer weights in FP8 (1 byte each; the "
                              "embedding and LM head stay at dtype_bytes; the whole target is loaded first, a peak "
@@ -132,8 +133,8 @@ class PlanInputs(BaseModel):
     mean_completion_tokens: float | None = Field(None, gt=0, le=MAX_TOKENS,
                                                  description="For generation time; defaults to mean_tokens.")
     anchors_per_sample: int = Field(512, gt=0, le=MAX_TOKENS)
-    drafter_layers: int = Field(5, gt=0, le=MAX_SIZE)
-    block_size: int = Field(16, gt=1, le=MAX_SIZE)
+    drafter_layers: int = Field(DEFAULT_NUM_LAYERS, gt=0, le=MAX_SIZE)
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, gt=1, le=MAX_SIZE)
     token_budget: int = Field(8192, gt=0, le=MAX_TOKENS, description="Tokens per training micro-batch per GPU.")
     anchors_per_1k_tokens: float = Field(ANCHORS_PER_1024_TOKENS * 1000 / 1024, gt=0, le=MAX_TOKENS,
                                          description="Anchors per 1,000 batch tokens; default: a training run's "

@@ -11,7 +11,7 @@ from dflash_core.stage_results import StoredShard
 from dflash_core.storage import ObjectStore
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.inputs import fetch_shards
-from tasks.store import retry_transient
+from tasks.retry import retry_store_outage
 
 
 @task
@@ -33,7 +33,7 @@ class ShardChanged(ValueError):
     """A shard's bytes in the bucket are not the ones its dataset record names."""
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_store_outage)
 def verify_shards(settings: Settings, shards: list[StoredShard]) -> None:
     """Every shard is in the bucket with the sha256 its dataset record names (so a run trains on exactly
     what its tokenize stage made); one error listing those that are missing or changed."""

@@ -16,21 +16,13 @@ from dflash_core.lineage import InputRef, Manifest, input_ref, write_artifact
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore, sha256_file
 from tasks.provenance import run_producer
-from tasks.store import png_artifact, retry_transient
+from tasks.retry import retry_store_outage, retry_unless
+from tasks.store import png_artifact
 
 
-def _retry_unless_user_error(task, task_run, state) -> bool:
-    """Retry transient faults, not a ValueError (a wrong path stays wrong)."""
-    try:
-        state.result()
-    except ValueError:
-        return False
-    except Exception:  # noqa: BLE001 - any other failure may be transient
-        return True
-    return True
-
-
-_RETRY = {"retries": 3, "retry_delay_seconds": [2, 5, 15], "retry_condition_fn": _retry_unless_user_error}
+# A ValueError is the user's (a wrong path stays wrong); any other failure may be transient.
+retry_unless_user_error = retry_unless(ValueError)
+_RETRY = {"retries": 3, "retry_delay_seconds": [2, 5, 15], "retry_condition_fn": retry_unless_user_error}
 
 
 @task(**_RETRY)
@@ -76,7 +68,7 @@ def run_evaluation(*, target: Any, drafter: Any, prompts: list[list[int]], modes
                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, tree_budget=tree_budget)
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_store_outage)
 def publish_evaluation(settings: Settings, *, report: dict[str, Any], key_prefix: str, inputs: list[InputRef],
                        config: dict[str, Any], work_dir: Path, measured_on: str) -> Manifest:
     """report.json and acceptance.png to S3 with manifests (inputs: the checkpoint and prompts), then

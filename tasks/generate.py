@@ -22,14 +22,14 @@ from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
 from tasks.artifacts import artifact_record
 from tasks.provenance import run_producer
-from tasks.store import retry_transient
+from tasks.retry import retry_store_outage
 
 
 class CanaryFailed(RuntimeError):
     """The first completions look wrong; the full run would waste GPU hours."""
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_store_outage)
 def import_prompt_set(settings: Settings, *, sources: list[PromptSource], dataset: str, version: str,
                       total: int | None, shard_size: int, seed: int, holdout: HoldoutSpec) -> list[str]:
     """Stream, normalize, dedupe and mix prompt sources into JSONL shards with manifests, the held-out split
@@ -92,7 +92,7 @@ def report_failures(warning: str, *, run: str, ui_artifact: str = "generation-fa
                              description=f"{run}: failed prompts (below max_failed_fraction)")
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_store_outage)
 def publish_generation_report(settings: Settings, *, key: str, report: dict, shard_keys: list[str]) -> list[dict]:
     """The run's report (counts, failures, verdict) with the stored shards as its inputs; records of the
     shards and the report."""
@@ -133,7 +133,7 @@ def run_canary(settings: Settings, *, prompt_key: str, target: GenerationTarget,
     return report
 
 
-@task(retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=retry_transient)
+@task(retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=retry_store_outage)
 def generate_completion_shard(settings: Settings, *, prompt_key: str, output_key: str,
                               target: GenerationTarget, progress_id=None) -> ShardOutcome:
     """Answer every prompt of one shard (resuming any partial work) and write the shard with its manifest."""

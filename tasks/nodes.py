@@ -9,28 +9,15 @@ from __future__ import annotations
 from prefect import task
 
 from dflash_core.lineage import Manifest
-from dflash_core.nodes import Node, NodeRecord, NodeUnreachable, PreserveConfig, PreserveResult, ProvisionConfig
+from dflash_core.nodes import Node, NodeRecord, PreserveConfig, PreserveResult, ProvisionConfig
 from dflash_core.nodes import preserve, provision, upload_node_record, write_node_record
 from dflash_core.settings import Settings
-from dflash_core.storage import ObjectStore, StoreUnavailable
+from dflash_core.storage import ObjectStore
 from tasks.provenance import run_producer
+from tasks.retry import retry_unreachable
 
 
-def is_transient(error: BaseException) -> bool:
-    """The node or S3 did not answer (worth a retry); anything else (a failed command, a refused host key,
-    a provision refused for a reason, a configuration error) fails the same way again."""
-    return isinstance(error, (NodeUnreachable, StoreUnavailable, ConnectionError, TimeoutError))
-
-
-def retry_transient(task, task_run, state) -> bool:
-    try:
-        state.result()
-    except Exception as error:  # noqa: BLE001 - classified below
-        return is_transient(error)
-    return False
-
-
-_RETRY = {"retries": 3, "retry_delay_seconds": [5, 15, 30], "retry_condition_fn": retry_transient}
+_RETRY = {"retries": 3, "retry_delay_seconds": [5, 15, 30], "retry_condition_fn": retry_unreachable}
 
 
 @task(**_RETRY, task_run_name="provision {node.name}")

@@ -18,10 +18,10 @@ from dflash_core.s3audit import (
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
 from tasks.artifacts import artifact_record
-from tasks.nodes import retry_transient
+from tasks.retry import retry_unreachable
 from tasks.provenance import run_producer
 
-_RETRY = {"retries": 3, "retry_delay_seconds": [5, 15, 30], "retry_condition_fn": retry_transient}
+_RETRY = {"retries": 3, "retry_delay_seconds": [5, 15, 30], "retry_condition_fn": retry_unreachable}
 
 
 class AuditOutput(BaseModel):

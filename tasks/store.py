@@ -14,20 +14,12 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.lineage import Manifest, read_manifest, verify_artifact, write_artifact
 from dflash_core.settings import Settings
-from dflash_core.storage import ObjectStore, StoreUnavailable
+from dflash_core.storage import ObjectStore
 from tasks.provenance import run_producer
+from tasks.retry import retry_store_outage
 
 
-def retry_transient(task, task_run, state) -> bool:
-    """Prefect retry condition: retry what may pass (S3 unavailable, 5xx, throttled), never a
-    configuration error (wrong credentials, missing bucket, not an S3 server) or a bug."""
-    try:
-        state.result()
-    except StoreUnavailable:
-        return True
-    except Exception:  # noqa: BLE001 - anything else is not worth retrying
-        return False
-    return False
+retry_transient = retry_store_outage  # TEMPORARY alias while tasks/artifacts.py and tasks/results.py move over
 
 
 def png_artifact(png: bytes, *, key: str, description: str) -> None:
@@ -44,7 +36,7 @@ def object_artifact(uri: str, *, key: str, title: str, sha256: str) -> None:
         key=key, description=title)
 
 
-@task(retries=1, retry_delay_seconds=1, retry_condition_fn=retry_transient)
+@task(retries=1, retry_delay_seconds=1, retry_condition_fn=retry_store_outage)
 def check_store(settings: Settings) -> str:
     """Fail within seconds, naming the setting to fix, when the S3 endpoint is unreachable or not S3,
     or the credentials or bucket are wrong; only a transient fault is retried (once)."""
@@ -53,7 +45,7 @@ def check_store(settings: Settings) -> str:
     return store.uri("")
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_store_outage)
 def publish_report(settings: Settings, *, name: str, run_id: str, report: dict[str, Any],
                    config: dict[str, Any] | None = None) -> Manifest:
     """Write a JSON report with its manifest, read both back and verify the round trip."""

@@ -33,6 +33,7 @@ from dflash_core.tokenize.io import read_arrow_bytes
 from dflash_core.tokenize.render import PrefixUnstable
 from dflash_core.tokenize.shard import TOKENIZED_SCHEMA_VERSION, StaleDuplicates, TemplateFailed, shard_lines
 from tasks.provenance import run_producer
+from tasks.retry import retry_unless
 
 
 class ShardSummary(BaseModel):
@@ -81,18 +82,11 @@ def read_completion_ids(settings: Settings, *, input_key: str, max_record_bytes:
     return line_ids(shard_lines(data), max_record_bytes=max_record_bytes)
 
 
-def _worth_retrying(task, task_run, state) -> bool:
-    """Retry transient faults (S3, a killed worker), not a template or a shard that fails the same way again."""
-    try:
-        state.result()
-    except (TemplateFailed, PrefixUnstable, StaleDuplicates):
-        return False
-    except Exception:  # noqa: BLE001 - anything else may be transient
-        return True
-    return True
+# Transient faults (S3, a killed worker) may pass next time; a template or a shard that failed fails again.
+retry_unless_the_shard_fails_again = retry_unless(TemplateFailed, PrefixUnstable, StaleDuplicates)
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=_worth_retrying, cache_key_fn=shard_cache_key,
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_unless_the_shard_fails_again, cache_key_fn=shard_cache_key,
       persist_result=True, task_run_name="tokenize {input_key}")
 def tokenize_completion_shard(settings: Settings, *, input_key: str, output_key: str, target: TargetTokenizer,
                               config: TokenizeConfig, pool: TokenizePool | None = None,

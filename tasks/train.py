@@ -11,7 +11,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact
 from prefect.artifacts import update_progress_artifact
 
-from dflash_core.layout import TRAIN_RUN_FILES, ArtifactKind, artifact_key, is_heldout_key, train_report_key
+from dflash_core.layout import TRAIN_RUN_FILES, ArtifactKind, checkpoints_key, is_heldout_key, train_report_key
 from dflash_core.lineage import InputRef, Manifest, read_manifest, write_artifact
 from dflash_core.planner import PRESETS, Plan, PlanInputs, plan, shape_from_config
 from dflash_core.settings import Settings
@@ -24,7 +24,8 @@ from dflash_core.train.report import curves_png, load_metrics, summary_rows
 from dflash_core.train.supervise import die_with_parent
 from tasks.plan import NoLayoutFits
 from tasks.provenance import run_producer
-from tasks.store import png_artifact, retry_transient
+from tasks.retry import retry_store_outage, retry_unless
+from tasks.store import png_artifact
 
 
 class TrainingFailed(RuntimeError):
@@ -42,14 +43,8 @@ def _refusal(tail: deque[str]) -> str | None:
     return next((line.removeprefix("error: ") for line in reversed(tail) if line.startswith("error: ")), None)
 
 
-def _retry_unless_refused(task, task_run, state) -> bool:
-    try:
-        state.result()
-    except TrainingRefused:
-        return False
-    except Exception:  # noqa: BLE001 - a crash or preemption: a retry resumes from the last checkpoint
-        return True
-    return False
+# A crash or a preemption: a retry resumes from the last checkpoint; a refusal fails the same way again.
+retry_unless_refused = retry_unless(TrainingRefused)
 
 
 @task(persist_result=True)
@@ -76,7 +71,7 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
     return result
 
 
-@task(retries=2, retry_delay_seconds=[10, 60], retry_condition_fn=_retry_unless_refused)
+@task(retries=2, retry_delay_seconds=[10, 60], retry_condition_fn=retry_unless_refused)
 def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str | None,
                  rendezvous: Rendezvous | None = None, s3_outage_limit_s: float | None = None) -> str | None:
     """Launch the run (torchrun for several processes or nodes; it dies with this process), stream its log,
@@ -131,7 +126,7 @@ class TrainingReport:
     final_metrics: dict
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_store_outage)
 def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str) -> TrainingReport:
     """Curves and a summary table as artifacts; the PNG, metrics.jsonl, run.yaml and provenance.json to S3
     with manifests pointing at the checkpoint. The trainer uploaded the last three to the same keys during
@@ -167,10 +162,10 @@ def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str)
 
 def checkpoint_prefix(settings: Settings, config: TrainConfig, checkpoint: str) -> str:
     """The S3 key prefix a local checkpoint step dir is uploaded under."""
-    return f"{artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)}/{Path(checkpoint).name}"
+    return checkpoints_key(settings.s3_prefixes, config.run_name, Path(checkpoint).name)
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_store_outage)
 def stored_checkpoint(settings: Settings, config: TrainConfig, checkpoint: str) -> Checkpoint:
     """The checkpoint record: its S3 step dir when uploaded (so evaluation's inputs are the stored files and
     any host can run it), else the local dir; the shards it was trained on from its manifest's inputs."""

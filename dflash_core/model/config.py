@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 _LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -80,8 +82,8 @@ class DFlashConfig:
     vocab_size: int
     target_layer_ids: list[int]
     mask_token_id: int
-    num_layers: int = 5
-    block_size: int = 16
+    num_layers: int = DEFAULT_NUM_LAYERS
+    block_size: int = DEFAULT_BLOCK_SIZE
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     rms_norm_eps: float = 1e-6
@@ -165,8 +167,8 @@ class DFlashConfig:
         cls,
         target_config: Any,
         *,
-        num_layers: int = 5,
-        block_size: int = 16,
+        num_layers: int = DEFAULT_NUM_LAYERS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_tapped_layers: int | None = None,
         mask_token_id: int | None = None,
         layer_types: list[str] | None = None,

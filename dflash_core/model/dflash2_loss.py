@@ -17,6 +17,7 @@ path that is still accepted has exactly the teacher-forced predecessors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ def _unary_rows(raw, labels, *, multiplier: float, softcap: float | None, smooth
     """Per row of one chunk of raw LM-head logits: the unary loss, the label's NLL, its (transformed)
     logit, correctness and d(loss)/d(raw) in raw's dtype. One function, so torch.compile fuses the
     upcast, transform, logsumexp, argmax and gradient into a few passes over the [chunk, vocab] logits
-    (`compile_unary_kernel`); eager it is the same math. The transformed fp32 logits stay inside: the
+    (`compiled_unary_kernel`); eager it is the same math. The transformed fp32 logits stay inside: the
     top-K reads the raw chunk instead (see `_candidates`), which saves writing and reading a
     [chunk, vocab] fp32 tensor per chunk (2 GiB at Qwen3.5's vocabulary and 2,048 rows)."""
     logits = transform_logits(raw.float(), multiplier=multiplier, softcap=softcap)
@@ -74,13 +75,10 @@ def _candidates(raw, labels, label_logit, top_k: int, *, multiplier: float, soft
     return ids, values, has_label
 
 
-_unary_kernel = _unary_rows
-
-
-def compile_unary_kernel(enabled: bool = True) -> None:
-    """Use a torch.compile'd `_unary_rows` (GPU; shapes are static per chunk size); eager when disabled."""
-    global _unary_kernel
-    _unary_kernel = torch.compile(_unary_rows, dynamic=False) if enabled else _unary_rows
+@functools.cache
+def compiled_unary_kernel():
+    """`_unary_rows` torch.compile'd (GPU; shapes are static per chunk size), made once per process."""
+    return torch.compile(_unary_rows, dynamic=False)
 
 
 class _UnaryLossAndCandidates(torch.autograd.Function):
@@ -90,7 +88,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, token_weights_N, top_k, multiplier, softcap, chunk_size,
-                dpace_alpha, num_slots, label_smoothing):
+                dpace_alpha, num_slots, label_smoothing, unary_kernel):
         num_rows = hidden_NH.shape[0]
         device = hidden_NH.device
         compute_dtype = weight_VH.dtype
@@ -107,7 +105,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             raw = hidden_NH[rows].to(compute_dtype) @ weight_VH.T
             labels = labels_N[rows]
-            loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad = _unary_kernel(
+            loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad = unary_kernel(
                 raw, labels, multiplier=multiplier, softcap=softcap, smoothing=label_smoothing, with_grad=needs_grad)
             candidate_ids[rows], candidate_logits[rows], contains[rows] = _candidates(
                 raw, labels, label_logit, top_k, multiplier=multiplier, softcap=softcap)
@@ -137,7 +135,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
                 rows_of_head = weight_VH[candidate_ids[rows]]  # [chunk, K, H]
                 grad_rows = torch.einsum("nk,nkh->nh", grad_raw[rows].to(weight_VH.dtype), rows_of_head)
                 grad_hidden[rows] += grad_rows.to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None, None, None, None
 
 
 def slot_scale(nll_N: torch.Tensor, token_weights_N: torch.Tensor, *, dpace_alpha: float | None,
@@ -188,13 +186,14 @@ def dflash2_objective(
     dpace_alpha: float | None = None,
     num_slots: int = 0,
     label_smoothing: float = 0.0,
+    compiled: bool = False,
 ) -> DFlash2Objective:
     """Both losses over N drafted slots. `selector` is a `CandidateSelector` (top_k, context,
     transition_scores); `predecessor_ids_N` the token before each slot on an accepted path.
     `token_weights_N`: fixed slot weights (0: no loss), or with `dpace_alpha` only the 0/1 validity,
     the slots then weighted by D-PACE within blocks of `num_slots`. `label_smoothing` s smooths the
     unary cross-entropy ((1 - s) * CE + s * mean over the vocabulary of -log q); the selector's
-    K-way loss keeps hard labels."""
+    K-way loss keeps hard labels. `compiled`: the per-chunk kernel torch.compile'd (GPU)."""
     if lm_head_weight.requires_grad:
         raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
     if chunk_size < 1:
@@ -215,6 +214,7 @@ def dflash2_objective(
             dpace_alpha,
             num_slots,
             float(label_smoothing),
+            compiled_unary_kernel() if compiled else _unary_rows,
         )
     )
     context = selector.context(hidden_NH, predecessor_ids_N)

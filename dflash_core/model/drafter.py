@@ -18,8 +18,7 @@ from torch import nn
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.model.attention import AttendFn, DFlashDecoderLayer, RMSNorm, RotaryEmbedding
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
-from dflash_core.model.dflash2_loss import compile_unary_kernel
-from dflash_core.model.loss import chunked_lm_head_loss, compile_loss_kernel, default_chunk_size
+from dflash_core.model.loss import chunked_lm_head_loss, default_chunk_size
 from dflash_core.model.loss import position_weights
 from dflash_core.model.loss import teacher_token_ids
 from dflash_core.model.masks import (
@@ -129,9 +128,7 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             layer.compile(**compile_kwargs)
             layer.self_attn.key_value = torch.compile(layer.self_attn.key_value, **compile_kwargs)
-        compile_loss_kernel(True)
-        compile_unary_kernel(True)
-        self._layers_compiled = True
+        self._layers_compiled = True  # the loss then calls its compiled per-chunk kernels
 
     # -- shared pieces ----------------------------------------------------------------------
     def fuse_target_features(self, target_hidden_BTX: torch.Tensor) -> torch.Tensor:
@@ -285,6 +282,7 @@ class DFlashDraftModel(nn.Module):
             num_slots=block - 1,
             chunk_size=loss_chunk_size or default_chunk_size(vocab_size=lm_head_weight.shape[0]),
             label_smoothing=cfg.label_smoothing,
+            compiled=self._layers_compiled,
         )
         labels = torch.where(valid, out.labels.view_as(valid), torch.zeros_like(valid, dtype=torch.long))
         metrics = block_metrics(

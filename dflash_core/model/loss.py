@@ -10,7 +10,9 @@ peak memory at one chunk of fp32 logits and costs the same two matmuls per chunk
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -93,7 +95,7 @@ def _ce_rows(logits, labels, *, with_grad: bool):
     """Per row: cross-entropy, the same as the label's NLL, correctness, and d(ce)/d(logits).
 
     One function so torch.compile can fuse the fp32 upcast, logsumexp, argmax and softmax into a
-    couple of passes over the [chunk, vocab] logits (see `compile_loss_kernel`).
+    couple of passes over the [chunk, vocab] logits (see `compiled_kernels`).
     """
     logits32 = logits.float()
     ce, _, _, log_norm, correct = cross_entropy_terms(logits32, labels)
@@ -126,17 +128,25 @@ def _kl_rows(logits, teacher_logits, *, with_grad: bool):
     return kl, nll, correct, labels, (torch.exp(log_q) - p).to(logits.dtype)
 
 
-_ce_kernel = _ce_rows
-_smoothed_ce_kernel = _smoothed_ce_rows
-_kl_kernel = _kl_rows
+@dataclasses.dataclass(frozen=True)
+class LossKernels:
+    """The per-chunk loss functions one drafter uses: eager, or torch.compile'd (GPU; shapes are static
+    per chunk size), chosen per call: compiling one drafter changes no other."""
+
+    ce: Callable
+    smoothed_ce: Callable
+    kl: Callable
 
 
-def compile_loss_kernel(enabled: bool = True) -> None:
-    """Use torch.compile'd per-chunk loss kernels (GPU); eager when disabled."""
-    global _ce_kernel, _smoothed_ce_kernel, _kl_kernel
-    _ce_kernel = torch.compile(_ce_rows, dynamic=False) if enabled else _ce_rows
-    _smoothed_ce_kernel = torch.compile(_smoothed_ce_rows, dynamic=False) if enabled else _smoothed_ce_rows
-    _kl_kernel = torch.compile(_kl_rows, dynamic=False) if enabled else _kl_rows
+EAGER_KERNELS = LossKernels(ce=_ce_rows, smoothed_ce=_smoothed_ce_rows, kl=_kl_rows)
+
+
+@functools.cache
+def compiled_kernels() -> LossKernels:
+    """The compiled kernels, made once per process (torch.compile is lazy: nothing compiles before a call)."""
+    return LossKernels(ce=torch.compile(_ce_rows, dynamic=False),
+                       smoothed_ce=torch.compile(_smoothed_ce_rows, dynamic=False),
+                       kl=torch.compile(_kl_rows, dynamic=False))
 
 
 @dataclasses.dataclass
@@ -157,7 +167,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, teacher_NH, token_weights_N, valid_N, chunk_size,
-                dpace_alpha, num_slots, label_smoothing):
+                dpace_alpha, num_slots, label_smoothing, kernels):
         compute_dtype = weight_VH.dtype
         num_rows = hidden_NH.shape[0]
         device = hidden_NH.device
@@ -172,16 +182,16 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             end = start + chunk_size
             logits = hidden_NH[start:end].to(compute_dtype) @ weight_VH.T
             if teacher_NH is None and label_smoothing > 0:
-                loss_rows[start:end], nll_rows[start:end], correct[start:end], grad_logits = _smoothed_ce_kernel(
+                loss_rows[start:end], nll_rows[start:end], correct[start:end], grad_logits = kernels.smoothed_ce(
                     logits, labels_N[start:end], smoothing=label_smoothing, with_grad=needs_grad)
             elif teacher_NH is None:
-                loss_rows[start:end], correct[start:end], grad_logits = _ce_kernel(
+                loss_rows[start:end], correct[start:end], grad_logits = kernels.ce(
                     logits, labels_N[start:end], with_grad=needs_grad)
             else:
                 with torch.autocast(device.type, enabled=False):
                     teacher_logits = teacher_NH[start:end].to(compute_dtype) @ weight_VH.T
                 (loss_rows[start:end], nll_rows[start:end], correct[start:end], labels_out[start:end],
-                 grad_logits) = _kl_kernel(logits, teacher_logits, with_grad=needs_grad)
+                 grad_logits) = kernels.kl(logits, teacher_logits, with_grad=needs_grad)
             if needs_grad:
                 grad_hidden[start:end] = (grad_logits @ weight_VH).to(hidden_NH.dtype)
         if dpace_alpha is None:
@@ -201,7 +211,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_correct, grad_labels, grad_weights):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None, None, None
 
 
 def chunked_lm_head_loss(
@@ -216,6 +226,7 @@ def chunked_lm_head_loss(
     num_slots: int | None = None,
     chunk_size: int = 2048,
     label_smoothing: float = 0.0,
+    compiled: bool = False,
 ) -> LMHeadLoss:
     """The drafter's loss over logits = hidden @ lm_head_weight.T, a chunk of rows at a time.
 
@@ -226,7 +237,8 @@ def chunked_lm_head_loss(
     `dpace_alpha` with `num_slots` (rows grouped as blocks of num_slots; loss = sum(w * l) /
     num_valid, as speculators). The LM head weight gets no gradient (it is the target's, frozen).
     `label_smoothing` s (cross-entropy only): each row's loss is (1 - s) * CE + s * the mean over the
-    vocabulary of -log q; D-PACE still weighs slots by the label's own NLL.
+    vocabulary of -log q; D-PACE still weighs slots by the label's own NLL. `compiled`: the per-chunk
+    kernels torch.compile'd (GPU).
     """
     if lm_head_weight.requires_grad:
         raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
@@ -247,7 +259,7 @@ def chunked_lm_head_loss(
     weights = token_weights_N.float() if token_weights_N is not None else None
     loss, correct, labels, applied = _ChunkedLMHeadLoss.apply(
         hidden_NH, lm_head_weight, labels_N, teacher_hidden_NH, weights, valid, chunk_size, dpace_alpha, num_slots,
-        float(label_smoothing))
+        float(label_smoothing), compiled_kernels() if compiled else EAGER_KERNELS)
     return LMHeadLoss(loss=loss, correct=correct, labels=labels, weights=applied)
 
 

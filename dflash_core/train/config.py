@@ -10,6 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, model_validator
 
+from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 from dflash_core.model.config import REGULARIZATION_FIELDS, tapped_layer_ids
 from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
 from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS, default_num_anchors
@@ -17,8 +18,8 @@ from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS, default_num
 _DFLASH2 = {field.name: field.default for field in dataclasses.fields(DFlash2Config) if field.name in DFLASH2_FIELDS}
 
 class DrafterSettings(BaseModel):
-    num_layers: int = Field(5, ge=1, description="Drafter decoder layers.")
-    block_size: int = Field(16, ge=2, description="Tokens per draft block (anchor + B-1 masks).")
+    num_layers: int = Field(DEFAULT_NUM_LAYERS, ge=1, description="Drafter decoder layers.")
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=2, description="Tokens per draft block (anchor + B-1 masks).")
     num_anchors: int | None = Field(
         None, ge=1, description=f"Anchors per packed row. None: {ANCHORS_PER_1024_TOKENS} per 1,024 tokens of "
         "token_budget (512 per 2,048; dflash_core.train.anchor_budget), so memory and step time follow the "

@@ -32,25 +32,22 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, Field, model_validator
 
-from dflash_core.layout import ArtifactKind, artifact_key, run_lease_key
+from dflash_core.layout import checkpoints_key, run_lease_key
 from dflash_core.provenance import current_producer
 from dflash_core.settings import Settings, load_settings
 from dflash_core.train.checkpoint import complete_checkpoints, latest_checkpoint, remove_debris
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.disk_space import DiskFull
-from dflash_core.train.loop import EXIT_PREEMPTED, Distributed, Trainer
+from dflash_core.train.assemble import build_trainer
+from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
+from dflash_core.train.loop import EXIT_PREEMPTED, Trainer
 from dflash_core.train.run_lock import RunLock, RunLocked
-from dflash_core.train.step import PairOverlapSteps
 
 if TYPE_CHECKING:  # boto3 is imported only when a run reads S3 or uploads checkpoints
     from dflash_core.storage import ObjectStore
     from dflash_core.train.run_lease import RunLease
 
 DEFAULT_PG_TIMEOUT_S = 600  # > the longest wait at a barrier: rank 0 writing (and uploading) a checkpoint
-
-
-class PairOverlapTrainer(PairOverlapSteps, Trainer):
-    """The pair layout with the transfer overlapped (dflash_core.train.step.PairOverlapSteps)."""
 
 
 class Rendezvous(BaseModel):
@@ -119,27 +116,14 @@ def _version(name: str) -> str | None:
         return None
 
 
-def process_devices(config: TrainConfig, dist_info: Distributed) -> TrainConfig:
-    """The devices of this process. Pair layout without explicit devices: local rank r takes the GPU
-    pair (2r, 2r+1), target on the first; run N/2 processes per node of N GPUs."""
-    if config.placement != "pair" or config.target_device is not None or not torch.cuda.is_available():
-        return config
-    target, drafter = 2 * dist_info.local_rank, 2 * dist_info.local_rank + 1
-    if drafter >= torch.cuda.device_count():
-        raise ValueError(f"placement=pair: local rank {dist_info.local_rank} needs cuda:{target} and cuda:{drafter}, "
-                         f"this node has {torch.cuda.device_count()} GPUs; run nproc_per_node = GPUs / 2")
-    return config.model_copy(update={"target_device": f"cuda:{target}",
-                                     "drafter_device": config.drafter_device or f"cuda:{drafter}"})
-
-
-def refuse_unsupported_fp8(config: TrainConfig, *, default: torch.device) -> None:
+def refuse_unsupported_fp8(config: TrainConfig, devices: TrainDevices) -> None:
     """target_fp8 on a device without row-wise FP8 GEMMs: an `error:` line before the target loads (the
     flow reads it as a refusal, which no retry can fix)."""
     from dflash_core.fp8 import supports_fp8
 
     if not config.target_fp8:
         return
-    why = supports_fp8(torch.device(config.target_device) if config.target_device else default)
+    why = supports_fp8(devices.target)
     if why is not None:
         raise SystemExit(f"error: target_fp8: {why}; set target_fp8: false to keep the target in its own dtype")
 
@@ -187,29 +171,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace, config: TrainConfig, dist_info: Distributed, *, settings: Settings,
            store: ObjectStore | None, lease: RunLease | None) -> int:
-    devices = process_devices(config, dist_info)
-    # The drafter's device is this process's device: DDP, NCCL collectives and barriers run there.
-    device = torch.device((devices.drafter_device if devices.placement == "pair" else None)
-                          or devices.target_device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        device = torch.device("cuda", dist_info.local_rank if device.index is None else device.index)
-        torch.cuda.set_device(device)
-    refuse_unsupported_fp8(devices, default=device)
+    devices = resolve_devices(config, dist_info)
+    if devices.process.type == "cuda":
+        torch.cuda.set_device(devices.process)
+    refuse_unsupported_fp8(config, devices)
     if dist_info.world_size > 1:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=args.pg_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        cuda = devices.process.type == "cuda"
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=args.pg_timeout_s),
+                                device_id=devices.process if cuda else None)
     existing = complete_checkpoints(config.run_dir / "checkpoints")
     if existing and not args.resume:
         raise SystemExit(f"{config.run_dir} already holds checkpoints up to {existing[-1].name}: pass --resume to "
                          "continue that run, or choose a new run_name")
     _announce_sigterm(dist_info, config.run_dir / "checkpoints", pg_timeout_s=args.pg_timeout_s)
-    checkpoint_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.CHECKPOINT, config.run_name)
+    checkpoint_prefix = checkpoints_key(settings.s3_prefixes, config.run_name)
     if store is not None and config.upload_checkpoints and dist_info.is_main and not args.resume:
         _refuse_remote_checkpoints(store, checkpoint_prefix)
-    trainer_class = PairOverlapTrainer if config.pair_overlap else Trainer
-    trainer = trainer_class(devices, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
-                            flow_run_id=args.flow_run_id, s3_outage_limit_s=args.s3_outage_limit_s,
+    trainer = build_trainer(config, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
+                            devices=devices, flow_run_id=args.flow_run_id, s3_outage_limit_s=args.s3_outage_limit_s,
                             checkpoint_prefix=checkpoint_prefix, lease=lease, s3_prefixes=settings.s3_prefixes)
     try:
         if dist_info.is_main:

@@ -1,26 +1,29 @@
 """One online training step: the frozen target's forward captures the tapped layers of a packed
 batch, the drafter trains on them; nothing touches disk.
 
-In the pair layout (target on one GPU, drafter on another) the captured states cross between the
-GPUs every step. `PairOverlapSteps` pipelines that: the next batch's target forward and its copy to
-the drafter's GPU (side streams) are queued before the drafter trains on the current batch, so
-the target GPU, the link and the drafter GPU work at once. Same batches, same anchors, same losses.
+A step strategy runs a run's optimizer steps: `PlainSteps` (each micro-batch prepared ahead on a
+thread, captured, trained on) or, in the pair layout, `dflash_core.train.pair_overlap.PairOverlapSteps`.
+Both take a `StepContext` and offer open / step / sampler_state / close.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from contextlib import ExitStack, nullcontext
-from typing import TYPE_CHECKING, Any
+import time
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch.profiler import record_function
 
 from dflash_core.model import plan_blocks
 from dflash_core.target import CapturedStates, HiddenStateCapture
 
 if TYPE_CHECKING:  # keeps this module importable with torch alone (the GPU benches' image)
     from dflash_core.model import BlockPlan
+    from dflash_core.train.assemble import TrainingParts
     from dflash_core.train.data import PackedBatch
+    from dflash_core.train.devices import Distributed
 
 _NAMES = ("input_ids", "position_ids", "document_ids", "loss_mask")
 HOST_PREFIX = "host_"  # batch_tensors keeps the host copy of each tensor under host_<name>
@@ -97,131 +100,125 @@ def step_generator(seed: int, step: int, global_micro: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash((seed, step, global_micro)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
-# ---- the pair layout, overlapped ----------------------------------------------------------------
+# ---- step strategies ---------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class InFlight:
-    """A captured batch on its way to the drafter's device."""
+class StepTiming:
+    """Main-thread seconds of one optimizer step. prepare: getting its batches ready (the wait on the
+    prefetch queue and the queued copies; packing itself when prefetch is off); dispatch: queuing its
+    target forward, drafter step and optimizer (a full CUDA launch queue makes this wait on the GPU
+    too); wait: blocked on the device for the metrics of a log step. When prepare + dispatch stay well
+    under the step time the host is off the critical path."""
 
-    batch: PackedBatch
-    tensors: dict[str, torch.Tensor]
-    captured: CapturedStates       # tensors on the drafter's device once `PairTransfer.finish` ran
-    sampler_before: dict[str, Any] | None  # the sampler's position before this batch was drawn
-    events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None = None  # start, end, done
-
-
-class PairTransfer:
-    """Copies captured states from the target's GPU to the drafter's on side streams: a copy waits
-    only for its own capture, never for the drafter's queued work (torch's plain cross-device copy
-    runs on the source's current stream after a two-way barrier with the destination's current
-    stream, so it would wait for the drafter step before it and hold up the next target forward)."""
-
-    def __init__(self, source: torch.device, destination: torch.device):
-        self.source, self.destination = source, destination
-        self.streams = None
-        if source.type == destination.type == "cuda" and source != destination:
-            self.streams = (torch.cuda.Stream(source), torch.cuda.Stream(destination))
-
-    def start(self, captured: CapturedStates, *, teacher: bool) -> tuple[CapturedStates, tuple | None]:
-        """Queue the copy after the capture on the source stream; returns the moved states (not to be
-        read before `finish`) and CUDA events (start, end on the source side; done on the destination)."""
-        if self.streams is None:
-            final = captured.final_hidden.to(self.destination) if teacher else None
-            return dataclasses.replace(captured, tapped_hidden=captured.tapped_hidden.to(self.destination),
-                                       final_hidden=final), None
-        source_stream, destination_stream = self.streams
-        source_stream.wait_stream(torch.cuda.current_stream(self.source))
-        start, end, done = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
-                            torch.cuda.Event())
-        sources = [captured.tapped_hidden] + ([captured.final_hidden] if teacher else [])
-        with ExitStack() as streams:  # copy_ uses the current stream of both devices
-            streams.enter_context(torch.cuda.stream(source_stream))
-            streams.enter_context(torch.cuda.stream(destination_stream))
-            start.record(source_stream)
-            moved = [tensor.to(self.destination, non_blocking=True) for tensor in sources]
-            end.record(source_stream)
-            done.record(destination_stream)
-        for tensor in sources:  # the capture's buffers stay reserved until the side stream read them
-            tensor.record_stream(source_stream)
-        return dataclasses.replace(captured, tapped_hidden=moved[0], final_hidden=moved[1] if teacher else None), \
-            (start, end, done)
-
-    def finish(self, flight: InFlight) -> None:
-        """Make the drafter's stream wait (on the GPU) for this batch's copy."""
-        if flight.events is None:
-            return
-        current = torch.cuda.current_stream(self.destination)
-        current.wait_event(flight.events[2])
-        for tensor in (flight.captured.tapped_hidden, flight.captured.final_hidden):
-            if tensor is not None:  # allocated on the side stream, read on the drafter's stream
-                tensor.record_stream(current)
-
-    @staticmethod
-    def elapsed_ms(flight: InFlight) -> float | None:
-        if flight.events is None:
-            return None
-        start, end, _ = flight.events
-        end.synchronize()
-        return start.elapsed_time(end)
+    prepare_s: float = 0.0
+    dispatch_s: float = 0.0
+    wait_s: float = 0.0
 
 
-class PairOverlapSteps:
-    """Trainer mixin (`class T(PairOverlapSteps, Trainer)`): each optimizer step queues the NEXT
-    batch's target forward and its transfer before the drafter trains on the current one. Batches
-    are drawn in the same order and the saved sampler position excludes the batch in flight, so
-    losses and resume match the plain loop exactly. Adds `transfer_ms` (copy time per step, measured
-    with CUDA events on the side stream) to the metrics."""
+@dataclasses.dataclass
+class StepContext:
+    """What a strategy steps: the run's parts, the module its forward calls (the drafter, or DDP around
+    it) and this process's place among the ranks."""
 
-    def _optimizer_step(self, batches) -> tuple[dict[str, torch.Tensor], int]:
+    parts: TrainingParts
+    model: torch.nn.Module
+    dist: Distributed
 
-        config = self.config
-        if getattr(self, "_overlap_batches", None) is not batches:  # a new run(): nothing in flight
-            self._overlap_batches, self._next_flight = batches, None
-            self._transfer = PairTransfer(self.target_device, self.drafter_device)
+    def micro_step(self, *, step: int, micro: int, tensors: dict[str, torch.Tensor], captured: CapturedStates
+                   ) -> dict[str, torch.Tensor]:
+        """The drafter's forward + backward on micro-batch `micro` of optimizer step `step` (gradients
+        averaged over the step's micro-batches; DDP synchronizes only on the last)."""
+        config = self.parts.config
         accum = config.optim.grad_accum
+        sync = micro == accum - 1 or self.dist.world_size == 1
+        context = self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else nullcontext()
+        with context, record_function("dflash.drafter_step"):
+            return drafter_step(
+                self.model, tensors=tensors, captured=captured, num_anchors=config.resolved_num_anchors,
+                block_size=self.parts.drafter_config.block_size, teacher=self.parts.teacher,
+                generator=step_generator(config.seed, step, micro * self.dist.world_size + self.dist.rank),
+                device=self.parts.devices.drafter, attention_backend=config.attention_backend, loss_scale=1 / accum)
+
+    def finish_step(self, summed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from dflash_core.train.optimizer import optimizer_step
+
+        parts = self.parts
+        with record_function("dflash.optimizer"):
+            summed["grad_norm"] = optimizer_step(parts.drafter, parts.optimizer, parts.scheduler,
+                                                 grad_clip=parts.config.optim.grad_clip)
+        return summed
+
+
+class StepStrategy(Protocol):
+    def open(self) -> None:
+        """Start drawing batches from the sampler's current position."""
+
+    def step(self, step: int, timing: StepTiming) -> tuple[dict[str, torch.Tensor], int]:
+        """One optimizer step: its metrics (on the device, summed over micro-batches) and real tokens."""
+
+    def sampler_state(self) -> dict:
+        """The sampler's position after the last batch trained on (what a checkpoint saves)."""
+
+    def close(self) -> None:
+        """Stop drawing and rewind the sampler to `sampler_state()`: batches drawn ahead and not
+        trained on are drawn again by the next open."""
+
+
+def add_micro_metrics(summed: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], *, accum: int) -> None:
+    for name, value in metrics.items():
+        summed[name] = summed.get(name, 0) + value.detach().float() / accum
+
+
+class PlainSteps:
+    """Each micro-batch: its packed row (prepared ahead on a thread, or inline with prefetch 0), the
+    target's forward, the drafter's forward and backward; then the optimizer."""
+
+    def __init__(self, context: StepContext):
+        self.context = context
+        self.batches = None
+        self.trained_state: dict | None = None  # while batches are drawn ahead: the trained-on position
+
+    def open(self) -> None:
+        from dflash_core.train.prefetch import BatchPrefetcher, InlineBatches, batch_preparer
+
+        parts = self.context.parts
+        config = parts.config
+        prepare = batch_preparer(parts.corpus, parts.sampler, token_budget=config.token_budget,
+                                 pin=parts.devices.target.type == "cuda")
+        self.batches = BatchPrefetcher(prepare, depth=config.prefetch_batches, device=parts.devices.target) \
+            if config.prefetch_batches else InlineBatches(prepare)
+
+    def step(self, step: int, timing: StepTiming) -> tuple[dict[str, torch.Tensor], int]:
+        parts = self.context.parts
+        accum = parts.config.optim.grad_accum
         summed: dict[str, torch.Tensor] = {}
         tokens = 0
-        copy_ms: list[float] = []
+        started = time.perf_counter()
         for micro in range(accum):
-            flight = self._next_flight or self._launch(batches, sampler_before=None)
-            last = self.step == config.max_steps - 1 and micro == accum - 1
-            self._next_flight = None if last else self._launch(batches, sampler_before=self.sampler.state_dict())
-            self._transfer.finish(flight)
-            tokens += flight.batch.num_real_tokens * self.dist.world_size
-            sync = micro == accum - 1 or self.dist.world_size == 1
-            context = self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else nullcontext()
-            with context:
-                metrics = drafter_step(
-                    self.model, tensors=flight.tensors, captured=flight.captured,
-                    num_anchors=config.resolved_num_anchors, block_size=self.drafter_config.block_size,
-                    teacher=self.teacher,
-                    generator=step_generator(config.seed, self.step, micro * self.dist.world_size + self.dist.rank),
-                    device=self.drafter_device, attention_backend=config.attention_backend, loss_scale=1 / accum)
-            for name, value in metrics.items():
-                summed[name] = summed.get(name, 0) + value.detach().float() / accum
-            elapsed = self._transfer.elapsed_ms(flight)
-            if elapsed is not None:
-                copy_ms.append(elapsed)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), config.optim.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        summed["grad_norm"] = grad_norm.detach()
-        if copy_ms:
-            summed["transfer_ms"] = torch.tensor(sum(copy_ms))
+            with record_function("dflash.prepare_batch"):
+                prepared = self.batches.next()
+                tensors = prepared.to_device(parts.devices.target)
+            self.trained_state = prepared.sampler_state
+            ready = time.perf_counter()
+            timing.prepare_s += ready - started
+            tokens += prepared.batch.num_real_tokens * self.context.dist.world_size
+            with record_function("dflash.target_forward"):
+                captured = capture_batch(parts.capture, tensors)
+            metrics = self.context.micro_step(step=step, micro=micro, tensors=tensors, captured=captured)
+            add_micro_metrics(summed, metrics, accum=accum)
+            started = time.perf_counter()
+            timing.dispatch_s += started - ready
+        summed = self.context.finish_step(summed)
+        timing.dispatch_s += time.perf_counter() - started
         return summed, tokens
 
-    def _launch(self, batches, *, sampler_before: dict | None) -> InFlight:
-        from dflash_core.train.data import collate
+    def sampler_state(self) -> dict:
+        return self.trained_state or self.context.parts.sampler.state_dict()
 
-        batch = collate(self.corpus, next(batches), token_budget=self.config.token_budget)
-        tensors = batch_tensors(batch, self.target_device)
-        moved, events = self._transfer.start(capture_batch(self.capture, tensors), teacher=self.teacher)
-        return InFlight(batch=batch, tensors=tensors, captured=moved, sampler_before=sampler_before, events=events)
-
-    def _train_state(self) -> dict:
-        state = super()._train_state()
-        flight = getattr(self, "_next_flight", None)
-        if flight is not None and flight.sampler_before is not None:  # that batch is not trained on yet
-            state["sampler"] = flight.sampler_before
-        return state
+    def close(self) -> None:
+        if self.batches is not None:
+            self.batches.close()
+            self.batches = None
+        if self.trained_state is not None:
+            self.context.parts.sampler.load_state_dict(self.trained_state)
+        self.trained_state = None

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from dflash_core.model import DFlashConfig, plan_blocks
-from dflash_core.model.loss import compile_loss_kernel
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -49,7 +48,6 @@ def _loss_and_grads(setup, *, backend: str, bf16: bool, compiled: bool = False):
     torch.manual_seed(1)
     drafter = config.build(device="cuda")
     drafter.attach_target(target_heads(target))
-    compile_loss_kernel(False)
     if compiled:
         drafter.compile_layers()
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
@@ -58,7 +56,6 @@ def _loss_and_grads(setup, *, backend: str, bf16: bool, compiled: bool = False):
             teacher_hidden=captured.final_hidden, attention_backend=backend,
         )
     loss.backward()
-    compile_loss_kernel(False)
     return loss.detach(), {name: p.grad.detach().clone() for name, p in drafter.named_parameters()}, metrics
 
 

@@ -21,6 +21,7 @@ from dflash_core.export import export_drafter, load_drafter, read_export_config
 from dflash_core.model.dflash2 import DFlash2Config, DFlash2DraftModel
 from dflash_core.target import HiddenStateCapture, target_heads
 from dflash_core.train.config import TrainConfig
+from dflash_core.train.assemble import build_trainer
 from dflash_core.train.loop import Trainer
 from tests.unit.test_trainer import tiny_config
 
@@ -48,7 +49,7 @@ def trained(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the one_thread fixture does (it is function-scoped)
     try:
-        trainer = Trainer(_config(tmp_path))
+        trainer = build_trainer(_config(tmp_path))
         result = trainer.run()
     finally:
         torch.set_num_threads(threads)
@@ -70,11 +71,11 @@ def test_the_setting_trains_a_dflash2_drafter_that_learns(trained):
 
 
 def test_resume_continues_identically_and_refuses_the_other_variant(tmp_path):
-    straight = Trainer(_config(tmp_path / "a", max_steps=4, checkpoint_every=2, log_every=1))
+    straight = build_trainer(_config(tmp_path / "a", max_steps=4, checkpoint_every=2, log_every=1))
     straight.run()
-    first = Trainer(_config(tmp_path / "b", max_steps=2, checkpoint_every=2, log_every=1))
+    first = build_trainer(_config(tmp_path / "b", max_steps=2, checkpoint_every=2, log_every=1))
     first.run()
-    second = Trainer(_config(tmp_path / "b", max_steps=4, checkpoint_every=2, log_every=1))
+    second = build_trainer(_config(tmp_path / "b", max_steps=4, checkpoint_every=2, log_every=1))
     assert second.resume() and second.step == 2
     second.run()
     drop = ("tokens_per_s",)
@@ -83,7 +84,7 @@ def test_resume_continues_identically_and_refuses_the_other_variant(tmp_path):
     as_dflash = tiny_config(tmp_path / "b", max_steps=4)
     as_dflash.drafter = as_dflash.drafter.model_copy(update={"variant": "dflash"})
     with pytest.raises(ValueError, match="variant is 'dflash'"):  # the same run, as a DFlash one
-        Trainer(as_dflash).resume()
+        build_trainer(as_dflash).resume()
 
 
 def test_checkpoint_evaluates_on_the_selector_path_and_equals_greedy_decoding(trained):

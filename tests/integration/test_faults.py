@@ -60,11 +60,11 @@ def _in_process(config_path: Path, **kwargs):
     """A Trainer over the config's shard, read here (what the entry would fetch)."""
     from dflash_core.train.config import TrainConfig
     from dflash_core.train.data import load_corpus, read_shard_table
-    from dflash_core.train.loop import Trainer
+    from dflash_core.train.assemble import build_trainer
 
     config = TrainConfig.model_validate(json.loads(config_path.read_text()))
     corpus = load_corpus([(item, read_shard_table(Path(item))) for item in config.data])
-    return Trainer(config, corpus=corpus, **kwargs)
+    return build_trainer(config, corpus=corpus, **kwargs)
 
 
 def _entry(config: Path, *extra: str) -> list[str]:
@@ -288,7 +288,7 @@ def test_the_train_task_does_not_retry_a_refused_run(tmp_path, monkeypatch) -> N
         def result(self):
             raise refused.value
 
-    assert train_tasks._retry_unless_refused(None, None, State()) is False
+    assert train_tasks.retry_unless_refused(None, None, State()) is False
 
 
 def test_an_outage_past_the_limit_fails_and_the_backlog_stays_bounded(settings, tmp_path) -> None:

@@ -172,14 +172,14 @@ def test_a_dead_pid_on_this_host_is_taken_over_at_once(store, prefix) -> None:
 def test_a_lease_lost_mid_run_stops_the_trainer(store, settings, prefix, tmp_path, one_thread) -> None:
     from dflash_core.train.config import TrainConfig
     from dflash_core.train.data import load_corpus, read_shard_table
-    from dflash_core.train.loop import Trainer
+    from dflash_core.train.assemble import build_trainer
 
     config = TrainConfig.model_validate(json.loads(_config(tmp_path, "lost", tmp_path / "runs").read_text()))
     corpus = load_corpus([(item, read_shard_table(Path(item))) for item in config.data])
     key = f"{prefix}/checkpoints/lost/lease.json"
     messages: list[str] = []
     lease = _lease(store, key, "host-a", messages, heartbeat_every_s=0.2, stale_after_s=3.0).acquire()
-    trainer = Trainer(config.model_copy(update={"max_steps": 100000, "checkpoint_every": 1000}), corpus=corpus,
+    trainer = build_trainer(config.model_copy(update={"max_steps": 100000, "checkpoint_every": 1000}), corpus=corpus,
                       store=store, checkpoint_prefix=f"{prefix}/checkpoints/lost", lease=lease)
     store.put_bytes(key, b'{"owner": "someone else"}')  # deleted or taken over behind our back
     try:

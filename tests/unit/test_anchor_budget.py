@@ -12,7 +12,7 @@ import yaml
 import dflash_core.train.step as step_module
 from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.loop import Trainer
+from dflash_core.train.assemble import build_trainer
 from tests.train_fixtures import synthetic_shard
 
 
@@ -60,7 +60,7 @@ def test_the_trainer_samples_the_resolved_count(tmp_path, monkeypatch, drafter, 
         return plan
 
     monkeypatch.setattr(step_module, "plan_blocks", recording_plan_blocks)
-    trainer = Trainer(config)
+    trainer = build_trainer(config)
     trainer.run()
     trainer.close()
     assert seen == [sampled, sampled]  # anchors per row, one plan per step

@@ -9,10 +9,9 @@ Run: `.venv/bin/python -m pytest tests/unit/test_compiled_loss_kernels.py -q`
 import pytest
 import torch
 
-from dflash_core.model import dflash2_loss
 from dflash_core.model.dflash2 import CandidateSelector
-from dflash_core.model.dflash2_loss import compile_unary_kernel, dflash2_objective
-from dflash_core.model.loss import chunked_lm_head_loss, compile_loss_kernel
+from dflash_core.model.dflash2_loss import dflash2_objective
+from dflash_core.model.loss import chunked_lm_head_loss
 
 SHAPES = {"cpu": (2560, 32, 3000), "cuda": (2560, 256, 32000)}  # rows: 2 full chunks and a short one
 
@@ -42,14 +41,8 @@ def test_compiled_unary_kernel_matches_eager(options, device):
     predecessors = torch.randint(0, vocab, (num,), device=device)
     token_weights = (torch.rand(num, device=device) > 0.1).float()
     args = (hidden, weight, selector, labels, predecessors, token_weights)
-    compile_unary_kernel(False)
     eager, eager_grads = _objective(*args, **options)
-    try:
-        compile_unary_kernel(True)
-        compiled, compiled_grads = _objective(*args, **options)
-        assert dflash2_loss._unary_kernel is not dflash2_loss._unary_rows
-    finally:
-        compile_unary_kernel(False)
+    compiled, compiled_grads = _objective(*args, compiled=True, **options)
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-4, atol=1e-5)
     assert torch.equal(compiled.unary_correct, eager.unary_correct)
     assert torch.equal(compiled.label_in_top_k, eager.label_in_top_k)
@@ -67,36 +60,28 @@ def test_compiled_dflash_loss_kernel_matches_eager(smoothing):
     labels = torch.randint(0, vocab, (num,))
     valid = torch.rand(num) > 0.1
 
-    def run():
+    def run(compiled: bool):
         states = hidden.clone().requires_grad_(True)
         result = chunked_lm_head_loss(states, lm_head_weight=weight, valid_N=valid, labels_N=labels,
-                                      token_weights_N=torch.ones(num), chunk_size=256, label_smoothing=smoothing)
+                                      token_weights_N=torch.ones(num), chunk_size=256, label_smoothing=smoothing,
+                                      compiled=compiled)
         return result, torch.autograd.grad(result.loss, states)[0]
 
-    compile_loss_kernel(False)
-    eager, eager_grad = run()
-    try:
-        compile_loss_kernel(True)
-        compiled, compiled_grad = run()
-    finally:
-        compile_loss_kernel(False)
+    eager, eager_grad = run(False)
+    compiled, compiled_grad = run(True)
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-4, atol=1e-5)
     assert torch.equal(compiled.correct, eager.correct)
     torch.testing.assert_close(compiled_grad, eager_grad, rtol=2e-2, atol=1e-5)
 
 
-def test_compile_layers_switches_both_loss_kernels():
-    """What training runs: `compile_layers` (config.compile) puts both per-chunk kernels on torch.compile."""
+def test_compile_layers_compiles_only_its_own_drafters_loss():
+    """What training runs: `compile_layers` (config.compile) puts that drafter's loss on the compiled
+    kernels; another drafter in the process keeps the eager ones (no module-global switch)."""
     from dflash_core.model import DFlashConfig
-    from dflash_core.model import loss as dflash_loss
 
     config = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=8, vocab_size=128, target_layer_ids=[1], mask_token_id=5, block_size=8,
                           num_layers=1)
-    try:
-        config.build().compile_layers()  # torch.compile is lazy: nothing compiles until a call
-        assert dflash2_loss._unary_kernel is not dflash2_loss._unary_rows
-        assert dflash_loss._ce_kernel is not dflash_loss._ce_rows
-    finally:
-        compile_loss_kernel(False)
-        compile_unary_kernel(False)
+    compiled, eager = config.build(), config.build()
+    compiled.compile_layers()  # torch.compile is lazy: nothing compiles until a call
+    assert compiled._layers_compiled and not eager._layers_compiled

@@ -178,4 +178,4 @@ def test_disk_full_ends_the_run_with_an_error_line_the_flow_does_not_retry(tmp_p
         def result(self):
             raise refused.value
 
-    assert train_tasks._retry_unless_refused(None, None, State()) is False
+    assert train_tasks.retry_unless_refused(None, None, State()) is False

@@ -19,10 +19,12 @@ from dflash_core.target import (
 )
 from dflash_core.train.checkpoint import load_checkpoint
 from dflash_core.train.entry import refuse_unsupported_fp8
-from dflash_core.train.loop import Trainer
+from dflash_core.train.assemble import build_trainer
+from dflash_core.train.devices import TrainDevices
 from tests.unit.test_trainer import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+CPU = TrainDevices(torch.device("cpu"), torch.device("cpu"))
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -127,7 +129,7 @@ def test_quantized_target_keeps_its_heads_and_stays_close(family):
 
 
 def test_trainer_trains_on_an_fp8_target_and_says_so(tmp_path, capsys):
-    trainer = Trainer(tiny_config(tmp_path, max_steps=2, checkpoint_every=2, target_fp8=True))
+    trainer = build_trainer(tiny_config(tmp_path, max_steps=2, checkpoint_every=2, target_fp8=True))
     assert "target GEMMs: fp8" in capsys.readouterr().err
     assert any(isinstance(m, Fp8Linear) for m in trainer.target.modules())
     assert not any(isinstance(m, Fp8Linear) for m in trainer.drafter.modules())
@@ -138,10 +140,10 @@ def test_trainer_trains_on_an_fp8_target_and_says_so(tmp_path, capsys):
 
 
 def test_resuming_with_the_other_target_precision_warns(tmp_path):
-    first = Trainer(tiny_config(tmp_path, max_steps=2, checkpoint_every=2))
+    first = build_trainer(tiny_config(tmp_path, max_steps=2, checkpoint_every=2))
     first.run()
     first.close()
-    again = Trainer(tiny_config(tmp_path, max_steps=4, checkpoint_every=2, target_fp8=True))
+    again = build_trainer(tiny_config(tmp_path, max_steps=4, checkpoint_every=2, target_fp8=True))
     with pytest.warns(UserWarning, match="trained with target_fp8=False"):
         assert again.resume()
     again.close()
@@ -153,8 +155,8 @@ def test_a_device_without_fp8_gemms_is_refused_by_name_before_the_target_loads(t
     monkeypatch.setattr(fp8_module, "supports_fp8", lambda device: f"{device} has compute capability 8.0")
     config = tiny_config(tmp_path, target_fp8=True)
     with pytest.raises(SystemExit, match=r"^error: target_fp8: cpu has compute capability 8.0; set target_fp8: false"):
-        refuse_unsupported_fp8(config, default=torch.device("cpu"))
-    refuse_unsupported_fp8(config.model_copy(update={"target_fp8": False}), default=torch.device("cpu"))
+        refuse_unsupported_fp8(config, CPU)
+    refuse_unsupported_fp8(config.model_copy(update={"target_fp8": False}), CPU)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-8b", "smollm2-135m"])  # untied and tied embeddings

@@ -13,7 +13,7 @@ import torch
 
 from dflash_core.train.checkpoint import load_checkpoint
 from dflash_core.train.data import collate
-from dflash_core.train.loop import Trainer
+from dflash_core.train.assemble import build_trainer
 from dflash_core.train.step import batch_tensors, capture_batch
 from tests.unit.test_trainer import tiny_config
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_hybrid_target_packs_exactly_and_records_its_kernels(tmp_path) -> None:
-    trainer = Trainer(tiny_config(tmp_path, target="tiny:qwen3_5", max_steps=2, checkpoint_every=2))
+    trainer = build_trainer(tiny_config(tmp_path, target="tiny:qwen3_5", max_steps=2, checkpoint_every=2))
     assert any(len(batch) > 1 for batch in trainer.sampler.epoch_batches(0))
     trainer.validate_capture()  # GDN outputs non-zero and different per document
 

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from dflash_core.train.checkpoint import complete_checkpoints
-from dflash_core.train.loop import Trainer
+from dflash_core.train.assemble import build_trainer
 from dflash_core.train.report import end_torn_line, load_metrics, read_metrics
 from tests.unit.test_trainer import tiny_config
 
@@ -60,12 +60,12 @@ def test_end_torn_line_ends_only_a_torn_line(tmp_path):
 def test_a_resumed_run_appends_after_a_torn_record(tmp_path, capsys):
     # killed while writing step 50's record, i.e. before step 50's checkpoint
     config = tiny_config(tmp_path, max_steps=50, log_every=25, checkpoint_every=25)
-    Trainer(config).run()
+    build_trainer(config).run()
     shutil.rmtree(complete_checkpoints(config.run_dir / "checkpoints")[-1])
     metrics = config.run_dir / "metrics.jsonl"
     whole = metrics.read_text()
     metrics.write_text(whole[: whole.rindex("\n", 0, len(whole) - 1) + 40])
-    resumed = Trainer(config)
+    resumed = build_trainer(config)
     assert resumed.resume() and resumed.step == 25
     resumed.run()
     assert "the last record was cut short" in capsys.readouterr().out

@@ -13,8 +13,7 @@ import shutil
 import pytest
 import torch
 
-from dflash_core.train.entry import PairOverlapTrainer
-from dflash_core.train.loop import Trainer
+from dflash_core.train.assemble import build_trainer
 from tests.unit.test_trainer import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,9 +37,9 @@ def test_overlapped_steps_equal_the_plain_loop(tmp_path, grad_accum, loss_target
     changes = {"optim": {"lr": 1e-2, "warmup_steps": 5, "grad_accum": grad_accum},
                "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 16, "loss_gamma": 4.0,
                            "loss_target": loss_target}}
-    plain = Trainer(pair_config(tmp_path / "plain", **changes))
+    plain = build_trainer(pair_config(tmp_path / "plain", **changes))
     plain.run()
-    overlapped = PairOverlapTrainer(pair_config(tmp_path / "overlapped", **changes))
+    overlapped = build_trainer(pair_config(tmp_path / "overlapped", pair_overlap=True, **changes))
     overlapped.run()
     assert _without_timing(_records(overlapped)) == _without_timing(_records(plain))
     for name, tensor in plain.drafter.state_dict().items():
@@ -48,14 +47,14 @@ def test_overlapped_steps_equal_the_plain_loop(tmp_path, grad_accum, loss_target
 
 
 def test_checkpoint_with_a_batch_in_flight_resumes_exactly(tmp_path) -> None:
-    straight = PairOverlapTrainer(pair_config(tmp_path))
+    straight = build_trainer(pair_config(tmp_path, pair_overlap=True))
     straight.run()
     expected = _without_timing(_records(straight))
     checkpoints = straight.run_dir / "checkpoints"
     plain_state = torch.load(checkpoints / "step-000003" / "train_state.pt", weights_only=False)["sampler"]
     assert plain_state["batch_in_epoch"] == 3  # the batch drawn ahead is not counted as trained
     shutil.rmtree(checkpoints / "step-000006")
-    resumed = PairOverlapTrainer(pair_config(tmp_path))
+    resumed = build_trainer(pair_config(tmp_path, pair_overlap=True))
     assert resumed.resume() and resumed.step == 3
     resumed.run()
     after = _without_timing(_records(resumed))[len(expected):]

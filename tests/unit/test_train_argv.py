@@ -14,8 +14,8 @@ import torch
 from typer.testing import CliRunner
 
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.entry import Rendezvous, process_devices, training_argv, weights_checksum
-from dflash_core.train.loop import Distributed
+from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
+from dflash_core.train.entry import Rendezvous, training_argv, weights_checksum
 
 ENTRY = ["-m", "dflash_core.train.entry", "--config", "run.yaml"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -95,12 +95,17 @@ def test_pair_layout_gives_each_local_rank_its_own_gpu_pair(monkeypatch) -> None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     config = TrainConfig(target="tiny:llama", data=["shard.arrow"], placement="pair")
-    devices = process_devices(config, Distributed(rank=3, world_size=4, local_rank=1))
-    assert (devices.target_device, devices.drafter_device) == ("cuda:2", "cuda:3")
+    devices = resolve_devices(config, Distributed(rank=3, world_size=4, local_rank=1))
+    assert devices == TrainDevices(torch.device("cuda:2"), torch.device("cuda:3"))
     with pytest.raises(ValueError, match="local rank 2 needs cuda:4 and cuda:5"):
-        process_devices(config, Distributed(rank=2, world_size=4, local_rank=2))
+        resolve_devices(config, Distributed(rank=2, world_size=4, local_rank=2))
     colocated = TrainConfig(target="tiny:llama", data=["shard.arrow"])
-    assert process_devices(colocated, Distributed(local_rank=1)) == colocated
+    assert resolve_devices(colocated, Distributed(local_rank=1)) == TrainDevices(torch.device("cuda:1"),
+                                                                                 torch.device("cuda:1"))
+    explicit = TrainConfig(target="tiny:llama", data=["shard.arrow"], target_device="cuda", placement="pair",
+                           drafter_device="cuda:3")
+    assert resolve_devices(explicit, Distributed(local_rank=2)) == TrainDevices(torch.device("cuda:2"),
+                                                                                torch.device("cuda:3"))
 
 
 def test_weights_checksum_sees_one_bit() -> None:

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_core.train import loop, prefetch
+from dflash_core.train import loop, prefetch, step
+from dflash_core.train.assemble import build_trainer
 from dflash_core.train.loop import Trainer
 from dflash_core.train.prefetch import THREAD_NAME, BatchPrefetcher
 from tests.unit.test_trainer import tiny_config
@@ -39,7 +40,7 @@ def test_prefetch_on_and_off_train_identically(tmp_path) -> None:
     changes = dict(max_steps=6, log_every=1, checkpoint_every=3, optim={"lr": 1e-2, "warmup_steps": 2, "grad_accum": 2})
     runs = {}
     for depth in (0, 1, 3):
-        trainer = Trainer(tiny_config(tmp_path / f"depth{depth}", **changes, prefetch_batches=depth))
+        trainer = build_trainer(tiny_config(tmp_path / f"depth{depth}", **changes, prefetch_batches=depth))
         trainer.run()
         runs[depth] = (trainer, _records(trainer))
         assert trainer.sampler.state_dict()["batch_in_epoch"] == 12  # rewound to what was trained on
@@ -57,7 +58,7 @@ def test_prefetch_on_and_off_train_identically(tmp_path) -> None:
 def test_checkpoint_records_the_trained_on_batches_not_the_queued_ones(tmp_path) -> None:
     from dflash_core.train.checkpoint import load_checkpoint
 
-    trainer = Trainer(tiny_config(tmp_path, max_steps=3, checkpoint_every=3, prefetch_batches=4))
+    trainer = build_trainer(tiny_config(tmp_path, max_steps=3, checkpoint_every=3, prefetch_batches=4))
     result = trainer.run()
     _, train_state, _ = load_checkpoint(result.checkpoint)
     assert train_state["sampler"]["batch_in_epoch"] == 3
@@ -74,7 +75,7 @@ def test_an_error_while_preparing_a_batch_is_raised_in_the_loop(tmp_path, monkey
         return real_collate(*args, **kwargs)
 
     monkeypatch.setattr(prefetch, "collate", failing_collate)
-    trainer = Trainer(tiny_config(tmp_path, max_steps=5, log_every=1, checkpoint_every=100, prefetch_batches=2))
+    trainer = build_trainer(tiny_config(tmp_path, max_steps=5, log_every=1, checkpoint_every=100, prefetch_batches=2))
     with pytest.raises(ValueError, match="sample 17 is corrupt") as caught:
         trainer.run()
     frames = [frame.name for frame in traceback.extract_tb(caught.value.__traceback__)]
@@ -84,15 +85,15 @@ def test_an_error_while_preparing_a_batch_is_raised_in_the_loop(tmp_path, monkey
 
 
 def test_the_thread_is_joined_when_the_step_fails(tmp_path, monkeypatch) -> None:
-    real_step = loop.drafter_step
+    real_step = step.drafter_step
 
     def failing_step(*args, **kwargs):
         if trainer.step == 1:
             raise RuntimeError("CUDA out of memory (simulated)")
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "drafter_step", failing_step)
-    trainer = Trainer(tiny_config(tmp_path, max_steps=5, checkpoint_every=100, prefetch_batches=2))
+    monkeypatch.setattr(step, "drafter_step", failing_step)
+    trainer = build_trainer(tiny_config(tmp_path, max_steps=5, checkpoint_every=100, prefetch_batches=2))
     with pytest.raises(RuntimeError, match="simulated"):
         trainer.run()
     assert not _prefetch_threads()
@@ -115,7 +116,7 @@ def test_close_stops_a_producer_blocked_on_a_full_queue() -> None:
 
 
 def test_logged_window_equals_the_eager_mean_of_its_steps(tmp_path) -> None:
-    trainer = Trainer(tiny_config(tmp_path, max_steps=7, log_every=3, checkpoint_every=100, prefetch_batches=2))
+    trainer = build_trainer(tiny_config(tmp_path, max_steps=7, log_every=3, checkpoint_every=100, prefetch_batches=2))
     eager: dict[int, dict] = {}
     trainer.run(on_step=lambda *, step, metrics, timing: eager.__setitem__(
         step, {name: value.double().tolist() for name, value in metrics.items()}))
@@ -166,8 +167,10 @@ def test_bench_profile_runs_on_cpu(tmp_path) -> None:
 
 
 def test_prefetch_and_stop_check_are_config_fields(tmp_path) -> None:
-    trainer = Trainer(tiny_config(tmp_path, max_steps=1, prefetch_batches=0, stop_check_every=3))
-    assert (trainer.prefetch_batches, trainer.stop_check_every) == (0, 3)
+    trainer = build_trainer(tiny_config(tmp_path, max_steps=1, prefetch_batches=0, stop_check_every=3))
+    trainer.steps.open()
+    assert isinstance(trainer.steps.batches, prefetch.InlineBatches) and trainer.stop_check_every == 3
+    trainer.steps.close()
     trainer.close()
     with pytest.raises(ValueError, match="prefetch_batches"):
         tiny_config(tmp_path, prefetch_batches=-1)

@@ -12,7 +12,8 @@ import torch
 
 from dflash_core.train.checkpoint import complete_checkpoints, load_checkpoint
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.loop import Trainer, lr_factor
+from dflash_core.train.assemble import build_trainer
+from dflash_core.train.optimizer import lr_factor
 from tests.train_fixtures import SYNTHETIC_VERDICT, synthetic_shard
 
 
@@ -31,7 +32,7 @@ def tiny_config(tmp_path, **changes) -> TrainConfig:
 
 
 def test_loss_falls_and_acceptance_rises(tmp_path) -> None:
-    trainer = Trainer(tiny_config(tmp_path))
+    trainer = build_trainer(tiny_config(tmp_path))
     trainer.validate_capture()
     result = trainer.run()
     trainer.close()
@@ -46,7 +47,7 @@ def test_loss_falls_and_acceptance_rises(tmp_path) -> None:
 
 
 def test_checkpoint_holds_drafter_only_and_full_state(tmp_path) -> None:
-    trainer = Trainer(tiny_config(tmp_path, max_steps=3, checkpoint_every=3))
+    trainer = build_trainer(tiny_config(tmp_path, max_steps=3, checkpoint_every=3))
     result = trainer.run()
     model_state, train_state, meta = load_checkpoint(result.checkpoint)
     assert not any(name.startswith(("embed_tokens", "lm_head", "model.")) for name in model_state)
@@ -58,12 +59,12 @@ def test_checkpoint_holds_drafter_only_and_full_state(tmp_path) -> None:
 
 
 def test_resume_in_process_continues_identically(tmp_path) -> None:
-    straight = Trainer(tiny_config(tmp_path / "a", max_steps=8, checkpoint_every=4, log_every=1))
+    straight = build_trainer(tiny_config(tmp_path / "a", max_steps=8, checkpoint_every=4, log_every=1))
     straight.run()
     expected = [json.loads(x) for x in straight.run_dir.joinpath("metrics.jsonl").read_text().splitlines()]
-    first = Trainer(tiny_config(tmp_path / "b", max_steps=4, checkpoint_every=4, log_every=1))
+    first = build_trainer(tiny_config(tmp_path / "b", max_steps=4, checkpoint_every=4, log_every=1))
     first.run()
-    second = Trainer(tiny_config(tmp_path / "b", max_steps=8, checkpoint_every=4, log_every=1))
+    second = build_trainer(tiny_config(tmp_path / "b", max_steps=8, checkpoint_every=4, log_every=1))
     assert second.resume() and second.step == 4
     second.run()
     resumed = [json.loads(x) for x in second.run_dir.joinpath("metrics.jsonl").read_text().splitlines()]
@@ -77,7 +78,7 @@ def test_packed_documents_do_not_see_each_other(tmp_path) -> None:
     from dflash_core.train.data import collate
     from dflash_core.train.step import batch_tensors, capture_batch
 
-    trainer = Trainer(tiny_config(tmp_path))
+    trainer = build_trainer(tiny_config(tmp_path))
     packed = batch_tensors(collate(trainer.corpus, [0, 1], token_budget=96), trainer.target_device)
     alone = batch_tensors(collate(trainer.corpus, [1], token_budget=96), trainer.target_device)
     first_len = int(trainer.corpus.lengths[0])
@@ -107,7 +108,7 @@ def test_config_errors_name_the_field(tmp_path) -> None:
     with pytest.raises(ValueError, match="run_name"):
         TrainConfig(run_name="bad name/", target="tiny:llama", data=["x"])
     with pytest.raises(ValueError, match="neither"):
-        Trainer(tiny_config(tmp_path, target=str(tmp_path / "no-such-model")))
+        build_trainer(tiny_config(tmp_path, target=str(tmp_path / "no-such-model")))
 
 
 def test_loss_falls_on_real_text(tmp_path) -> None:
@@ -140,16 +141,16 @@ def test_loss_falls_on_real_text(tmp_path) -> None:
     config = tiny_config(tmp_path, target=str(target), data=[str(shard)], token_budget=144, max_steps=120,
                          log_every=20, checkpoint_every=1000)
     config.drafter.num_anchors = 24
-    trainer = Trainer(config)
+    trainer = build_trainer(config)
     logs = [json.loads(x) for x in trainer.run().metrics_path.read_text().splitlines()]
     losses = [r["loss"] for r in logs]
     assert sum(losses[-2:]) < 0.85 * sum(losses[:2]), [round(x, 2) for x in losses]  # seen: 12.8 -> 10.4
 
 
 def test_logged_window_is_the_mean_of_its_steps(tmp_path) -> None:
-    every_step = Trainer(tiny_config(tmp_path / "a", max_steps=6, log_every=1, checkpoint_every=100))
+    every_step = build_trainer(tiny_config(tmp_path / "a", max_steps=6, log_every=1, checkpoint_every=100))
     per_step = [json.loads(x) for x in every_step.run().metrics_path.read_text().splitlines()]
-    windowed = Trainer(tiny_config(tmp_path / "b", max_steps=6, log_every=3, checkpoint_every=100))
+    windowed = build_trainer(tiny_config(tmp_path / "b", max_steps=6, log_every=3, checkpoint_every=100))
     records = [json.loads(x) for x in windowed.run().metrics_path.read_text().splitlines()]
     assert [r["step"] for r in records] == [3, 6] and records[0]["window"]["steps"] == 3
     for record, steps in zip(records, (per_step[:3], per_step[3:])):
@@ -164,29 +165,29 @@ def test_logged_window_is_the_mean_of_its_steps(tmp_path) -> None:
 def test_mask_token_is_a_row_the_data_never_uses_and_end_tokens_are_refused(tmp_path) -> None:
     import numpy as np
 
-    trainer = Trainer(tiny_config(tmp_path, max_steps=1))
+    trainer = build_trainer(tiny_config(tmp_path, max_steps=1))
     mask = trainer.drafter_config.mask_token_id
     assert mask not in (0, 1, 2)  # pad, BOS, EOS of the tiny Llama
     assert not np.isin(mask, trainer.corpus.tokens)
     config = tiny_config(tmp_path / "eos", max_steps=1)
     config.drafter.mask_token_id = 2
     with pytest.raises(ValueError, match="end token"):
-        Trainer(config)
+        build_trainer(config)
 
 
 def test_tapped_layers_come_from_the_settings(tmp_path) -> None:
     config = tiny_config(tmp_path, max_steps=1)
     config.drafter.num_tapped_layers = 3  # a 1-layer drafter reading 3 of the tiny target's 6 layers
-    trainer = Trainer(config)
+    trainer = build_trainer(config)
     assert trainer.drafter_config.target_layer_ids == [1, 2, 3] == trainer.capture.layer_ids
     assert trainer.drafter.fc.in_features == 3 * trainer.drafter_config.hidden_size
     trainer.run()
     explicit = tiny_config(tmp_path / "explicit", max_steps=1)
     explicit.drafter.target_layer_ids = [0, 4]
-    assert Trainer(explicit).drafter_config.target_layer_ids == [0, 4]
+    assert build_trainer(explicit).drafter_config.target_layer_ids == [0, 4]
     explicit.drafter.target_layer_ids = [0, 5]  # id 5 is the last layer of 6: its output is final-normed
     with pytest.raises(ValueError, match="out of range"):
-        Trainer(explicit)
+        build_trainer(explicit)
 
 
 def test_loss_options_train(tmp_path) -> None:
@@ -194,7 +195,7 @@ def test_loss_options_train(tmp_path) -> None:
     for name, changes in {"exp_decay": {"loss_weighting": "exp_decay"}, "kl": {"loss_type": "kl"}}.items():
         config = tiny_config(tmp_path / name, max_steps=60, log_every=20, checkpoint_every=100)
         config.drafter = config.drafter.model_copy(update={"variant": "dflash", "loss_target": "teacher", **changes})
-        trainer = Trainer(config)
+        trainer = build_trainer(config)
         assert getattr(trainer.drafter_config, next(iter(changes))) == next(iter(changes.values()))
         logs = [json.loads(x) for x in trainer.run().metrics_path.read_text().splitlines()]
         assert logs[-1]["window"]["loss"] < 0.7 * logs[0]["window"]["loss"], (name, [r["window"]["loss"] for r in logs])
@@ -239,4 +240,4 @@ def test_dflash2_settings_errors_name_the_problem(tmp_path) -> None:
     config.drafter = DrafterSettings.model_validate({**config.drafter.model_dump(), "variant": "dflash2",
                                                      "conv_group_size": 24})
     with pytest.raises(ValueError, match="conv_group_size 24 must divide hidden_size 64"):
-        Trainer(config)
+        build_trainer(config)

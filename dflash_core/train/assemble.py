@@ -1,0 +1,155 @@
+"""A training run assembled from its config, in the order torchtitan's trainers take: build the parts
+(`build_training`), then parallelize them (`dflash_core.train.parallelize`), then loop
+(`dflash_core.train.loop.Trainer`). `build_trainer` does all three; tests and benchmarks call it
+with a ready corpus."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dflash_core.hybrid import GDNKernels, install_packed_gdn
+from dflash_core.model import DFlashConfig
+from dflash_core.model.init_from_target import init_from_target_layers
+from dflash_core.target import (
+    HiddenStateCapture, has_recurrent_layers, language_model, target_heads, use_flex_attention,
+)
+from dflash_core.train.config import TrainConfig
+from dflash_core.train.data import PackedBatchSampler, TokenizedCorpus, load_corpus, read_shard_table, samples_with_loss
+from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
+from dflash_core.train.drafter_setup import drafter_config_for, load_target_tokenizer
+from dflash_core.train.inputs import fetch_shards, load_target_model
+from dflash_core.train.optimizer import build_optimizer
+
+if TYPE_CHECKING:
+    from dflash_core.lineage import InputRef
+    from dflash_core.storage import ObjectStore
+    from dflash_core.train.loop import Trainer
+
+
+@dataclass
+class TrainingParts:
+    """Everything a run trains with, before parallelizing: the data, the frozen target and its capture,
+    the drafter (fp32, on its device, the target's heads attached) and its optimizer and schedule."""
+
+    config: TrainConfig
+    devices: TrainDevices
+    corpus: TokenizedCorpus
+    sampler: PackedBatchSampler
+    target: torch.nn.Module
+    target_kernels: GDNKernels | None
+    capture: HiddenStateCapture
+    drafter_config: DFlashConfig
+    drafter: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    inputs: list[InputRef] = field(default_factory=list)  # the shards read, for the checkpoints' lineage
+
+    @property
+    def teacher(self) -> bool:
+        """Whether the drafter learns the target's predictions (its capture then keeps the final states)."""
+        return self.config.drafter.loss_target == "teacher"
+
+
+def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Distributed,
+                   store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
+                   corpus: TokenizedCorpus | None = None) -> TrainingParts:
+    """The run's parts. `corpus` given (benchmarks, tests) replaces reading `config.data`."""
+    torch.manual_seed(config.seed)
+    inputs: list[InputRef] = []
+    if corpus is None:
+        shards = fetch_shards(config.data, store=store, cache_dir=config.run_dir.parent / ".cache",
+                              allow_failed_quality_gate=config.allow_failed_quality_gate)
+        inputs = [ref for _, ref in shards if ref is not None]
+        corpus = load_corpus([(str(path), read_shard_table(path)) for path, _ in shards])
+    target = load_target_model(config.target, device=devices.target, models_dir=models_dir, seed=config.seed)
+    if devices.target.type == "cuda":
+        # Packed documents: a BlockMask built from position ids skips the cross-document blocks.
+        reason = use_flex_attention(target)
+        if reason is not None:
+            warnings.warn(f"target keeps its attention implementation ({reason}); packed rows cost more",
+                          stacklevel=2)
+    target_kernels, samples_per_batch = _packing_kernels(target, config, log=dist_info.is_main)
+    sampler = PackedBatchSampler(corpus.lengths, token_budget=config.token_budget, seed=config.seed,
+                                 rank=dist_info.rank, world_size=dist_info.world_size,
+                                 drop_samples_without_loss=~samples_with_loss(corpus),
+                                 max_samples_per_batch=samples_per_batch, packing=config.packing)
+    drafter_config = drafter_config_for(config, target_config=target.config, corpus=corpus,
+                                        tokenizer=load_target_tokenizer(config.target, models_dir=models_dir))
+    drafter = _build_drafter(drafter_config, target, config=config, devices=devices)
+    if config.target_fp8:  # after the drafter copied what it needs (heads, init layers) from the target
+        quantize_target(target, device=devices.target, log=dist_info.is_main)
+    capture = HiddenStateCapture(target, layer_ids=drafter_config.target_layer_ids,
+                                 capture_final=config.drafter.loss_target == "teacher")
+    optimizer, scheduler = build_optimizer(drafter, config, device=devices.drafter)
+    return TrainingParts(config=config, devices=devices, corpus=corpus, sampler=sampler, target=target,
+                         target_kernels=target_kernels, capture=capture, drafter_config=drafter_config,
+                         drafter=drafter, optimizer=optimizer, scheduler=scheduler, inputs=inputs)
+
+
+def build_trainer(config: TrainConfig, *, store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
+                  dist_info: Distributed | None = None, devices: TrainDevices | None = None,
+                  corpus: TokenizedCorpus | None = None, **loop_options: Any) -> Trainer:
+    """Build, parallelize, and return the loop over them. `loop_options` are `Trainer`'s (checkpoint
+    prefix, flow run id, S3 outage limit, lease, the bucket's prefixes)."""
+    from dflash_core.train.loop import Trainer
+    from dflash_core.train.parallelize import parallelize
+
+    dist_info = dist_info or Distributed.from_env()
+    devices = devices or resolve_devices(config, dist_info)
+    parts = build_training(config, devices=devices, dist_info=dist_info, store=store, models_dir=models_dir,
+                           corpus=corpus)
+    model = parallelize(parts, world_size=dist_info.world_size)
+    return Trainer(parts, model, store=store, dist_info=dist_info, **loop_options)
+
+
+def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool) -> None:
+    """The target's decoder-layer GEMMs to FP8, or a ValueError saying why this device cannot."""
+    from dflash_core.fp8 import supports_fp8
+    from dflash_core.target import quantize_decoder_layers_fp8
+
+    why = supports_fp8(device)
+    if why is not None:
+        raise ValueError(f"target_fp8: {why}; set target_fp8: false to keep the target in its own dtype")
+    quantized, kept = quantize_decoder_layers_fp8(target)
+    if log:
+        print(f"target GEMMs: fp8 ({quantized} linears; {kept} kept in their dtype: unaligned or narrow)",
+              file=sys.stderr, flush=True)
+
+
+def _packing_kernels(target: torch.nn.Module, config: TrainConfig, *, log: bool) -> tuple[GDNKernels | None, int | None]:
+    """(the packed GDN kernels, samples per row): a hybrid target packs exactly when dflash_core.hybrid
+    can restart its GDN layers per document, else packing is off."""
+    samples_per_batch = config.max_samples_per_batch
+    if not has_recurrent_layers(target.config):
+        return None, samples_per_batch
+    kernels = install_packed_gdn(target)
+    if kernels is None and samples_per_batch != 1:
+        warnings.warn("the target has recurrent (linear-attention) layers this trainer cannot restart per "
+                      "document: packing is off (max_samples_per_batch=1)", stacklevel=3)
+        samples_per_batch = 1
+    if kernels is not None and log:
+        print(f"target kernels: {kernels}", file=sys.stderr, flush=True)
+    return kernels, samples_per_batch
+
+
+def _build_drafter(drafter_config: DFlashConfig, target: torch.nn.Module, *, config: TrainConfig,
+                   devices: TrainDevices) -> torch.nn.Module:
+    """The drafter, initialized from the run's seed (and the target's last layers with init=target),
+    with the target's embedding, final norm and LM head attached (own frozen copies in the pair layout)."""
+    torch.manual_seed(config.seed)
+    drafter = drafter_config.build(device=devices.drafter)
+    drafter.init_weights()
+    if config.drafter.init == "target":
+        init_from_target_layers(drafter, language_model(target).layers)
+    heads = target_heads(target)
+    if devices.drafter != devices.target:
+        heads = type(heads)(**{name: copy.deepcopy(module).to(devices.drafter) for name, module in vars(heads).items()})
+    drafter.attach_target(heads)
+    return drafter
