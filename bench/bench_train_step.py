@@ -40,11 +40,11 @@ from dflash_core.target import (  # noqa: E402
     HiddenStateCapture,
     build_target,
     build_target_on_device,
-    compile_decoder_layers,
     real_shape_config,
     target_heads,
     tiny_target_config,
 )
+from dflash_core.target_runtime import compile_decoder_layers  # noqa: E402
 
 
 def measure_matmul_peak(*, device, size: int = 8192, repeats: int = 20) -> float:

@@ -17,9 +17,8 @@ import torch
 from dflash_core.hybrid import GDNKernels, install_packed_gdn
 from dflash_core.model import DFlashConfig
 from dflash_core.model.init_from_target import init_from_target_layers
-from dflash_core.target import (
-    HiddenStateCapture, has_recurrent_layers, language_model, target_heads, use_flex_attention,
-)
+from dflash_core.target import HiddenStateCapture, has_recurrent_layers, language_model, target_heads
+from dflash_core.target_runtime import use_flex_attention
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.data import PackedBatchSampler, TokenizedCorpus, load_corpus, read_shard_table, samples_with_loss
 from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
@@ -112,7 +111,7 @@ def build_trainer(config: TrainConfig, *, store: ObjectStore | None = None, mode
 def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool) -> None:
     """The target's decoder-layer GEMMs to FP8, or a ValueError saying why this device cannot."""
     from dflash_core.fp8 import supports_fp8
-    from dflash_core.target import quantize_decoder_layers_fp8
+    from dflash_core.target_runtime import quantize_decoder_layers_fp8
 
     why = supports_fp8(device)
     if why is not None:

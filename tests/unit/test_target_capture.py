@@ -124,7 +124,7 @@ def test_bad_layer_ids_raise():
 
 
 def test_hybrid_captures_say_which_gdn_kernels_run_and_compile_leaves_gdn_layers_eager():
-    from dflash_core.target import compile_decoder_layers
+    from dflash_core.target_runtime import compile_decoder_layers
 
     assert HiddenStateCapture(_target("qwen3")[0], layer_ids=[1], capture_final=False).gdn_kernels is None
     target, config = _target("qwen3_5")

@@ -1,0 +1,80 @@
+"""How the frozen target runs in training: its decoder layers compiled (static shapes), their GEMMs
+in FP8 (dflash_core.fp8), and flex_attention, which skips the cross-document blocks of a packed row.
+The assembly (dflash_core.train.assemble, .parallelize) applies them; dflash_core.target builds and
+captures the target."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_core.target import language_model
+
+
+def compile_decoder_layers(model: nn.Module) -> None:
+    """torch.compile each decoder layer's forward with static shapes; capture hooks stay eager, outside
+    it. A Gated DeltaNet layer's own forward stays eager: it takes each batch's document segments
+    (dflash_core.hybrid), which a static-shape graph would recompile for, and its fla kernels are
+    Triton already. Its norms, its gated output norm and its MLP (eager elementwise work over every
+    token) compile on their own."""
+    for layer in language_model(model).layers:
+        linear_attn = getattr(layer, "linear_attn", None)
+        if linear_attn is None:
+            layer.forward = torch.compile(layer.forward, dynamic=False)
+            continue
+        fp8_projections = [m for m in linear_attn.children() if type(m).__name__ == "Fp8Linear"]
+        for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp,
+                       getattr(linear_attn, "norm", None), *fp8_projections):
+            if module is not None:  # an FP8 projection: its input's per-row quantization fuses into one kernel
+                module.forward = torch.compile(module.forward, dynamic=False)
+
+
+def quantize_decoder_layers_fp8(model: nn.Module) -> tuple[int, int]:
+    """The decoder layers' linears to FP8 GEMMs (dflash_core.fp8), in place; the embedding, the final
+    norm and the LM head stay as loaded. Returns (quantized, kept) linear counts."""
+    from dflash_core.fp8 import quantize_linears
+
+    return quantize_linears(language_model(model).layers)
+
+
+def use_flex_attention(model: nn.Module) -> str | None:
+    """Switch the target's attention to flex_attention, which skips the cross-document blocks of a
+    packed row (transformers builds the BlockMask from the position ids). Returns None when it runs,
+    else why not. Some hybrid classes (Qwen3.5) only lack transformers' `_supports_flex_attn` flag
+    while their attention layers call the shared attention interface like every other model: those
+    are opted in on the instance; the capture validator still checks every document against itself
+    run alone."""
+    try:
+        model.set_attn_implementation("flex_attention")
+        return None
+    except (ValueError, ImportError) as error:
+        first_error = error
+    if not isinstance(first_error, ValueError) or not _calls_attention_interface(model):
+        return str(first_error)
+    model._supports_flex_attn = True
+    try:
+        model.set_attn_implementation("flex_attention")
+        return None
+    except (ValueError, ImportError) as error:
+        model._supports_flex_attn = False
+        return f"{first_error}; opting in failed too: {error}"
+
+
+def _calls_attention_interface(model: nn.Module) -> bool:
+    """True when every softmax-attention layer of the model dispatches through
+    transformers' ALL_ATTENTION_FUNCTIONS (so flex_attention is a drop-in)."""
+    import inspect
+
+    found = False
+    for layer in language_model(model).layers:
+        attention = getattr(layer, "self_attn", None)
+        if attention is None:
+            continue
+        try:
+            source = inspect.getsource(type(attention).forward)
+        except (OSError, TypeError):
+            return False
+        if "ALL_ATTENTION_FUNCTIONS" not in source:
+            return False
+        found = True
+    return found
