@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,35 +24,12 @@ from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
 from dflash_core.train.drafter_setup import drafter_config_for, load_target_tokenizer
 from dflash_core.train.inputs import fetch_shards, load_target_model
 from dflash_core.train.optimizer import build_optimizer
+from dflash_core.train.parts import TrainingParts
 
 if TYPE_CHECKING:
     from dflash_core.lineage import InputRef
     from dflash_core.storage import ObjectStore
     from dflash_core.train.loop import Trainer
-
-
-@dataclass
-class TrainingParts:
-    """Everything a run trains with, before parallelizing: the data, the frozen target and its capture,
-    the drafter (fp32, on its device, the target's heads attached) and its optimizer and schedule."""
-
-    config: TrainConfig
-    devices: TrainDevices
-    corpus: TokenizedCorpus
-    sampler: PackedBatchSampler
-    target: torch.nn.Module
-    target_kernels: GDNKernels | None
-    capture: HiddenStateCapture
-    drafter_config: DFlashConfig
-    drafter: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    inputs: list[InputRef] = field(default_factory=list)  # the shards read, for the checkpoints' lineage
-
-    @property
-    def teacher(self) -> bool:
-        """Whether the drafter learns the target's predictions (its capture then keeps the final states)."""
-        return self.config.drafter.loss_target == "teacher"
 
 
 def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Distributed,

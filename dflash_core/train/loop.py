@@ -33,12 +33,13 @@ from dflash_core.train.data import collate
 from dflash_core.train.devices import Distributed
 from dflash_core.train.metrics_window import MetricsWindow, to_host
 from dflash_core.train.report import end_torn_line
-from dflash_core.train.step import PlainSteps, StepContext, StepStrategy, StepTiming, batch_tensors
+from dflash_core.train.step import batch_tensors
+from dflash_core.train.strategies import PlainSteps, StepContext, StepStrategy, StepTiming
 
 if TYPE_CHECKING:  # the object store needs boto3: imported only where a store is used
     from dflash_core.hybrid import GDNKernels
     from dflash_core.storage import ObjectStore
-    from dflash_core.train.assemble import TrainingParts
+    from dflash_core.train.parts import TrainingParts
     from dflash_core.train.run_lease import RunLease
     from dflash_core.train.uploader import CheckpointUploader
 

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_core.target import CapturedStates
-from dflash_core.train.step import StepContext, StepTiming, add_micro_metrics, batch_tensors, capture_batch
+from dflash_core.train.step import batch_tensors, capture_batch
+from dflash_core.train.strategies import StepContext, StepTiming, add_micro_metrics
 
 if TYPE_CHECKING:
     from dflash_core.train.data import PackedBatch

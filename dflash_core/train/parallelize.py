@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from dflash_core.train.assemble import TrainingParts
+    from dflash_core.train.parts import TrainingParts
 
 
 def parallelize(parts: TrainingParts, *, world_size: int) -> torch.nn.Module:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_core.train import loop, prefetch, step
+from dflash_core.train import loop, prefetch, strategies
 from dflash_core.train.assemble import build_trainer
 from dflash_core.train.loop import Trainer
 from dflash_core.train.prefetch import THREAD_NAME, BatchPrefetcher
@@ -85,14 +85,14 @@ def test_an_error_while_preparing_a_batch_is_raised_in_the_loop(tmp_path, monkey
 
 
 def test_the_thread_is_joined_when_the_step_fails(tmp_path, monkeypatch) -> None:
-    real_step = step.drafter_step
+    real_step = strategies.drafter_step
 
     def failing_step(*args, **kwargs):
         if trainer.step == 1:
             raise RuntimeError("CUDA out of memory (simulated)")
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(step, "drafter_step", failing_step)
+    monkeypatch.setattr(strategies, "drafter_step", failing_step)
     trainer = build_trainer(tiny_config(tmp_path, max_steps=5, checkpoint_every=100, prefetch_batches=2))
     with pytest.raises(RuntimeError, match="simulated"):
         trainer.run()
