@@ -1,9 +1,14 @@
 """bench_acceptance's report: runs aggregated over seeds into the ablation table (table.md,
-summary.json), each row with the command that reproduces it."""
+summary.json), each row with the command that reproduces it; results of several calls merge into one
+table (`bench_acceptance.py report RESULTS...`).
+
+Per row: tau (acceptance length: accepted drafts + 1 per round), tau - 1 (accepted drafts per round,
+what a drafter adds over target-only decoding) and acc@1..4 (the fraction of rounds accepting at least
+k drafts), each as mean +- sd over seeds; the ratio of tau - 1 to speculators' DFlash row and to its
+DFlash 2 row at the same steps."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -11,28 +16,51 @@ from pathlib import Path
 
 import numpy as np
 
+NUM_ACC = 4  # acc@1..acc@4 in the table
+MIN_STEPS_TO_ESTIMATE = 100
+REFERENCES = {"speculators": "vs spec. DFlash", "speculators-dflash2": "vs spec. DFlash 2"}  # tau-1 ratios
+
+
 # ---- the table ----------------------------------------------------------------------------------
 
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def aggregate(results: list[dict], *, variant_order: list[str] | None = None) -> list[dict]:
-    """One row per (variant, steps): tau mean and sd over seeds, per-position acceptance, the rest
-    averaged; rows by steps, then in `variant_order` (by name without one)."""
+    """One row per (variant, steps): tau, tau - 1 and acc@k as mean and sd over seeds, the rest
+    averaged; rows by steps, then in `variant_order` (by name without one). A seed run twice (merged
+    calls) counts once, its first result."""
     rows = []
     rank = {name: i for i, name in enumerate(variant_order or [])}
     keys = sorted({(r["variant"], r["steps"]) for r in results},
                   key=lambda k: (k[1], rank.get(k[0], len(rank)), k[0]))
     for name, steps in keys:
-        runs = [r for r in results if r["variant"] == name and r["steps"] == steps]
-        taus = [r["tau"] for r in runs]
-        positions = np.mean([r["acceptance_per_position"] for r in runs], axis=0).tolist()
-        rows.append({"variant": name, "steps": steps, "seeds": sorted(r["seed"] for r in runs),
-                     "tau_mean": statistics.fmean(taus), "tau_sd": statistics.stdev(taus) if len(taus) > 1 else 0.0,
-                     "acceptance_per_position": positions,
-                     "tau_sharegpt": _mean(r["tau_by_source"]["sharegpt"] for r in runs),
-                     "tau_own": _mean(r["tau_by_source"]["own"] for r in runs),
-                     "train_tau": statistics.fmean(r["train_tau"] for r in runs),
-                     "steps_per_s": statistics.fmean(r["steps_per_s"] for r in runs),
-                     "all_match_target": all(r["all_match_target"] for r in runs),
-                     "mask_token_id": runs[0]["mask_token_id"], "target_layer_ids": runs[0]["target_layer_ids"]})
+        by_seed: dict[int, dict] = {}
+        for r in results:
+            if r["variant"] == name and r["steps"] == steps:
+                by_seed.setdefault(r["seed"], r)
+        runs = [by_seed[s] for s in sorted(by_seed)]
+        tau_mean, tau_sd = _mean_sd([r["tau"] for r in runs])
+        positions = np.array([r["acceptance_per_position"] for r in runs])
+        rows.append({
+            "variant": name, "steps": steps, "seeds": sorted(by_seed),
+            "tau_mean": tau_mean, "tau_sd": tau_sd, "gain_mean": tau_mean - 1, "gain_sd": tau_sd,
+            "acceptance_per_position": positions.mean(axis=0).tolist(),
+            "acceptance_per_position_sd": (positions.std(axis=0, ddof=1) if len(runs) > 1
+                                           else np.zeros(positions.shape[1])).tolist(),
+            "tau_sharegpt": _mean(r["tau_by_source"]["sharegpt"] for r in runs),
+            "tau_own": _mean(r["tau_by_source"]["own"] for r in runs),
+            "train_tau": statistics.fmean(r["train_tau"] for r in runs),
+            "steps_per_s": statistics.fmean(r["steps_per_s"] for r in runs),
+            **{f"{k}_mean": _mean(r.get(k) for r in runs) for k in ("wall_s", "train_s", "eval_s")},
+            "all_match_target": all(r["all_match_target"] for r in runs),
+            "mask_token_id": runs[0]["mask_token_id"], "mask_rule": runs[0].get("mask_rule"),
+            "target_layer_ids": runs[0]["target_layer_ids"], "command": runs[0].get("command")})
+    for row in rows:
+        for reference in REFERENCES:
+            ref = next((r for r in rows if r["variant"] == reference and r["steps"] == row["steps"]), None)
+            row[f"gain_vs_{reference}"] = row["gain_mean"] / ref["gain_mean"] if ref and ref["gain_mean"] > 0 else None
     return rows
 
 
@@ -42,26 +70,48 @@ def _mean(values) -> float | None:
 
 
 def table(rows: list[dict], *, command: str) -> str:
-    reference = {r["steps"]: r["tau_mean"] for r in rows if r["variant"] == "speculators"}
-    lines = ["| variant | steps | tau mean +- sd | vs speculators | acc@1 acc@2 acc@3 acc@4 | sharegpt / own tau | "
-             "train tau | steps/s | exact | mask | taps | reproduce |",
-             "|---|---:|---|---:|---|---|---:|---:|---|---:|---|---|"]
+    """The markdown table; a row reproduces with the command its runs recorded, else `command`."""
+    acc_head = " | ".join(f"acc@{k}" for k in range(1, NUM_ACC + 1))
+    lines = [f"| variant | steps | n | tau | tau-1 | {acc_head} | {' | '.join(REFERENCES.values())} | "
+             "sharegpt / own tau | train tau | steps/s | train / eval s | exact | mask | taps | reproduce |",
+             "|---|---:|---:|---|---|" + "---|" * NUM_ACC + "---:|" * len(REFERENCES)
+             + "---|---:|---:|---|---|---|---|---|"]
     for r in rows:
-        ratio = f"{r['tau_mean'] / reference[r['steps']]:.2f}x" if reference.get(r["steps"]) else "-"
-        accept = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:4])
-        split = " / ".join("-" if v is None else f"{v:.2f}" for v in (r["tau_sharegpt"], r["tau_own"]))
+        accept = " | ".join(f"{m:.3f} +- {s:.3f}" for m, s in zip(r["acceptance_per_position"][:NUM_ACC],
+                                                                  r["acceptance_per_position_sd"][:NUM_ACC]))
+        accept += " | -" * (NUM_ACC - min(NUM_ACC, len(r["acceptance_per_position"])))
+        ratios = " | ".join("-" if r[f"gain_vs_{ref}"] is None else f"{r[f'gain_vs_{ref}']:.3f}x" for ref in REFERENCES)
+        split = " / ".join("-" if v is None else f"{v:.3f}" for v in (r["tau_sharegpt"], r["tau_own"]))
+        seconds = " / ".join("-" if r[k] is None else f"{r[k]:.0f}" for k in ("train_s_mean", "eval_s_mean"))
         seeds = " ".join(str(s) for s in r["seeds"])
-        reproduce = f"`{command} --variants {r['variant']} --seeds {seeds} --steps {r['steps']} --long-multiplier 0`"
-        lines.append(f"| {r['variant']} | {r['steps']} | {r['tau_mean']:.3f} +- {r['tau_sd']:.3f} (n={len(r['seeds'])}) | "
-                     f"{ratio} | {accept} | {split} | {r['train_tau']:.2f} | {r['steps_per_s']:.1f} | "
-                     f"{'yes' if r['all_match_target'] else 'NO'} | {r['mask_token_id']} | {r['target_layer_ids']} | "
-                     f"{reproduce} |")
+        mask = f"{r['mask_token_id']}" + (f" ({r['mask_rule']})" if r.get("mask_rule") else "")
+        reproduce = (f"`{r.get('command') or command} --variants {r['variant']} --seeds {seeds} "
+                     f"--steps {r['steps']} --long-multiplier 0`")
+        lines.append(f"| {r['variant']} | {r['steps']} | {len(r['seeds'])} | {r['tau_mean']:.3f} +- {r['tau_sd']:.3f} "
+                     f"| {r['gain_mean']:.3f} +- {r['gain_sd']:.3f} | {accept} | {ratios} | {split} | "
+                     f"{r['train_tau']:.2f} | {r['steps_per_s']:.1f} | {seconds} | "
+                     f"{'yes' if r['all_match_target'] else 'NO'} | {mask} | {r['target_layer_ids']} | {reproduce} |")
+    return "\n".join(lines)
+
+
+def wall_estimate(rows: list[dict], *, steps: int) -> str:
+    """Per row, the wall time one job of `steps` steps would take under the same sharing of the device
+    (its measured overhead + steps / its steps/s): what the next call can hold. Rows of fewer than
+    `MIN_STEPS_TO_ESTIMATE` steps have no steady rate to go by."""
+    lines = []
+    for r in rows:
+        if r["wall_s_mean"] is None or r["train_s_mean"] is None or r["steps_per_s"] <= 0 \
+                or r["steps"] < MIN_STEPS_TO_ESTIMATE:
+            continue
+        overhead = r["wall_s_mean"] - r["train_s_mean"]  # setup + evaluation
+        lines.append(f"- {r['variant']} (measured at {r['steps']} steps): ~{overhead + steps / r['steps_per_s']:.0f} s "
+                     f"a job at {steps} steps ({overhead:.0f} s setup + evaluation, {r['steps_per_s']:.1f} steps/s)")
     return "\n".join(lines)
 
 
 # Flags a table row's own command sets (or that only say where output goes).
-_ROW_FLAGS = {"--variants", "--seeds", "--steps", "--long-multiplier", "--long-variants", "--long-seeds", "--out",
-              "--work", "--deadline-s", "--workers"}
+_ROW_FLAGS = {"--variants", "--suite", "--seeds", "--steps", "--long-multiplier", "--long-variants", "--long-seeds",
+              "--out", "--work", "--deadline-s", "--workers", "--devices", "--results"}
 
 
 def row_command(argv: list[str]) -> str:
@@ -70,22 +120,27 @@ def row_command(argv: list[str]) -> str:
     for item in argv:
         if item.startswith("--"):
             skip = item.split("=")[0] in _ROW_FLAGS
-        if not skip and item != "run":
+        if not skip and item not in ("run", "report"):
             kept.append(item)
     return " ".join(["python bench/bench_acceptance.py", *kept])
 
 
-def write_report(out: Path, results: list[dict], *, shape, args, num_records: int, num_eval: int,
-                 elapsed_s: float, variant_order: list[str]) -> str:
+def write_report(out: Path, results: list[dict], *, header: str, variant_order: list[str],
+                 extra: dict | None = None) -> str:
     """table.md and summary.json from the runs so far (rewritten after each run: a run cut short by
-    its time limit still leaves a table). `shape`: the bench's Shape dataclass."""
+    its time limit still leaves a table)."""
     rows = aggregate(results, variant_order=variant_order)
     text = table(rows, command=row_command(sys.argv[1:]))
-    header = (f"target SmolLM2-135M-Instruct (embedded); drafter {shape.num_layers} layers, B={shape.block_size}, "
-              f"{shape.num_anchors} anchors per {shape.token_budget}-token row; {num_records} training completions; "
-              f"{num_eval} held-out prompts x {shape.eval_new_tokens} new tokens; eval {args.eval_dtype} on "
-              f"{args.device}; {elapsed_s:.0f} s")
-    (out / "table.md").write_text(header + "\n\n" + text + "\n")
-    (out / "summary.json").write_text(json.dumps({"shape": dataclasses.asdict(shape), "rows": rows,
-                                                  "argv": sys.argv[1:]}, indent=1))
-    return header + "\n\n" + text
+    estimates = {s: wall_estimate([r for r in rows if r["steps"] < s], steps=s) for s in (2000,)}
+    plan = "".join(f"\n\nEstimated wall per job at {s} steps, same sharing:\n{e}" for s, e in estimates.items() if e)
+    (out / "table.md").write_text(header + "\n\n" + text + plan + "\n")
+    (out / "summary.json").write_text(json.dumps({**(extra or {}), "rows": rows, "argv": sys.argv[1:]}, indent=1))
+    return header + "\n\n" + text + plan
+
+
+def run_header(*, shape, args, num_records: int, num_eval: int, elapsed_s: float) -> str:
+    """What the rows were measured on. `shape`: the bench's Shape dataclass."""
+    return (f"target SmolLM2-135M-Instruct (embedded); drafter {shape.num_layers} layers, B={shape.block_size}, "
+            f"{shape.num_anchors} anchors per {shape.token_budget}-token row unless the row says otherwise; "
+            f"{num_records} training completions; {num_eval} held-out prompts x {shape.eval_new_tokens} new tokens; "
+            f"eval {args.eval_dtype} on {args.device}; {elapsed_s:.0f} s")

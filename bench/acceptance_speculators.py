@@ -1,7 +1,9 @@
-"""bench_acceptance's speculators side: speculators 0.9's DFlashDraftModel built as its trainer builds
-it, trained in a loop of the same shape as our Trainer (same packed batches, captured target states,
-AdamW, clipping and schedule) through its own forward, then copied into our drafter class (logits
-checked equal) for the same evaluator."""
+"""bench_acceptance's speculators side: speculators 0.9's DFlashDraftModel, or its experimental
+DFlash2DraftModel, built as its trainer builds them (from_training_args, with the defaults its
+TrainConfig resolves for that algorithm), trained in a loop of the same shape as our Trainer (same
+packed batches, captured target states, AdamW, clipping and schedule) through its own forward and
+its own loss (get_trainer_kwargs), then copied into our drafter class (logits, and for DFlash 2 the
+selector's scores, checked equal) for the same evaluator."""
 
 from __future__ import annotations
 
@@ -15,18 +17,40 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from acceptance_variants import SPECULATORS_KINDS
 from acceptance_worker import (
     WORKER, corpus_for_worker, eval_target, evaluate_drafter, steady_rate, sync_device, train_config,
 )
 
 if TYPE_CHECKING:
-    from bench_acceptance import Job, Variant
+    from acceptance_variants import Job, Variant
 
-def speculators_model(variant: Variant, mask_token_id: int):
-    """speculators' DFlashDraftModel built as its trainer builds it (from_training_args)."""
+_BODY = ("fc", "hidden_norm", "layers", "norm", "candidate_selector")  # its weights our drafter holds
+
+
+def speculators_classes(algorithm: str):
+    """speculators' (model class, its TrainConfig schema) for 'dflash' or 'dflash2'."""
+    from speculators.train.config.schema import TrainConfig as SpeculatorsTrainConfig
+
+    if algorithm == "dflash":
+        from speculators.models.dflash import DFlashDraftModel as model_class
+    else:
+        from speculators.models.dflash2 import DFlash2DraftModel as model_class
+    return model_class, SpeculatorsTrainConfig
+
+
+def speculators_recipe(algorithm: str) -> dict:
+    """The flat arguments its trainer hands the model (`TrainConfig(speculator_type=...).flatten()`):
+    dflash: CE + D-PACE; dflash2: KL + fixed exp-decay (gamma 4), selector CE x 1.0."""
+    _, schema = speculators_classes(algorithm)
+    return schema(speculator_type=algorithm).flatten()
+
+
+def speculators_model(algorithm: str, recipe: dict, mask_token_id: int):
+    """Its drafter as its trainer builds it (from_training_args with the flat arguments), our shape."""
     import transformers
-    from speculators.models.dflash import DFlashDraftModel as SpeculatorsDFlash
 
+    model_class, _ = speculators_classes(algorithm)
     model_dir = str(WORKER["model_dir"])
     verifier = transformers.AutoConfig.from_pretrained(model_dir)
     shape = WORKER["shape"]
@@ -36,27 +60,30 @@ def speculators_model(variant: Variant, mask_token_id: int):
         num_key_value_heads=verifier.num_key_value_heads, hidden_act=verifier.hidden_act,
         max_position_embeddings=verifier.max_position_embeddings, initializer_range=verifier.initializer_range,
         rms_norm_eps=verifier.rms_norm_eps, head_dim=getattr(verifier, "head_dim", None), tie_word_embeddings=False,
+        # Full attention, non-causal in the block: what our drafter computes (its default sliding window of
+        # 2,048 covers these 2,048-token rows; for DFlash it would also make blocks causal).
         layer_types=["full_attention"] * shape["num_layers"],
     )
     layer_config.rope_parameters = dict(verifier.rope_parameters)
+    arguments = {**recipe, "verifier_name_or_path": model_dir, "draft_vocab_size": verifier.vocab_size,
+                 "block_size": shape["block_size"], "num_layers": shape["num_layers"], "mask_token_id": mask_token_id,
+                 "draft_attn_impl": "sdpa"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = SpeculatorsDFlash.from_training_args(
-            verifier_config=layer_config, draft_vocab_size=verifier.vocab_size, block_size=shape["block_size"],
-            verifier_name_or_path=model_dir, mask_token_id=mask_token_id, draft_attn_impl="sdpa")
-    return model
+        return model_class.from_training_args(verifier_config=layer_config, **arguments)
 
 
-def speculators_default_mask(tokenizer, vocab_size: int) -> int:
-    """speculators.train.utils.resolve_mask_token_id's order (its module needs `datasets`, absent on
-    the GPU image): the tokenizer's mask token, a new token in a spare row, else pad/eos/unk."""
+def speculators_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
+    """speculators.train.utils.resolve_mask_token_id's choice and its rule (its module needs
+    `datasets`, absent on the GPU image): the tokenizer's mask token; else, with a spare embedding row
+    (`len(tokenizer) < vocab_size`), the <|MASK|> token it adds there; else pad/eos/unk, with a warning."""
     if tokenizer.mask_token_id is not None:
-        return tokenizer.mask_token_id
+        return tokenizer.mask_token_id, "tokenizer"
     if len(tokenizer) < vocab_size:
-        return len(tokenizer)
+        return len(tokenizer), "added"
     for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
         if getattr(tokenizer, name, None) is not None:
-            return getattr(tokenizer, name)
+            return getattr(tokenizer, name), f"fallback:{name}"
     raise ValueError("no mask token")
 
 
@@ -108,21 +135,26 @@ def stand_in_for_missing(names: tuple[str, ...] = ("openai", "datasets")) -> lis
     return missing
 
 
+def _mask_for(variant: Variant, config, *, target, corpus, tokenizer) -> tuple[int, str]:
+    """The row's mask token and the rule that chose it (see Variant.mask)."""
+    from dflash_core.train.drafter_setup import drafter_config_for
+
+    mask, rule = speculators_mask_token(tokenizer, target.config.vocab_size)
+    if rule.startswith("fallback") and variant.mask != "eos":
+        ours = drafter_config_for(config, target_config=target.config, corpus=corpus, tokenizer=tokenizer)
+        return ours.mask_token_id, f"{rule}->unused"
+    return mask, rule
+
+
 def run_speculators(job: Job, variant: Variant) -> dict:
-    if variant.train:  # this loop builds its own target and batches: it would silently ignore them
-        raise ValueError(f"variant {variant.name!r}: speculators rows take no TrainConfig changes ({variant.train})")
+    algorithm = SPECULATORS_KINDS[variant.kind]
     stood_in = stand_in_for_missing()
     if stood_in:
         print(f"speculators: stand-ins for its unused data-module imports {stood_in}", flush=True)
-    from speculators.losses import resolve_loss_config
-    from speculators.models.dflash import DFlashDraftModel as SpeculatorsDFlash
-
-    from dflash_core.model import DFlashConfig, DFlashDraftModel
     from dflash_core.target import HiddenStateCapture
     from dflash_core.train.data import PackedBatchSampler, collate, samples_with_loss
+    from dflash_core.train.drafter_setup import load_target_tokenizer
     from dflash_core.train.inputs import load_target_model
-    from dflash_core.train.drafter_setup import drafter_config_for, load_target_tokenizer
-    from dflash_core.train.loop import lr_factor
     from dflash_core.train.step import batch_tensors, capture_batch
 
     config = train_config(job, variant, Path(WORKER["work"]) / "runs")
@@ -133,27 +165,30 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     if device.type == "cuda":  # as the Trainer: packed documents masked from position ids
         target.set_attn_implementation("flex_attention")
     tokenizer = load_target_tokenizer("embedded", models_dir=Path(WORKER["models_dir"]))
-    if variant.drafter.get("mask_token_id") == "ours":
-        mask = drafter_config_for(config, target_config=target.config, corpus=corpus,
-                                  tokenizer=tokenizer).mask_token_id
-    else:
-        mask = speculators_default_mask(tokenizer, target.config.vocab_size)
+    mask, mask_rule = _mask_for(variant, config, target=target, corpus=corpus, tokenizer=tokenizer)
+    recipe = speculators_recipe(algorithm)
     torch.manual_seed(job.seed)
-    model = speculators_model(variant, mask).to(device)
+    model = speculators_model(algorithm, recipe, mask).to(device)
+    model_class = type(model)
+    # Its own loss and slot weights; the eager loss implementation (its fused Triton loss crashes under
+    # torch.compile on torch 2.11) and the row's anchor count.
+    step_kwargs, _ = model_class.get_trainer_kwargs(
+        **{**recipe, "loss_implementation": "eager", "max_anchors": config.resolved_num_anchors})
     native_ids = [k - 1 for k in model.target_layer_ids]  # its aux id k = input of layer k = our k-1
     capture = HiddenStateCapture(target, layer_ids=native_ids, capture_final=True)
     params = [p for p in model.parameters() if p.requires_grad]
     o = config.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
                                   fused=device.type == "cuda")
+    from dflash_core.train.optimizer import lr_factor
+
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, warmup=o.warmup_steps, total=job.steps, min_ratio=o.min_lr_ratio))
     sampler = PackedBatchSampler(corpus.lengths, token_budget=config.token_budget, seed=job.seed,
                                  drop_samples_without_loss=~samples_with_loss(corpus), packing=config.packing)
     batches = iter(sampler)
-    loss_config = resolve_loss_config("ce", "eager")  # its fused Triton loss crashes under torch.compile (2.11)
-    eager_forward = getattr(SpeculatorsDFlash.forward, "_torchdynamo_orig_callable", SpeculatorsDFlash.forward)
-    forward = SpeculatorsDFlash.forward if WORKER["speculators_compile"] else eager_forward
+    eager_forward = getattr(model_class.forward, "_torchdynamo_orig_callable", model_class.forward)
+    forward = model_class.forward if WORKER["speculators_compile"] else eager_forward
     compiled = forward is not eager_forward
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     losses, eals, marks = [], [], []
@@ -166,9 +201,7 @@ def run_speculators(job: Job, variant: Variant) -> dict:
         torch.manual_seed(hash((job.seed, step)) & 0x7FFF_FFFF)  # its anchors come from the global RNG
         kwargs = dict(hidden_states=captured.tapped_hidden, input_ids=tensors["input_ids"],
                       loss_mask=tensors["loss_mask"].long(), verifier_last_hidden_states=captured.final_hidden,
-                      document_ids=tensors["document_ids"], position_ids=tensors["position_ids"],
-                      loss_config=loss_config, max_anchors=config.resolved_num_anchors,
-                      per_position_loss_weight="dpace", dpace_alpha=0.5)
+                      document_ids=tensors["document_ids"], position_ids=tensors["position_ids"], **step_kwargs)
         with autocast:
             try:
                 _, loss, metrics = forward(model, **kwargs)
@@ -192,47 +225,71 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     sync_device()
     train_s = time.perf_counter() - start
     capture.close()
-
-    # Its weights in our drafter class, for the same evaluator; the logits must agree.
-    ours_config = DFlashConfig.from_target(target.config, num_layers=config.drafter.num_layers,
-                                           block_size=config.drafter.block_size, num_tapped_layers=len(native_ids),
-                                           mask_token_id=mask)
-    ours_config = dataclasses.replace(ours_config, target_layer_ids=native_ids)
-    drafter = DFlashDraftModel(ours_config, device=device)
-    body = {k: v for k, v in model.state_dict().items() if k.split(".")[0] in ("fc", "hidden_norm", "layers", "norm")}
-    drafter.load_state_dict(body, strict=True)
+    drafter = ours_from_speculators(model, target_config=target.config, native_ids=native_ids, mask=mask,
+                                    config=config, device=device)
     del target
     check_conversion(model, drafter, native_ids, device)
     del model
     return {"train_s": train_s, "steps_per_s": steady_rate(marks, job.steps, train_s), "compiled": compiled,
             "train_loss": float(torch.stack(losses).mean()), "train_tau": float(torch.stack(eals).mean()),
-            "mask_token_id": mask, "target_layer_ids": native_ids, **evaluate_drafter(drafter)}
+            "mask_token_id": mask, "mask_rule": mask_rule, "target_layer_ids": native_ids,
+            **evaluate_drafter(drafter)}
+
+
+def ours_from_speculators(model, *, target_config, native_ids, mask, config, device):
+    """Its weights in our drafter class (DFlash 2 with its conv and selector settings)."""
+    from dflash_core.model import DFlashConfig, DFlashDraftModel
+    from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
+
+    ours = DFlashConfig.from_target(target_config, num_layers=config.drafter.num_layers,
+                                    block_size=config.drafter.block_size, num_tapped_layers=len(native_ids),
+                                    mask_token_id=mask)
+    ours = dataclasses.replace(ours, target_layer_ids=native_ids)
+    if hasattr(model, "candidate_selector"):
+        theirs = {name: getattr(model.config, name) for name in DFLASH2_FIELDS if hasattr(model.config, name)}
+        drafter = DFlash2Config.from_dflash(ours, **theirs).build(device=device)
+    else:
+        drafter = DFlashDraftModel(ours, device=device)
+    body = {k: v for k, v in model.state_dict().items() if k.split(".")[0] in _BODY}
+    drafter.load_state_dict(body, strict=True)
+    return drafter
 
 
 @torch.no_grad()
 def check_conversion(model, drafter, native_ids, device) -> None:
-    """speculators' logits on fixed anchors equal ours after the weight copy (as the parity test),
-    both in fp32 on the fp32 evaluation target."""
+    """speculators' logits on fixed anchors equal ours after the weight copy (as the parity tests), and
+    for DFlash 2 its selector's candidate scores; both in fp32 on the fp32 evaluation target."""
     from dflash_core.model.anchors import BlockPlan
     from dflash_core.target import HiddenStateCapture, target_heads
 
     target = eval_target()
     if target.lm_head.weight.dtype != torch.float32:
         return
+    model, drafter = model.float(), drafter.float()
     sample = torch.tensor(corpus_for_worker().sample(0)[0][:64].astype(np.int64), device=device)[None]
     length, block = sample.shape[1], drafter.config.block_size
     anchors = [4, 20, 36]
     captured = HiddenStateCapture(target, layer_ids=native_ids, capture_final=True)(sample)
     mask = torch.zeros(1, length, dtype=torch.long, device=device)
-    mask[0, anchors] = 1
+    mask[0, anchors] = 1  # exactly as many valid positions as anchors: no random choice
     model_eager = getattr(type(model)._backbone_forward, "_torchdynamo_orig_callable", type(model)._backbone_forward)
-    _, theirs, *_ = model_eager(model, captured.tapped_hidden, sample, mask, captured.final_hidden,
-                                torch.zeros(1, length, dtype=torch.long, device=device), max_anchors=len(anchors))
-    theirs = theirs.view(len(anchors), block, -1)[:, 1:]
+    hidden, theirs, _, _, block_index = model_eager(
+        model, captured.tapped_hidden, sample, mask, captured.final_hidden,
+        torch.zeros(1, length, dtype=torch.long, device=device), max_anchors=len(anchors))
     drafter.attach_target(target_heads(target))
     plan = BlockPlan.at_anchors(anchors, seq_len=length, block_size=block, device=device)
     output, _, _ = drafter(input_ids=sample, target_hidden=captured.tapped_hidden, plan=plan, attention_backend="sdpa")
-    ours = drafter.target_heads.lm_head(output.hidden_BAKH[0])
-    error = (theirs.float() - ours.float()).abs().max().item()
-    if error > 1e-3 * max(ours.abs().max().item(), 1.0):
-        raise AssertionError(f"speculators -> ours weight copy changed the logits: max error {error:.3g}")
+    unary = getattr(drafter, "unary_logits", drafter.target_heads.lm_head)
+    pairs = [("logits", theirs.view(len(anchors), block, -1)[:, 1:], unary(output.hidden_BAKH[0]))]
+    if hasattr(model, "candidate_selector"):
+        predecessors = model._predecessor_ids(sample, block_index).reshape(1, -1)
+        candidates = theirs.topk(drafter.config.selector_top_k, dim=-1).indices
+        selector = drafter.candidate_selector
+        ours_scores = theirs.gather(-1, candidates) + selector.transition_scores(
+            selector.context(hidden, predecessors), candidates)
+        pairs.append(("selector scores", model.candidate_selector.score_candidates(
+            theirs, hidden, predecessors, candidates), ours_scores))
+    for what, a, b in pairs:
+        error = (a.float() - b.float()).abs().max().item()
+        if error > 1e-3 * max(b.abs().max().item(), 1.0):
+            raise AssertionError(f"speculators -> ours weight copy changed the {what}: max error {error:.3g}")

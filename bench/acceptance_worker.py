@@ -1,6 +1,6 @@
 """bench_acceptance's worker: the state one worker process holds (its context, the evaluation
 target, the training corpus), the evaluator every drafter goes through, and the TrainConfig of a job.
-Both sides of the ablation (our Trainer in bench_acceptance, speculators in acceptance_speculators)
+Both sides of the ablation (our Trainer in acceptance_ours, speculators in acceptance_speculators)
 read it, so a job's data, budget and evaluation are the same whichever drafter it trains."""
 
 from __future__ import annotations
@@ -16,17 +16,26 @@ import torch
 from acceptance_data import training_corpus
 
 if TYPE_CHECKING:
-    from bench_acceptance import Job, Variant
+    from acceptance_variants import Job, Variant
 
 WORKER: dict[str, Any] = {}
 
 
-def worker_init(context: dict) -> None:
+def worker_init(context: dict, counter=None) -> None:
+    """A worker's state. `counter` (a shared multiprocessing Value): each worker takes the next of
+    `context["devices"]` in turn, so workers spread over the GPUs; without it, the first device."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(context["threads"])
     WORKER.clear()
     WORKER.update(context)
-
+    index = 0
+    if counter is not None:
+        with counter.get_lock():
+            index, counter.value = counter.value, counter.value + 1
+    WORKER["device"] = context["devices"][index % len(context["devices"])]
+    device = torch.device(WORKER["device"])
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # kernels compiled and launched without a device go to this GPU
 
 
 def eval_target():
@@ -78,14 +87,12 @@ def train_config(job: Job, variant: Variant, run_dir: Path):
 
     drafter = {"num_layers": WORKER["shape"]["num_layers"], "block_size": WORKER["shape"]["block_size"],
                "num_anchors": WORKER["shape"]["num_anchors"], **variant.drafter}
-    if drafter.get("mask_token_id") == "ours":
-        drafter["mask_token_id"] = None
     return TrainConfig(run_name=job.label.replace("@", "-").replace("=", "-").replace("+", "-"), target="embedded",
                        data=["<in-memory>"], output_dir=run_dir, token_budget=WORKER["shape"]["token_budget"],
                        max_steps=job.steps, seed=job.seed, checkpoint_every=job.steps, keep_last=1,
                        upload_checkpoints=False, log_every=max(1, min(25, job.steps // 4)),
                        validate_capture_batches=0, attention_backend=WORKER["attention"], drafter=drafter,
-                       optim=variant.optim, **variant.train)
+                       optim=variant.optim, target_device=WORKER["device"], **variant.train)
 
 
 

@@ -1,10 +1,11 @@
 """Acceptance statistics of speculative decoding runs: tau, its histogram, per-position acceptance,
 speedup and tokens/s, plus the markdown table and PNG the evaluate flow publishes.
 
-tau: per round, accepted drafted tokens + 1; averaged per response, then over responses.
-Per-position acceptance: for draft position k (1..B-1), the fraction of rounds that accepted at
-least k drafted tokens. Speedup: target-only wall time over speculative wall time, summed over the
-same responses in the same harness (both include prefill).
+tau: per round, accepted drafted tokens + 1 (the tokens the round added: a last round cut short by
+max_new_tokens or an EOS counts only what was kept, `Decoded.accepted`); averaged per response, then
+over responses. Per-position acceptance (acc@k): for draft position k (1..B-1), the fraction of
+rounds that accepted at least k drafted tokens. Speedup: target-only wall time over speculative wall
+time, summed over the same responses in the same harness (both include prefill).
 """
 
 from __future__ import annotations

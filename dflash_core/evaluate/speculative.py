@@ -7,6 +7,10 @@ longest prefix equal to the target's own greedy choices is accepted plus one bon
 target's choice after it); both caches are cut back to the accepted length. The emitted tokens
 are therefore exactly the target's greedy decoding, whatever the drafter proposes.
 
+A round counts only the tokens decoding keeps, as z-lab's `dflash_generate` counts them (its
+`produced`): never past `max_new_tokens`, and nothing after an EOS (the EOS itself counts). So
+the last round of a response can count fewer tokens than the target verified.
+
 Block rounds draft through `draft_tokens`: DFlash proposes the argmax of each slot, DFlash 2 the
 candidate selector's greedy path from the last accepted token (what z-lab's `dflash_generate`
 serves). DDTree builds its tree from per-slot distributions, which a selector path is not: tree
@@ -34,7 +38,10 @@ def supported_modes(drafter: torch.nn.Module) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class Decoded:
-    """tokens: the new tokens; accepted: drafted tokens accepted per round (tau_round = accepted + 1)."""
+    """tokens: the new tokens. accepted: per round, the tokens it added minus one (tau_round =
+    accepted + 1): the drafted tokens the target accepted, except in a last round cut short by
+    `max_new_tokens` or an EOS, which counts only the tokens kept. sum(accepted + 1) is
+    len(tokens) - 1 (the first token comes from the prefill)."""
 
     tokens: list[int]
     accepted: list[int]
@@ -56,6 +63,15 @@ def _finish(tokens: list[int], *, max_new_tokens: int, eos_token_id: int | None)
     if eos_token_id is not None and eos_token_id in tokens:
         return tokens[: tokens.index(eos_token_id) + 1][:max_new_tokens], True
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+def kept_tokens(new: list[int], *, room: int, eos_token_id: int | None) -> int:
+    """How many of a round's new tokens decoding keeps: at most `room` (what max_new_tokens leaves),
+    and none after the first EOS among them."""
+    kept = min(len(new), room)
+    if eos_token_id is not None and eos_token_id in new[:kept]:
+        kept = new.index(eos_token_id) + 1
+    return kept
 
 
 @torch.no_grad()
@@ -115,8 +131,8 @@ class SpeculativeDecoder:
     def _draft_logits(self, cache, last_token: int) -> torch.Tensor:
         return self.drafter.draft_block(cache, **self._draft_inputs(cache, last_token))[0]
 
-    def _block_round(self, cache, last_token: int) -> tuple[list[int], int]:
-        """One round; returns (new tokens incl. bonus, accepted draft count)."""
+    def _block_round(self, cache, last_token: int) -> list[int]:
+        """One round; returns the new tokens: the accepted drafts and the bonus token."""
         start = self.runner.length
         drafts = draft_tokens(self.drafter, cache, **self._draft_inputs(cache, last_token))[0].tolist()
         fed = [last_token, *drafts]
@@ -127,9 +143,9 @@ class SpeculativeDecoder:
             accepted += 1
         self.runner.keep_block_prefix(num_fed=len(fed), num_kept=accepted + 1)
         self._extend(cache, step.tapped[: accepted + 1], start=start)
-        return drafts[:accepted] + [choices[accepted]], accepted
+        return drafts[:accepted] + [choices[accepted]]
 
-    def _tree_round(self, cache, last_token: int) -> tuple[list[int], int]:
+    def _tree_round(self, cache, last_token: int) -> list[int]:
         start = self.runner.length
         tree = build_draft_tree(self._draft_logits(cache, last_token), root_token=last_token,
                                 budget=self.tree_budget, max_branch=self.tree_branch)
@@ -139,7 +155,7 @@ class SpeculativeDecoder:
         kept = [0, *path]
         self.runner.keep_tree_nodes(num_fed=len(tree.tokens), keep_nodes=kept)
         self._extend(cache, step.tapped[torch.tensor(kept, device=step.tapped.device)], start=start)
-        return [tree.tokens[n] for n in path] + [choices[kept[-1]]], len(path)
+        return [tree.tokens[n] for n in path] + [choices[kept[-1]]]
 
     @torch.no_grad()
     def generate(self, prompt: list[int], *, max_new_tokens: int, eos_token_id: int | None = None) -> Decoded:
@@ -156,11 +172,11 @@ class SpeculativeDecoder:
         forwards = 1
         round_fn = self._block_round if self.mode == "block" else self._tree_round
         while not _finish(tokens, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)[1]:
-            new, accepted = round_fn(cache, tokens[-1])
-            tokens.extend(new)
-            accepted_per_round.append(accepted)
+            new = round_fn(cache, tokens[-1])
+            kept = kept_tokens(new, room=max_new_tokens - len(tokens), eos_token_id=eos_token_id)
+            tokens.extend(new[:kept])
+            accepted_per_round.append(kept - 1)
             forwards += 1
         _sync(device)
-        tokens, _ = _finish(tokens, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
         return Decoded(tokens=tokens, accepted=accepted_per_round, wall_s=time.perf_counter() - begin,
                        num_target_forwards=forwards)

@@ -1,4 +1,5 @@
-"""The acceptance bench's bookkeeping: held-out prompts never train, the table aggregates seeds.
+"""The acceptance bench's bookkeeping: held-out prompts never train, the table aggregates seeds and
+compares tau - 1 with speculators' rows, rows and jobs are planned as asked, speculators' mask rule.
 
 Run: .venv/bin/python -m pytest tests/unit/test_bench_acceptance.py -q
 """
@@ -41,22 +42,84 @@ def test_held_out_prompts_never_train(bench):
         data.split_prompts(pool[:50], _Tokenizer(), shape)
 
 
-def test_table_aggregates_seeds_and_compares_with_speculators(bench):
+def _result(variant, seed, tau, *, steps=200, acc=(0.5, 0.25)):
+    return {"variant": variant, "seed": seed, "steps": steps, "tau": tau, "acceptance_per_position": list(acc),
+            "tau_by_source": {"sharegpt": tau, "own": None}, "train_tau": 1.5, "steps_per_s": 10.0,
+            "wall_s": 60.0, "train_s": 20.0, "eval_s": 30.0, "all_match_target": True, "mask_token_id": 16,
+            "target_layer_ids": [1, 27]}
+
+
+def test_table_aggregates_seeds_and_compares_tau_minus_one_with_both_speculators_rows(bench):
     import acceptance_report as report
 
-    def result(variant, seed, tau):
-        return {"variant": variant, "seed": seed, "steps": 200, "tau": tau, "acceptance_per_position": [0.5, 0.25],
-                "tau_by_source": {"sharegpt": tau, "own": None}, "train_tau": 1.5, "steps_per_s": 10.0,
-                "all_match_target": True, "mask_token_id": 16, "target_layer_ids": [1, 27]}
-
-    results = [result("default", 0, 2.0), result("default", 1, 2.4), result("speculators", 0, 2.0)]
+    results = [_result("default", 0, 2.0, acc=(0.5, 0.25)), _result("default", 1, 2.4, acc=(0.7, 0.35)),
+               _result("speculators", 0, 2.0), _result("speculators-dflash2", 0, 1.8),
+               _result("default", 1, 9.9)]  # a seed merged in twice counts once: its first result
     rows = report.aggregate(results, variant_order=list(bench.variants()))
-    assert [r["variant"] for r in rows] == ["default", "speculators"]
-    assert [r["variant"] for r in report.aggregate(results, variant_order=["speculators"])] == ["speculators", "default"]
-    assert rows[0]["tau_mean"] == pytest.approx(2.2) and rows[0]["tau_sd"] == pytest.approx(0.2828, abs=1e-4)
+    assert [r["variant"] for r in rows] == ["default", "speculators", "speculators-dflash2"]
+    assert [r["variant"] for r in report.aggregate(results, variant_order=["speculators"])][0] == "speculators"
+    default = rows[0]
+    assert default["tau_mean"] == pytest.approx(2.2) and default["tau_sd"] == pytest.approx(0.2828, abs=1e-4)
+    assert default["gain_mean"] == pytest.approx(1.2) and default["gain_sd"] == default["tau_sd"]
+    assert default["acceptance_per_position"] == pytest.approx([0.6, 0.3])
+    assert default["acceptance_per_position_sd"] == pytest.approx([0.1414, 0.0707], abs=1e-4)
+    assert default["gain_vs_speculators"] == pytest.approx(1.2)  # (2.2 - 1) / (2.0 - 1), not 2.2 / 2.0
+    assert default["gain_vs_speculators-dflash2"] == pytest.approx(1.5)  # 1.2 / 0.8
     text = report.table(rows, command="python bench/bench_acceptance.py")
-    assert "| default | 200 | 2.200 +- 0.283 (n=2) | 1.10x |" in text
+    assert "| default | 200 | 2 | 2.200 +- 0.283 | 1.200 +- 0.283 | 0.600 +- 0.141 | 0.300 +- 0.071 | - | - | " \
+           "1.200x | 1.500x |" in text
+    assert "| speculators | 200 | 1 | 2.000 +- 0.000 | 1.000 +- 0.000 |" in text and "| 1.000x | 1.250x |" in text
     assert "--variants default --seeds 0 1 --steps 200" in text
+    estimate = report.wall_estimate(rows, steps=2000)
+    assert "default (measured at 200 steps): ~240 s a job at 2000 steps (40 s setup + evaluation" in estimate
+
+
+def test_rows_come_from_the_suite_then_the_list_and_jobs_are_long_first_then_seed_major(bench):
+    args = bench.parse_args(["--suite", "core", "--variants", "default,dflash", "--seeds", "0", "1",
+                             "--long-variants", "default", "--long-seeds", "0"])
+    names = bench.resolve_rows(args)
+    assert names == ["speculators", "speculators-dflash2", "default", "dflash"]
+    jobs = bench.plan_jobs(args, bench.resolve_shape(args), names)
+    assert [j.label for j in jobs[:2]] == ["default@2000s0", "speculators@200s0"]
+    assert [j.seed for j in jobs[1:]] == [0] * 4 + [1] * 4
+    with pytest.raises(SystemExit, match="unknown variants"):
+        bench.resolve_rows(bench.parse_args(["--variants", "nope"]))
+
+
+def test_no_job_starts_after_the_deadline(bench):
+    import time
+
+    bench.WORKER.update(deadline_at=time.time() - 1)
+    try:
+        assert bench.run_job(bench.Job("default", 0, 200)) is None  # returns before building anything
+    finally:
+        bench.WORKER.clear()
+
+
+def test_speculators_mask_token_follows_its_trainer_and_says_which_rule(bench):
+    import acceptance_speculators as spec
+
+    class Tokenizer:
+        def __init__(self, size, mask=None, pad=2, eos=2):
+            self.size, self.mask_token_id, self.pad_token_id, self.eos_token_id, self.unk_token_id = \
+                size, mask, pad, eos, None
+
+        def __len__(self):
+            return self.size
+
+    assert spec.speculators_mask_token(Tokenizer(100, mask=7), 128) == (7, "tokenizer")
+    assert spec.speculators_mask_token(Tokenizer(100), 128) == (100, "added")  # its new <|MASK|> row
+    assert spec.speculators_mask_token(Tokenizer(128), 128) == (2, "fallback:pad_token_id")  # SmolLM2's case
+    assert spec.speculators_mask_token(Tokenizer(128, pad=None), 128) == (2, "fallback:eos_token_id")
+
+
+def test_speculators_rows_take_their_own_recipe_only(bench):
+    with pytest.raises(ValueError, match="num_anchors only"):
+        bench.Variant("x", "x", kind="speculators", optim={"lr": 1e-3})
+    with pytest.raises(ValueError, match="kind"):
+        bench.Variant("x", "x", kind="speculators-eagle")
+    with pytest.raises(ValueError, match="mask"):
+        bench.Variant("x", "x", mask="eos")
 
 
 def test_every_variant_is_a_valid_run_and_levers_must_reach_the_drafter(bench):
@@ -64,11 +127,16 @@ def test_every_variant_is_a_valid_run_and_levers_must_reach_the_drafter(bench):
     from dflash_core.train.config import TrainConfig
 
     for variant in bench.variants().values():
-        drafter = {k: (None if v == "ours" else v) for k, v in variant.drafter.items()}
-        TrainConfig(target="embedded", data=["x"], drafter=drafter, optim=variant.optim)
+        TrainConfig(target="embedded", data=["x"], drafter=variant.drafter, optim=variant.optim)
+    for suite in bench.SUITES.values():
+        assert set(suite) <= set(bench.variants())
     config = TrainConfig(target="embedded", data=["x"], drafter=bench.variants()["default+noise=0.2"].drafter)
     built = DFlashConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, vocab_size=256, target_layer_ids=[1, 2], mask_token_id=5, block_size=8)
     with pytest.raises(RuntimeError, match="drafter_training_fields"):
         bench.check_recipe_applied(config, built)  # a trainer that dropped the lever: refused, not measured
     bench.check_recipe_applied(config, built.__class__(**{**built.__dict__, "feature_noise": 0.2}))
+    tapped = TrainConfig(target="embedded", data=["x"], drafter=bench.variants()["default+last-tap=N-2"].drafter)
+    assert tapped.drafter.target_layer_ids == [1, 28]
+    with pytest.raises(RuntimeError, match="tapping"):
+        bench.check_recipe_applied(tapped, built)  # [1, 2] built, [1, 28] asked

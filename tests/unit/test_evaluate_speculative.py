@@ -191,3 +191,45 @@ def test_a_dflash2_drafter_decodes_on_its_selector_path_in_block_mode_only():
     assert len(proposals) == summary["num_rounds"]  # every round drafted through the selector
     with pytest.raises(ValueError, match="DFlash-only"):
         SpeculativeDecoder(target=target, drafter=drafter, mode="tree")
+
+
+@pytest.mark.parametrize("mode", ["block", "tree"])
+def test_the_last_round_counts_only_the_tokens_that_fit(mode):
+    """An oracle accepts every draft: each round adds B tokens (B-1 drafts + bonus) after the prefill's
+    one. With room for fewer, the last round counts exactly what fits, never the whole verified block."""
+    from dflash_core.evaluate import summarize
+    from dflash_core.evaluate.report import ResponseResult
+
+    target, drafter, prompts = _setup("qwen3")
+    reference = greedy_decode(target, prompts[0], max_new_tokens=_NEW)
+    oracle = _OracleDrafter(drafter, prompts[0] + reference.tokens, wrong_every=1000)
+    decoder = SpeculativeDecoder(target=target, drafter=oracle, mode=mode, tree_budget=8)
+    full = _BLOCK - 1
+    for max_new, expected in [(1 + _BLOCK, [full]), (2 + _BLOCK, [full, 0]), (3 + _BLOCK, [full, 1]),
+                              (1 + 2 * _BLOCK - 1, [full, full - 1]), (1 + 2 * _BLOCK, [full, full])]:
+        decoded = decoder.generate(prompts[0], max_new_tokens=max_new)
+        assert decoded.tokens == reference.tokens[:max_new]
+        assert decoded.accepted == expected, max_new
+        assert sum(a + 1 for a in decoded.accepted) == len(decoded.tokens) - 1
+    decoded = decoder.generate(prompts[0], max_new_tokens=3 + _BLOCK)  # rounds of 4 then 2 tokens
+    assert decoded.tau == pytest.approx((_BLOCK + 2) / 2)
+    summary = summarize([ResponseResult(prompt_index=0, prompt_tokens=len(prompts[0]), decoded=decoded,
+                                        baseline_wall_s=1.0, matches_target=True)], block_size=_BLOCK, mode=mode)
+    assert summary["acceptance_per_position"] == [1.0, 0.5, 0.5]
+
+
+def test_an_eos_accepted_mid_block_ends_the_count_there():
+    """An EOS the target accepts among the drafts ends the response: the tokens verified after it in
+    the same round are neither emitted nor counted."""
+    target, drafter, prompts = _setup("qwen3")
+    reference = greedy_decode(target, prompts[0], max_new_tokens=_NEW).tokens
+    oracle = _OracleDrafter(drafter, prompts[0] + reference, wrong_every=1000)
+    decoder = SpeculativeDecoder(target=target, drafter=oracle)
+    # Token j is emitted by round (j - 1) // B + 1 at slot (j - 1) % B; take first occurrences that are
+    # not a round's last token, so the round verified tokens after the EOS.
+    cases = [j for j in range(1, _NEW - _BLOCK) if reference[j] not in reference[:j] and (j - 1) % _BLOCK < _BLOCK - 1]
+    assert len(cases) >= 2
+    for j in cases[:4]:
+        decoded = decoder.generate(prompts[0], max_new_tokens=_NEW, eos_token_id=reference[j])
+        assert decoded.tokens == reference[: j + 1]
+        assert decoded.accepted == [_BLOCK - 1] * ((j - 1) // _BLOCK) + [(j - 1) % _BLOCK], j

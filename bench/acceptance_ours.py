@@ -1,0 +1,78 @@
+"""bench_acceptance's side of our library: a row trained through the real Trainer on the worker's
+corpus, checked to carry the row's levers, then evaluated by the shared evaluator."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from acceptance_worker import WORKER, corpus_for_worker, evaluate_drafter, steady_rate, sync_device, train_config
+
+if TYPE_CHECKING:
+    from acceptance_variants import Job, Variant
+
+
+@contextmanager
+def _forced_mask_token(token_id: int | None):
+    """Let the trainer use a mask token it would refuse (the old EOS default), to measure its cost."""
+    if token_id is None:
+        yield
+        return
+    import dflash_core.model.mask_token as mask_token
+
+    original = mask_token.resolve_mask_token_id
+    mask_token.resolve_mask_token_id = lambda requested, **kwargs: token_id
+    try:
+        yield
+    finally:
+        mask_token.resolve_mask_token_id = original
+
+
+def run_ours(job: Job, variant: Variant) -> dict:
+    run_dir = Path(WORKER["work"]) / "runs"
+    config = train_config(job, variant, run_dir)
+    shutil.rmtree(config.run_dir, ignore_errors=True)
+    with _forced_mask_token(variant.force_mask_token_id), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from dflash_core.train.assemble import build_trainer
+
+        trainer = build_trainer(config, models_dir=Path(WORKER["models_dir"]), corpus=corpus_for_worker())
+    check_recipe_applied(config, trainer.drafter_config)
+    logged: list[tuple[int, float]] = []  # (step, time) of each record: steady-state steps/s between them
+    sync_device()
+    start = time.perf_counter()
+    result = trainer.run(on_log=lambda record: logged.append((record["step"], time.perf_counter())))
+    sync_device()
+    train_s = time.perf_counter() - start
+    trainer.close()
+    last = json.loads(result.metrics_path.read_text().splitlines()[-1])
+    drafter_config = trainer.drafter_config
+    drafter = trainer.drafter
+    del trainer
+    shutil.rmtree(config.run_dir, ignore_errors=True)
+    window = last.get("window") or last
+    return {"train_s": train_s, "steps_per_s": steady_rate(logged, job.steps, train_s), "train_loss": window["loss"],
+            "train_tau": window["acceptance_length_empirical"], "mask_token_id": drafter_config.mask_token_id,
+            "mask_rule": "ours" if variant.force_mask_token_id is None else "forced",
+            "target_layer_ids": drafter_config.target_layer_ids, **evaluate_drafter(drafter)}
+
+
+def check_recipe_applied(config, drafter_config) -> None:
+    """The drafter the Trainer built carries the run's training-only settings and tapped layers: a
+    variant whose lever the trainer dropped would silently measure the default."""
+    from dflash_core.train.config import REGULARIZATION_FIELDS
+
+    wanted = {name: getattr(config.drafter, name) for name in REGULARIZATION_FIELDS}
+    built = {name: getattr(drafter_config, name, None) for name in REGULARIZATION_FIELDS}
+    if built != wanted:
+        raise RuntimeError(f"the Trainer built a drafter with {built}, the run asks for {wanted}: drafter_config_for "
+                           "must apply DrafterSettings.drafter_training_fields() to the drafter config")
+    taps = config.drafter.target_layer_ids
+    if taps is not None and list(drafter_config.target_layer_ids) != list(taps):
+        raise RuntimeError(f"the Trainer built a drafter tapping {drafter_config.target_layer_ids}, the run asks "
+                           f"for {taps}")

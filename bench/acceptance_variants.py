@@ -1,0 +1,178 @@
+"""bench_acceptance's rows: the fixed budget (Shape), the recipes (Variant) and the named sets of
+rows a call runs (suites). A row is the library default with some DrafterSettings / OptimSettings /
+TrainConfig fields changed, or one of speculators 0.9's own drafters trained by its own forward."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# The embedded target (SmolLM2-135M) has 30 decoder layers: native tap ids run 0..28 (id 29's
+# transformers output is already final-normed); the default 2 taps are [1, 27] (1 .. N-3).
+EMBEDDED_LAST_TAP = 28
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The fixed budget every variant trains under (the issue's: 2 layers, B=8, 128 anchors per
+    2,048-token row, 200 steps)."""
+
+    num_layers: int = 2
+    block_size: int = 8
+    num_anchors: int = 128
+    token_budget: int = 2048
+    steps: int = 200
+    long_multiplier: int = 10
+    train_prompts: int = 1024
+    eval_prompts: int = 24
+    max_prompt_tokens: int = 256
+    train_new_tokens: int = 256
+    eval_new_tokens: int = 128
+    own_prompts: int = 6
+
+
+FULL = Shape()
+TINY = Shape(num_layers=2, block_size=8, num_anchors=16, token_budget=256, steps=4, long_multiplier=0,
+             train_prompts=8, eval_prompts=1, max_prompt_tokens=96, train_new_tokens=32, eval_new_tokens=16,
+             own_prompts=2)
+
+SPECULATORS_KINDS = {"speculators": "dflash", "speculators-dflash2": "dflash2"}  # kind -> its algorithm
+MASK_CHOICES = (None, "eos")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One recipe: the library default with some DrafterSettings / OptimSettings fields changed, or
+    speculators' own model and loss (kind "speculators": its DFlash, "speculators-dflash2": its
+    experimental DFlash 2; `drafter` may then set num_anchors only).
+
+    `mask` (speculators rows): None, speculators' own choice (train.utils.resolve_mask_token_id: the
+    tokenizer's mask token, else a new <|MASK|> in a spare embedding row) and, where that ends in its
+    last-resort pad/EOS fallback (it warns), the unused token a user heeding the warning passes as
+    --mask-token-id (the one our trainer picks); "eos": that fallback as it is."""
+
+    name: str
+    what: str
+    drafter: dict = dataclasses.field(default_factory=dict)
+    optim: dict = dataclasses.field(default_factory=dict)
+    kind: str = "ours"
+    train: dict = dataclasses.field(default_factory=dict)  # TrainConfig fields, e.g. target_fp8
+    force_mask_token_id: int | None = None  # bypasses the trainer's end-token refusal, to measure it
+    mask: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind != "ours" and self.kind not in SPECULATORS_KINDS:
+            raise ValueError(f"variant {self.name!r}: kind must be 'ours' or one of {sorted(SPECULATORS_KINDS)}")
+        if self.kind != "ours" and (set(self.drafter) - {"num_anchors"} or self.optim or self.train):
+            raise ValueError(f"variant {self.name!r}: speculators rows take num_anchors only (its own recipe)")
+        if self.mask not in MASK_CHOICES or (self.mask and self.kind == "ours"):
+            raise ValueError(f"variant {self.name!r}: mask is for speculators rows, one of {MASK_CHOICES}")
+
+
+def _default(**changes) -> dict:
+    """The default row's DrafterSettings changes plus `changes`."""
+    return {"num_anchors": 512, **changes}
+
+
+def variants() -> dict[str, Variant]:
+    items = [
+        Variant("default", "the library's default recipe (DFlash 2, D-PACE, 512 anchors per 2,048 tokens)",
+                drafter=_default()),
+        Variant("dflash", "the DFlash drafter (D-PACE), the default before DFlash 2 measured better",
+                drafter={"variant": "dflash"}),
+        Variant("mask=eos", "mask token = pad = <|im_end|> (EOS), the old default (refused now; forced)",
+                force_mask_token_id=2),
+        Variant("mask=last-row", "mask token = last embedding row (a real BPE token; the config-only fallback)",
+                drafter={"mask_token_id": 49151}),
+        Variant("taps=5", "5 tapped target layers instead of one per drafter layer", drafter={"num_tapped_layers": 5}),
+        Variant("taps=3", "3 tapped target layers", drafter={"num_tapped_layers": 3}),
+        Variant("loss=exp_decay", "fixed exp(-(k-1)/gamma) slot weights (the default until D-PACE measured better)",
+                drafter={"loss_weighting": "exp_decay"}),
+        Variant("loss=kl", "DFlash, KL to the target's distribution (D-PACE weights)",
+                drafter={"variant": "dflash", "loss_type": "kl"}),
+        Variant("loss=kl+exp_decay", "DFlash, KL with exp-decay weights",
+                drafter={"variant": "dflash", "loss_type": "kl", "loss_weighting": "exp_decay"}),
+        Variant("lr=3e-4", "half the learning rate", optim={"lr": 3e-4}),
+        Variant("lr=1.2e-3", "twice the learning rate", optim={"lr": 1.2e-3}),
+        Variant("warmup=20", "warmup 20 steps (10% of the budget) instead of 100", optim={"warmup_steps": 20}),
+        Variant("betas=0.999", "AdamW betas (0.9, 0.999)", optim={"betas": [0.9, 0.999]}),
+        Variant("anchors=512", "512 anchors per 2,048-token row (the library's density; speculators': 512 per "
+                "8,192)", drafter={"num_anchors": 512}),
+        Variant("anchors=1024", "1,024 anchors per row (about every eligible position)", drafter={"num_anchors": 1024}),
+        Variant("init=target", "drafter layers start as the target's last layers, fc passes the last tap",
+                drafter={"init": "target"}),
+        Variant("init=target+anchors=512", "both", drafter={"init": "target", "num_anchors": 512}),
+        Variant("dflash2", "DFlash 2 (dynamic conv + candidate selector; published defaults, exp-decay CE)",
+                drafter={"variant": "dflash2"}),
+        Variant("dflash2+anchors=512", "DFlash 2 at the library's anchor density",
+                drafter={"variant": "dflash2", "num_anchors": 512}),
+        Variant("dflash2+dpace", "DFlash 2 with D-PACE slot weights on both losses",
+                drafter={"variant": "dflash2", "loss_weighting": "dpace"}),
+        Variant("dflash2+dpace+anchors=512", "DFlash 2, D-PACE, the library's anchor density",
+                drafter={"variant": "dflash2", "loss_weighting": "dpace", "num_anchors": 512}),
+        Variant("dflash2+dpace+anchors=512+lr=1.2e-3", "that, at twice the learning rate",
+                drafter={"variant": "dflash2", "loss_weighting": "dpace", "num_anchors": 512}, optim={"lr": 1.2e-3}),
+        Variant("dflash2+dpace+anchors=512+wd=0.1", "that, with AdamW weight decay 0.1 (against overfitting)",
+                drafter={"variant": "dflash2", "loss_weighting": "dpace", "num_anchors": 512},
+                optim={"weight_decay": 0.1}),
+        # Training-only levers on top of the default (each off in the library until measured here).
+        Variant("default+taps=3", "the default reading 3 tapped target layers instead of 2", drafter=_default(
+            num_tapped_layers=3)),
+        Variant("default+last-tap=N-2", f"the default, its last tap moved from N-3 to N-2 (native [1, "
+                f"{EMBEDDED_LAST_TAP}] instead of [1, 27]; drafter.target_layer_ids)",
+                drafter=_default(target_layer_ids=[1, EMBEDDED_LAST_TAP])),
+        Variant("default+noise=0.05", "the default, Gaussian noise of 0.05 x RMS on the tapped states (EAGLE-style)",
+                drafter=_default(feature_noise=0.05)),
+        Variant("default+noise=0.2", "the default, feature noise 0.2 x RMS", drafter=_default(feature_noise=0.2)),
+        Variant("default+dropout=0.1", "the default, dropout 0.1 on every drafter sublayer's output",
+                drafter=_default(dropout=0.1)),
+        Variant("default+smooth=0.1", "the default, label smoothing 0.1 of the LM-head cross-entropy",
+                drafter=_default(label_smoothing=0.1)),
+        Variant("default+noise=0.2+dropout=0.1", "the default, feature noise 0.2 and dropout 0.1",
+                drafter=_default(feature_noise=0.2, dropout=0.1)),
+        Variant("default+target_fp8", "the default, trained on the target's FP8 GEMMs (TrainConfig.target_fp8); "
+                "evaluated against the full-precision target, as a bf16-served target would be",
+                drafter=_default(), train={"target_fp8": True}),
+        Variant("default+warmup=20", "the default, warmup 20 steps instead of 100 (half of a 200-step budget)",
+                drafter=_default(), optim={"warmup_steps": 20}),
+        Variant("default+warmup=20+lr=1.2e-3", "the default, warmup 20 and twice the learning rate",
+                drafter=_default(), optim={"warmup_steps": 20, "lr": 1.2e-3}),
+        Variant("default+warmup=20+lr=3e-3", "the default, warmup 20 and 5x the learning rate",
+                drafter=_default(), optim={"warmup_steps": 20, "lr": 3e-3}),
+        Variant("default+warmup=20+lr=6e-3", "the default, warmup 20 and 10x the learning rate",
+                drafter=_default(), optim={"warmup_steps": 20, "lr": 6e-3}),
+        Variant("speculators", "speculators 0.9 DFlashDraftModel, its trainer's defaults (D-PACE + CE, its 3 taps, "
+                "its 512 anchors per 8,192 tokens); mask: its rule, the EOS fallback replaced", kind="speculators"),
+        Variant("speculators+mask=eos", "speculators DFlash with its literal mask fallback (pad = EOS on SmolLM2)",
+                kind="speculators", mask="eos"),
+        Variant("speculators+anchors=512", "speculators DFlash at our anchor density", kind="speculators",
+                drafter={"num_anchors": 512}),
+        Variant("speculators-dflash2", "speculators 0.9's experimental DFlash2DraftModel, its trainer's defaults "
+                "(KL + exp-decay gamma 4, selector K-way CE x 1.0, its 3 taps, its 512 anchors per 8,192 tokens)",
+                kind="speculators-dflash2"),
+        Variant("speculators-dflash2+anchors=512", "speculators' DFlash 2 at our anchor density",
+                kind="speculators-dflash2", drafter={"num_anchors": 512}),
+    ]
+    return {v.name: v for v in items}
+
+
+# Named sets of rows. compare: the honest comparison (issue #31 item 1) and the levers that exist as
+# options; core: what a 2,000-step call has room for on one H200.
+SUITES = {
+    "compare": ["speculators", "speculators-dflash2", "default", "dflash", "speculators+anchors=512",
+                "speculators-dflash2+anchors=512", "speculators+mask=eos", "default+last-tap=N-2"],
+    "core": ["speculators", "speculators-dflash2", "default"],
+    "tiny": ["default", "speculators", "speculators-dflash2"],
+}
+DEFAULT_VARIANTS = list(variants())
+LONG_VARIANTS = ["default", "speculators"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    variant: str
+    seed: int
+    steps: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant}@{self.steps}s{self.seed}"
