@@ -140,6 +140,12 @@ def variants() -> dict[str, Variant]:
                 drafter=_default(), optim={"warmup_steps": 20, "lr": 3e-3}),
         Variant("default+warmup=20+lr=6e-3", "the default, warmup 20 and 10x the learning rate",
                 drafter=_default(), optim={"warmup_steps": 20, "lr": 6e-3}),
+        Variant("default+warmup=5%", "the default, warmup 5% of max_steps (optim.warmup_fraction) instead of 100 steps",
+                drafter=_default(), optim={"warmup_fraction": 0.05}),
+        Variant("default+muon", "the default, Muon over the drafter's matrices and AdamW over the rest "
+                "(optim.optimizer: muon; speculators' default optimizer)", drafter=_default(), optim={"optimizer": "muon"}),
+        Variant("default+muon+warmup=5%", "the default with Muon and a 5% warmup", drafter=_default(),
+                optim={"optimizer": "muon", "warmup_fraction": 0.05}),
         Variant("speculators", "speculators 0.9 DFlashDraftModel, its trainer's defaults (D-PACE + CE, its 3 taps, "
                 "its 512 anchors per 8,192 tokens); mask: its rule, the EOS fallback replaced", kind="speculators"),
         Variant("speculators+mask=eos", "speculators DFlash with its literal mask fallback (pad = EOS on SmolLM2)",
@@ -159,7 +165,8 @@ def variants() -> dict[str, Variant]:
 # options; core: what a 2,000-step call has room for on one H200.
 SUITES = {
     "compare": ["speculators", "speculators-dflash2", "default", "dflash", "speculators+anchors=512",
-                "speculators-dflash2+anchors=512", "speculators+mask=eos", "default+last-tap=N-2"],
+                "speculators-dflash2+anchors=512", "speculators+mask=eos", "default+last-tap=N-2",
+                "default+warmup=5%", "default+muon", "default+muon+warmup=5%"],
     "core": ["speculators", "speculators-dflash2", "default"],
     "tiny": ["default", "speculators", "speculators-dflash2"],
 }

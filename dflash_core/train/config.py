@@ -166,11 +166,28 @@ class OptimSettings(BaseModel):
     lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate, reached after warmup_steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decays to lr * this by max_steps.")
     warmup_steps: int = Field(100, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
+    warmup_fraction: float | None = Field(
+        None, gt=0, lt=1, description="Warmup as this share of max_steps instead of warmup_steps (at least one "
+        "step); None: warmup_steps.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw: AdamW over every drafter parameter. muon: torch's Muon over the drafter's "
+        "weight matrices (its update RMS matched to AdamW's) and AdamW over the rest (norms, biases, DFlash 2's "
+        "codebooks), as speculators splits them; a run resumes with the optimizer it started with.")
+    muon_lr: float | None = Field(None, gt=0, description="optimizer muon: the Muon group's peak learning rate; "
+                                  "None: lr.")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="optimizer muon: Muon's momentum.")
+    muon_weight_decay: float = Field(0.1, ge=0, description="optimizer muon: the Muon group's weight decay.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (0: none).")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW beta1 and beta2.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the drafter's global gradient norm to this before each "
                              "optimizer step.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step, per rank.")
+
+    def resolved_warmup_steps(self, max_steps: int) -> int:
+        """Warmup steps of a run of `max_steps`: warmup_fraction of it when set, else warmup_steps."""
+        if self.warmup_fraction is None:
+            return self.warmup_steps
+        return max(1, round(self.warmup_fraction * max_steps))
 
 
 class TrainConfig(BaseModel):

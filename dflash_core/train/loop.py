@@ -168,6 +168,11 @@ class Trainer:
         if saved != ours:
             raise ValueError(f"{path} holds a {saved} drafter but this run's drafter.variant is {ours!r}: resume "
                              "with the variant it was trained as, or start a new run_name")
+        saved_optimizer = ((meta.get("config") or {}).get("optim") or {}).get("optimizer", "adamw")
+        if saved_optimizer != self.config.optim.optimizer:
+            raise ValueError(f"{path} was trained with optim.optimizer={saved_optimizer!r}, this run has "
+                             f"{self.config.optim.optimizer!r}: resume with the optimizer it started with, or "
+                             "start a new run_name")
         saved_fp8 = bool((meta.get("config") or {}).get("target_fp8", False))
         if saved_fp8 != self.config.target_fp8:
             warnings.warn(f"{path} was trained with target_fp8={saved_fp8}; this run continues it with "
