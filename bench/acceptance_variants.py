@@ -5,6 +5,7 @@ TrainConfig fields changed, or one of speculators 0.9's own drafters trained by 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 # The embedded target (SmolLM2-135M) has 30 decoder layers: native tap ids run 0..28 (id 29's
 # transformers output is already final-normed); the default 2 taps are [1, 27] (1 .. N-3).
@@ -140,11 +141,11 @@ def variants() -> dict[str, Variant]:
                 drafter=_default(), optim={"warmup_steps": 20, "lr": 3e-3}),
         Variant("default+warmup=20+lr=6e-3", "the default, warmup 20 and 10x the learning rate",
                 drafter=_default(), optim={"warmup_steps": 20, "lr": 6e-3}),
-        Variant("default+warmup=5%", "the default, warmup 5% of max_steps (optim.warmup_fraction) instead of 100 steps",
+        Variant("default+warmup=0.05", "the default, warmup 5% of max_steps (optim.warmup_fraction) instead of 100 steps",
                 drafter=_default(), optim={"warmup_fraction": 0.05}),
         Variant("default+muon", "the default, Muon over the drafter's matrices and AdamW over the rest "
                 "(optim.optimizer: muon; speculators' default optimizer)", drafter=_default(), optim={"optimizer": "muon"}),
-        Variant("default+muon+warmup=5%", "the default with Muon and a 5% warmup", drafter=_default(),
+        Variant("default+muon+warmup=0.05", "the default with Muon and a 5% warmup", drafter=_default(),
                 optim={"optimizer": "muon", "warmup_fraction": 0.05}),
         Variant("speculators", "speculators 0.9 DFlashDraftModel, its trainer's defaults (D-PACE + CE, its 3 taps, "
                 "its 512 anchors per 8,192 tokens); mask: its rule, the EOS fallback replaced", kind="speculators"),
@@ -166,7 +167,7 @@ def variants() -> dict[str, Variant]:
 SUITES = {
     "compare": ["speculators", "speculators-dflash2", "default", "dflash", "speculators+anchors=512",
                 "speculators-dflash2+anchors=512", "speculators+mask=eos", "default+last-tap=N-2",
-                "default+warmup=5%", "default+muon", "default+muon+warmup=5%"],
+                "default+warmup=0.05", "default+muon", "default+muon+warmup=0.05"],
     "core": ["speculators", "speculators-dflash2", "default"],
     "tiny": ["default", "speculators", "speculators-dflash2"],
 }
@@ -183,3 +184,8 @@ class Job:
     @property
     def label(self) -> str:
         return f"{self.variant}@{self.steps}s{self.seed}"
+
+    @property
+    def run_name(self) -> str:
+        """The label as a TrainConfig run name (letters, digits, '.', '_', '-')."""
+        return re.sub(r"[^A-Za-z0-9._-]", "-", self.label)

@@ -87,7 +87,7 @@ def train_config(job: Job, variant: Variant, run_dir: Path):
 
     drafter = {"num_layers": WORKER["shape"]["num_layers"], "block_size": WORKER["shape"]["block_size"],
                "num_anchors": WORKER["shape"]["num_anchors"], **variant.drafter}
-    return TrainConfig(run_name=job.label.replace("@", "-").replace("=", "-").replace("+", "-"), target="embedded",
+    return TrainConfig(run_name=job.run_name, target="embedded",
                        data=["<in-memory>"], output_dir=run_dir, token_budget=WORKER["shape"]["token_budget"],
                        max_steps=job.steps, seed=job.seed, checkpoint_every=job.steps, keep_last=1,
                        upload_checkpoints=False, log_every=max(1, min(25, job.steps // 4)),

@@ -127,7 +127,8 @@ def test_every_variant_is_a_valid_run_and_levers_must_reach_the_drafter(bench):
     from dflash_core.train.config import TrainConfig
 
     for variant in bench.variants().values():
-        TrainConfig(target="embedded", data=["x"], drafter=variant.drafter, optim=variant.optim)
+        TrainConfig(run_name=bench.Job(variant.name, 0, 200).run_name, target="embedded", data=["x"],
+                    drafter=variant.drafter, optim=variant.optim)
     for suite in bench.SUITES.values():
         assert set(suite) <= set(bench.variants())
     config = TrainConfig(target="embedded", data=["x"], drafter=bench.variants()["default+noise=0.2"].drafter)
