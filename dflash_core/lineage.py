@@ -1,31 +1,45 @@
 """Artifact manifests and the lineage graph rebuilt from them.
 
 Every artifact written through `write_artifact` gets `<key>.manifest.json` beside it: kind, URI,
-sha256, bytes, producer, inputs (URIs + hashes), config and creation time. The manifests are the
-system of record: lineage is rebuilt from them alone, so an audit needs no Prefect database.
-Pure functions over an `ObjectStore`; no orchestrator import.
+sha256, bytes, producer, inputs (URIs + hashes; the target model's and tokenizer's files too, from
+`target_refs` / `tokenizer_refs`), config and creation time. The manifests are the system of record:
+lineage is rebuilt from them alone, so an audit needs no Prefect database.
+
+Lineage is shown by node (`node_of`): the files of one dataset run, checkpoint step, export format or
+model dir are one node; a report is its own. `view_lineage` walks up from one node, reading only the
+manifests it needs. Pure functions over an `ObjectStore`; no orchestrator import.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from dflash_core.layout import ArtifactKind, is_manifest_key, manifest_key
+from dflash_core.layout import PREFECT_RESULTS_FOLDER, ArtifactKind, is_manifest_key, manifest_key
 from dflash_core.provenance import Producer
 from dflash_core.redaction import REDACTED, redact  # noqa: F401 (REDACTED re-exported)
 from dflash_core.storage import ObjectInfo, ObjectNotFound, ObjectStore, sha256_bytes, sha256_file
 
 MANIFEST_SCHEMA_VERSION = 1
+TARGET_MODEL, TOKENIZER = "target-model", "tokenizer"  # InputRef roles
+UNKNOWN_KIND = "unknown"  # an input neither a manifest nor the bucket's layout names a kind for
+
+
 class InputRef(BaseModel):
     uri: str
     sha256: str | None = None
+    role: str | None = Field(None, description=f"What the input was where its URI does not say: {TARGET_MODEL} or "
+                                               f"{TOKENIZER} (a file of a local dir, or a target built in code); "
+                                               f"None for data.")
 
 
 class Manifest(BaseModel):
@@ -44,6 +58,83 @@ class Manifest(BaseModel):
 def input_ref(store: ObjectStore, key: str) -> InputRef:
     """An input pointer for an object in `store`, carrying the hash it has now."""
     return InputRef(uri=store.uri(key), sha256=store.head(key).sha256)
+
+
+# ---- inputs outside the bucket: the target model and its tokenizer, by file ----------------------
+
+# The files that make a model dir what it is (its weights and config) and those that make its tokenizer.
+MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+               "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+BUILT_IN_CODE = ("tiny:", "random:")  # targets built from a config in code and a seed: no files
+
+
+class DigestCache:
+    """sha256 of local files by (path, size, mtime), in one JSON file: a model's weights are hashed once per
+    change, not by every stage that names them. A lost update (two writers) only costs a re-hash."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def sha256(self, file: Path) -> str:
+        stat = file.stat()
+        stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+        known = self._load()
+        entry = known.get(str(file))
+        if entry and entry.get("stamp") == stamp:
+            return entry["sha256"]
+        digest = sha256_file(file)
+        if self.path is not None:
+            known[str(file)] = {"stamp": stamp, "sha256": digest}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known))
+            tmp.replace(self.path)
+        return digest
+
+    def _load(self) -> dict[str, dict[str, str]]:
+        if self.path is None or not self.path.is_file():
+            return {}
+        try:
+            return json.loads(self.path.read_text())
+        except ValueError:  # a torn write: start over
+            return {}
+
+
+def directory_refs(directory: Path, *, role: str, patterns: Iterable[str],
+                   digests: DigestCache | None = None) -> list[InputRef]:
+    """Each file of `directory` whose name matches one of `patterns`, as an input (file:// URI, sha256), by name."""
+    directory = Path(directory).resolve()
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is not a directory: a model or tokenizer dir is needed to name it as an input")
+    digests = digests or DigestCache(None)
+    names = sorted(path.name for path in directory.iterdir()
+                   if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns))
+    return [InputRef(uri=(directory / name).as_uri(), sha256=digests.sha256(directory / name), role=role)
+            for name in names]
+
+
+def tokenizer_refs(directory: Path, *, digests: DigestCache | None = None) -> list[InputRef]:
+    """The tokenizer of `directory` (its tokenizer files and chat template) as inputs."""
+    return directory_refs(directory, role=TOKENIZER, patterns=TOKENIZER_FILES, digests=digests)
+
+
+def target_refs(target: str, *, seed: int, models_dir: Path, digests: DigestCache | None = None) -> list[InputRef]:
+    """The target model as inputs: its config and weights, then its tokenizer files, by sha256 (a model dir, or
+    `embedded`: the converted SmolLM2 under `models_dir`). A target built in code has no files: it is its spec
+    and seed (`tiny:qwen3?seed=3`, hashed as that text), which with the producer's git SHA rebuild it."""
+    if target.startswith(BUILT_IN_CODE):
+        spec = f"{target}?seed={seed}"
+        return [InputRef(uri=spec, sha256=sha256_bytes(spec.encode()), role=TARGET_MODEL)]
+    if target == "embedded":
+        from dflash_core.embedded import embedded_model_dir
+
+        directory = embedded_model_dir(models_dir)
+    else:
+        directory = Path(target)
+    return [*directory_refs(directory, role=TARGET_MODEL, patterns=MODEL_FILES, digests=digests),
+            *tokenizer_refs(directory, digests=digests)]
 
 
 def write_artifact(
@@ -118,13 +209,14 @@ def iter_manifests(store: ObjectStore, prefix: str = "") -> Iterator[Manifest]:
 
 
 def find_unmanifested(store: ObjectStore, prefix: str = "") -> list[ObjectInfo]:
-    """Objects under `prefix` with no manifest beside them: unknown provenance, candidates for cleanup."""
+    """Objects under `prefix` with no manifest beside them: unknown provenance, candidates for cleanup.
+    Prefect's persisted results (`prefect-results/`) are not artifacts and never have manifests: not listed."""
     objects: dict[str, ObjectInfo] = {}
     manifests: set[str] = set()
     for info in store.list(prefix):
         if is_manifest_key(info.key):
             manifests.add(info.key)
-        else:
+        elif not info.key.startswith(PREFECT_RESULTS_FOLDER + "/"):
             objects[info.key] = info
     return [info for key, info in sorted(objects.items()) if manifest_key(key) not in manifests]
 
@@ -229,10 +321,24 @@ class LineageNode(BaseModel):
 
 
 def flow_run_url(ui_base: str | None, flow_run_id: str | None) -> str | None:
-    """The Prefect UI page of a flow run (`ui_base` is the API URL without its `/api`)."""
-    if not ui_base or not flow_run_id:
+    """The Prefect UI page of a flow run (`ui_base`: the UI's address, or the API URL with its `/api`)."""
+    return _ui_page(ui_base, "runs/flow-run", flow_run_id)
+
+
+def task_run_url(ui_base: str | None, task_run_id: str | None) -> str | None:
+    """The Prefect UI page of a task run."""
+    return _ui_page(ui_base, "runs/task-run", task_run_id)
+
+
+def artifact_url(ui_base: str | None, artifact_id: str | None) -> str | None:
+    """The Prefect UI page of one artifact (one version of its key)."""
+    return _ui_page(ui_base, "artifacts/artifact", artifact_id)
+
+
+def _ui_page(ui_base: str | None, route: str, object_id: str | None) -> str | None:
+    if not ui_base or not object_id:
         return None
-    return f"{ui_base.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}"
+    return f"{ui_base.rstrip('/').removesuffix('/api')}/{route}/{object_id}"
 
 
 def _walk_tree(graph: LineageGraph, uri: str, *, up: bool, depth: int, path: frozenset[str],
@@ -303,3 +409,166 @@ def mermaid(graph: LineageGraph, *, prefix_uri: str = "", max_nodes: int = 80) -
     total = sum(1 for u in graph.manifests if u.startswith(prefix_uri))
     note = f"\n{len(chosen)} of {total} artifacts shown (newest first).\n" if total > len(chosen) else ""
     return "\n".join(lines) + "\n" + note
+
+
+# ---- lineage by node: what the UI shows ------------------------------------------------------
+
+FILE_NODE_KINDS = frozenset({ArtifactKind.REPORT, ArtifactKind.SCRATCH})
+
+
+def node_of(uri: str, kind: str | None) -> str:
+    """The node `uri` belongs to in a lineage picture: the folder (ending in /) of a data shard, a checkpoint's or
+    an export's file, a model's file; a report, or an input that is no file (a target built in code), is its own."""
+    if kind in FILE_NODE_KINDS or "/" not in uri.split("://", 1)[-1]:
+        return uri
+    return uri.rsplit("/", 1)[0] + "/"
+
+
+class NodeEdge(BaseModel):
+    """`parent` went into `child` (each a node, `node_of`)."""
+
+    parent: str
+    parent_kind: str
+    child: str
+    child_kind: str
+
+
+def bucket_kind_of(bucket_uri: str, prefixes: dict[ArtifactKind, str]) -> Callable[[str], str | None]:
+    """The kind a URI's key says by the bucket's layout: the longest kind prefix it is under (None outside the
+    bucket `s3://bucket/` or every kind prefix)."""
+    under = sorted(((prefix.strip("/") + "/", str(kind)) for kind, prefix in prefixes.items()),
+                   key=lambda item: len(item[0]), reverse=True)
+
+    def kind_of(uri: str) -> str | None:
+        key = uri.removeprefix(bucket_uri)
+        if key == uri:
+            return None
+        return next((kind for prefix, kind in under if key.startswith(prefix)), None)
+
+    return kind_of
+
+
+@dataclass
+class LineageView:
+    """One node (the files of one dataset run, checkpoint step, export, or a report) and what made it."""
+
+    node: str
+    kind: str
+    files: list[Manifest]  # the node's files that were read
+    num_files: int  # all its files (more than `files` when the caller read only some)
+    inputs: list[InputRef]  # every direct input of those files and of the stage that made them, each once
+    manifests: dict[str, Manifest] = field(default_factory=dict)  # manifests read on the way up, by URI
+    kinds: dict[str, str] = field(default_factory=dict)  # node -> kind
+    edges: list[NodeEdge] = field(default_factory=list)  # nearest first
+    complete: bool = True  # False when a limit (depth, reads per node) cut the walk short
+
+    input_nodes: dict[str, str] = field(default_factory=dict)  # direct input URI -> its node
+
+    def parents(self) -> list[str]:
+        """The nodes with an edge into this one, in input order."""
+        return [e.parent for e in self.edges if e.child == self.node]
+
+
+def view_lineage(store: ObjectStore, node: str, files: list[Manifest], *, kind: str, num_files: int | None = None,
+                 extra_inputs: Iterable[InputRef] = (), kind_of: Callable[[str], str | None] = lambda uri: None,
+                 depth: int = 8, reads_per_node: int = 8) -> LineageView:
+    """Walk up from `node` (its `files`' manifests, plus `extra_inputs` the stage recorded): each parent node, its
+    kind, its manifests (at most `reads_per_node` of the files a child used), up to `depth` levels."""
+
+    def ref_node(ref: InputRef) -> tuple[str, str]:
+        guess = ref.role or kind_of(ref.uri)
+        return node_of(ref.uri, guess), guess or UNKNOWN_KIND
+
+    inputs = _unique([ref for m in files for ref in m.inputs] + list(extra_inputs))
+    inputs = [ref for ref in inputs if ref_node(ref)[0] != node]  # a stage may name its own outputs
+    view = LineageView(node=node, kind=kind, files=list(files), num_files=num_files or len(files), inputs=inputs,
+                       kinds={node: kind}, input_nodes={ref.uri: ref_node(ref)[0] for ref in inputs})
+    level: dict[str, list[InputRef]] = {node: inputs}
+    seen = {node}
+    edges: dict[tuple[str, str], NodeEdge] = {}
+    for _ in range(depth):
+        upper: dict[str, list[InputRef]] = {}
+        for child, refs in level.items():
+            by_parent: dict[str, list[InputRef]] = {}
+            for ref in refs:
+                parent, guess = ref_node(ref)
+                by_parent.setdefault(parent, []).append(ref)
+                view.kinds.setdefault(parent, guess)
+            for parent, parent_refs in by_parent.items():
+                if parent not in seen:
+                    seen.add(parent)
+                    read = [m for m in (_manifest_at(store, ref.uri) for ref in parent_refs[:reads_per_node]) if m]
+                    view.complete &= len(parent_refs) <= reads_per_node
+                    view.manifests.update((m.uri, m) for m in read)
+                    if read:
+                        view.kinds[parent] = str(read[0].kind)
+                    upper[parent] = _unique([ref for m in read for ref in m.inputs])
+                edges.setdefault((parent, child), NodeEdge(parent=parent, parent_kind="", child=child, child_kind=""))
+        level = {parent: refs for parent, refs in upper.items() if refs}
+        if not level:
+            break
+    else:
+        view.complete &= not level
+    view.edges = [e.model_copy(update={"parent_kind": view.kinds.get(e.parent, "?"),
+                                       "child_kind": view.kinds.get(e.child, "?")}) for e in edges.values()]
+    return view
+
+
+def node_edges(graph: LineageGraph, *, kind_of: Callable[[str], str | None] = lambda uri: None,
+               prefix_uri: str = "", max_edges: int = 80) -> list[NodeEdge]:
+    """The edges between nodes of the artifacts under `prefix_uri` and their direct inputs, newest first."""
+
+    def kind(uri: str, role: str | None = None) -> str:
+        known = graph.manifests.get(uri)
+        return str(known.kind) if known else (role or kind_of(uri) or UNKNOWN_KIND)
+
+    edges: dict[tuple[str, str], NodeEdge] = {}
+    for manifest in sorted((m for u, m in graph.manifests.items() if u.startswith(prefix_uri)),
+                           key=lambda m: m.created_at, reverse=True):
+        child = node_of(manifest.uri, manifest.kind)
+        for ref in manifest.inputs:
+            parent_kind = kind(ref.uri, ref.role)
+            parent = node_of(ref.uri, parent_kind)
+            if parent != child and (parent, child) not in edges:
+                if len(edges) == max_edges:
+                    return list(edges.values())
+                edges[(parent, child)] = NodeEdge(parent=parent, parent_kind=parent_kind, child=child,
+                                                  child_kind=str(manifest.kind))
+    return list(edges.values())
+
+
+def edges_markdown(edges: list[NodeEdge], *, links: dict[str, str | None] | None = None) -> str:
+    """A graph as a markdown table of edges (what the Prefect UI renders: it prints Mermaid as code); `links`:
+    node -> a page to link its cell to."""
+    if not edges:
+        return "_No edges._"
+    links = links or {}
+
+    def cell(node: str, kind: str) -> str:
+        page = links.get(node)
+        return f"{kind} [{node_label(node)}]({page})" if page else f"{kind} `{node_label(node)}`"
+
+    return "\n".join(["| from | | to |", "|---|---|---|",
+                      *(f"| {cell(e.parent, e.parent_kind)} | → | {cell(e.child, e.child_kind)} |" for e in edges)])
+
+
+def node_label(node: str) -> str:
+    """A node as a page shows it: its key inside the bucket (a local path or a spec as it is)."""
+    return node.split("/", 3)[-1] if node.startswith("s3://") else node.removeprefix("file://")
+
+
+def _manifest_at(store: ObjectStore, uri: str) -> Manifest | None:
+    """The manifest of an object of this bucket (None outside it, or when it has none or an unreadable one)."""
+    if not uri.startswith(store.uri("")):
+        return None
+    try:
+        return read_manifest(store, store.key_of(uri))
+    except (ObjectNotFound, ValueError):
+        return None
+
+
+def _unique(refs: Iterable[InputRef]) -> list[InputRef]:
+    found: dict[str, InputRef] = {}
+    for ref in refs:
+        found.setdefault(ref.uri, ref)
+    return list(found.values())

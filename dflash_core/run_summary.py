@@ -1,10 +1,11 @@
-"""The summary `dflash demo` and `dflash run pipeline` end with: each stage's flow run (state,
-duration, what it made, its page in the Prefect UI), the drafter's acceptance length and speedup,
-and where every artifact lives.
+"""The summary `dflash demo` and `dflash run pipeline` end with, and the pipeline run's page shows:
+each stage's flow run (state, duration, what it made, its page in the Prefect UI), the drafter's
+acceptance length and speedup, and where every artifact lives (with its lineage page in the UI).
 
 Stage runs are read from the Prefect server's REST API (plain HTTP: this package never imports
-Prefect); the rest comes from the pipeline's return value. `read_stage_runs` does the I/O,
-`summary` only arranges what it is given.
+Prefect); the rest comes from the pipeline's return value. `read_stage_runs` does the I/O;
+`summary` (rich tables, for a terminal) and `summary_markdown` (for the UI) only arrange what they
+are given.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from dflash_core.lineage import flow_run_url
+from dflash_core.lineage import flow_run_url, node_label, node_of
 
 # Which field of the pipeline's result (dflash_core.stage_results.PipelineResult) each stage's flow returned.
 STAGE_RESULTS = {"generate": "generation", "tokenize": "tokenization", "train": "training", "evaluate": "evaluation",
@@ -150,6 +151,45 @@ def artifact_table(result: dict) -> Table:
     if not table.row_count:
         table.add_row("-", "nothing stored", "0")
     return table
+
+
+def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: dict[str, str] | None = None,
+                     title: str = "dflash pipeline") -> str:
+    """The same three tables in markdown, each artifact group linked to its lineage page (`lineage`: node ->
+    page URL, nodes as dflash_core.lineage.node_of names them)."""
+    result, lineage = result or {}, lineage or {}
+    lines = [f"# {title}: stages", "", "| stage | state | duration | made | flow run |", "|---|---|---:|---|---|"]
+    for run in stages:
+        label = ("↳ " * run.depth) + ("pipeline" if run.depth == 0 else run.stage)
+        link = f"[{run.name}]({run.url})" if run.url else run.name
+        lines.append(f"| {label} | {run.state} | {_duration(run.seconds)} | {_cell(_made(run, result))} | {link} |")
+    if not stages:
+        lines.append("| ? | ? | - | the Prefect server did not list this run's stages | |")
+    evaluation = _stage_result(result, "evaluate")
+    on = SPLIT_LABELS.get(evaluation.get("split"), "")
+    lines += ["", "## Drafter: speculative decoding against the target" + (f", {on}" if on else ""), "",
+              "| mode | responses | tau (acceptance length) | speedup | tokens/s | matches target |",
+              "|---|---:|---:|---:|---:|---|"]
+    summaries = evaluation.get("summaries", [])
+    lines += [f"| {s.get('mode')} | {s.get('num_responses', '-')} | {_number(s.get('tau'), '{:.3f}')} | "
+              f"{_number(s.get('speedup'), '{:.2f}x')} | {_number(s.get('tokens_per_s'), '{:.1f}')} | "
+              f"{s.get('all_match_target', '-')} |" for s in summaries] \
+        or ["| - | - | - | - | - | no evaluation in this run |"]
+    lines += ["", "## Artifacts (each with a .manifest.json beside it)", "", "| kind | where | files | lineage |",
+              "|---|---|---:|---|"]
+    groups: dict[tuple[str, str], int] = defaultdict(int)
+    for record in _records(result):
+        groups[(record.get("kind", "?"), node_of(record["uri"], record.get("kind")))] += 1
+    for (kind, node), count in groups.items():
+        page = lineage.get(node)
+        lines.append(f"| {kind} | `{node}` | {count} | {f'[lineage of {node_label(node)}]({page})' if page else '-'} |")
+    if not groups:
+        lines.append("| - | nothing stored | 0 | |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _stage_result(result: dict, stage: str) -> dict:

@@ -37,22 +37,24 @@ class DeploymentSpec:
         return self.entrypoint.split(":")[0].removeprefix("flows/").removesuffix(".py")
 
 
+# The demo's forms come from flows/demo.py, which imports the stage flows' parameters only (never this table
+# or the pipeline that runs it): imported when called, so reading the table stays light.
 def _demo_pipeline() -> dict:
-    from flows.pipeline import demo_pipeline
+    from flows.demo import demo_form
 
-    return {"params": demo_pipeline().model_dump(mode="json", exclude_defaults=True)}
+    return {"params": demo_form()}
 
 
 def _demo_training() -> dict:
-    from flows.pipeline import demo_pipeline
+    from flows.demo import demo_training
 
-    return {"params": demo_pipeline().training.model_dump(mode="json", exclude_defaults=True)}
+    return {"params": demo_training().model_dump(mode="json", exclude_defaults=True)}
 
 
 def _demo_completions() -> dict:
     """The nightly schedule's parameters: the demo's completion run, until a user points it at theirs."""
     from dflash_core.settings import load_settings
-    from flows.pipeline import demo_completions_prefix
+    from flows.demo import demo_completions_prefix
 
     return {"params": {"completions": demo_completions_prefix(load_settings())}}
 

@@ -24,7 +24,7 @@ from dflash_core.lineage import read_manifest
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import MEASURED_ON, RESULT_FILE, Checkpoint, EvaluationReport, Split, TokenizedDataset
 from flows.command_line import run_from_command_line
-from tasks.artifacts import artifact_record
+from tasks.artifacts import artifact_record, target_inputs
 from tasks.evaluate import fetch_checkpoint, fetch_prompt_bytes, publish_evaluation, run_evaluation
 from tasks.provenance import attempt_segments, flow_version
 from tasks.results import resolve_checkpoint, resolve_result, store_result
@@ -157,8 +157,9 @@ def evaluate(params: EvaluateParams) -> EvaluationReport:
     config = {**params.model_dump(mode="json", exclude={"checkpoint", "dataset"}), "checkpoint": checkpoint.uri,
               "split": split, "target": target_name, "target_seed": target_seed,
               "drafter_config": drafter.config.to_dict(), "num_prompts_used": len(prompts)}
-    manifest = publish_evaluation(settings, report=report, key_prefix=key_prefix,
-                                  inputs=[*checkpoint_refs, *prompt_refs], config=config,
+    # What was measured: the drafter's files, the prompts, and the target it drafted for (its files by sha256).
+    inputs = [*checkpoint_refs, *prompt_refs, *target_inputs(settings, target_name, seed=target_seed)]
+    manifest = publish_evaluation(settings, report=report, key_prefix=key_prefix, inputs=inputs, config=config,
                                   work_dir=settings.work_path("evaluate", run), measured_on=MEASURED_ON[split])
     logger.info("measured on %s\n%s", MEASURED_ON[split], report["table"])
     from dflash_core.storage import ObjectStore
@@ -168,7 +169,7 @@ def evaluate(params: EvaluateParams) -> EvaluationReport:
         report=manifest.uri, split=split, prompts=[ref.uri for ref in prompt_refs], checkpoint=checkpoint.uri,
         summaries=[{k: v for k, v in s.items() if k != "responses"} for s in report["summaries"]],
         flow_run=str(flow_run.id or ""), artifacts=[artifact_record(manifest), artifact_record(plot)])
-    return store_result(settings, result, key=f"{key_prefix}/{RESULT_FILE}", inputs=[*checkpoint_refs, *prompt_refs])
+    return store_result(settings, result, key=f"{key_prefix}/{RESULT_FILE}", inputs=inputs)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import RESULT_FILE, Checkpoint, ExportResult
 from flows.command_line import run_from_command_line
-from tasks.artifacts import publish_stored, ui_key
+from tasks.artifacts import publish_stored, target_inputs, ui_key
 from tasks.evaluate import fetch_checkpoint
 from tasks.export import export_checkpoint
 from tasks.provenance import attempt_segments, flow_version
@@ -48,13 +48,14 @@ def export(params: ExportParams) -> ExportResult:
     settings = load_settings()
     checkpoint = resolve_checkpoint(settings, params.checkpoint, target=params.target)
     run_name = params.run_name or checkpoint.run_name
-    checkpoint_dir, inputs = fetch_checkpoint(settings, checkpoint=checkpoint.uri,
-                                              cache_dir=settings.work_path("cache", "checkpoints"))
-    exports = export_checkpoint(
-        settings, checkpoint_dir=checkpoint_dir, inputs=inputs, run_name=run_name,
-        target=params.target or checkpoint.target,
-        target_seed=params.target_seed if params.target_seed is not None else checkpoint.target_seed,
-        formats=list(params.formats))
+    checkpoint_dir, checkpoint_refs = fetch_checkpoint(settings, checkpoint=checkpoint.uri,
+                                                       cache_dir=settings.work_path("cache", "checkpoints"))
+    target = params.target or checkpoint.target
+    target_seed = params.target_seed if params.target_seed is not None else checkpoint.target_seed
+    # An export's config is the drafter's and the target's: both are its inputs (the target's files by sha256).
+    inputs = [*checkpoint_refs, *target_inputs(settings, target, seed=target_seed)]
+    exports = export_checkpoint(settings, checkpoint_dir=checkpoint_dir, inputs=inputs, run_name=run_name,
+                                target=target, target_seed=target_seed, formats=list(params.formats))
     records = []
     for name, prefix in exports.items():
         records += publish_stored(settings, prefix=prefix, key=ui_key("export", run_name, name),

@@ -35,7 +35,7 @@ from flows.command_line import run_from_command_line
 from flows.failures import fail_run
 from tasks.provenance import attempt_segments, flow_version
 from flows.nodes import preserve_on_failure
-from tasks.artifacts import ui_key
+from tasks.artifacts import target_inputs, ui_key
 from tasks.generate import (
     generate_completion_shard, import_prompt_set, launch_servers, new_progress, prompt_ids, publish_generation_report,
     report_failures, run_canary, stop_servers,
@@ -135,7 +135,7 @@ def generate(params: GenerateParams) -> CompletionsDataset:
                    "completion_tokens_now": 0, "flow_run": str(flow_run.id or "")}
         records = publish_generation_report(settings, key=report_key, report=summary, shard_keys=output_keys)
         return _result(settings, params, summary, records, report_key=report_key, heldout_ids=heldout_ids,
-                       result_key=f"{report_prefix}/{RESULT_FILE}")
+                       result_key=f"{report_prefix}/{RESULT_FILE}", model=profile.model)
     run_dir = _run_dir(settings, params.run)
     urls = launch_servers(profile, num_instances=params.num_instances, base_port=params.base_port,
                           run_dir=run_dir, devices=params.devices, ui_artifact=ui["inference-endpoints"])
@@ -173,12 +173,13 @@ def generate(params: GenerateParams) -> CompletionsDataset:
                                         shard_keys=summary["shards"])
     get_run_logger().info("generation summary: %s", summary)
     return _result(settings, params, summary, records, report_key=report_key, heldout_ids=heldout_ids,
-                   result_key=f"{report_prefix}/{RESULT_FILE}")
+                   result_key=f"{report_prefix}/{RESULT_FILE}", model=profile.model)
 
 
 def _result(settings, params: GenerateParams, summary: dict, records: list[dict], *, report_key: str,
-            heldout_ids: list[str], result_key: str) -> CompletionsDataset:
-    """The stage's typed result, stored as result.json beside the report."""
+            heldout_ids: list[str], result_key: str, model: str) -> CompletionsDataset:
+    """The stage's typed result, stored as result.json beside the report; the served model, when it is a local
+    dir, among its inputs (its files by sha256)."""
     store = ObjectStore.from_settings(settings)
     by_uri = {record["uri"]: record for record in records}
     shards = [StoredShard(uri=store.uri(key), sha256=by_uri[store.uri(key)]["sha256"],
@@ -188,8 +189,9 @@ def _result(settings, params: GenerateParams, summary: dict, records: list[dict]
     result = CompletionsDataset(dataset=params.dataset, run=params.run, shards=shards, heldout_prompt_ids=heldout_ids,
                                 outcomes=outcomes, report=store.uri(report_key), flow_run=str(flow_run.id or ""),
                                 artifacts=records)
+    served = target_inputs(settings, model, seed=0) if Path(model).is_dir() else []
     return store_result(settings, result, key=result_key,
-                        inputs=[InputRef(uri=s.uri, sha256=s.sha256) for s in shards])
+                        inputs=[*(InputRef(uri=s.uri, sha256=s.sha256) for s in shards), *served])
 
 
 def _embedded_model(settings) -> Path:

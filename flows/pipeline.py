@@ -4,12 +4,18 @@ be retried alone from the UI.
 
     plan -> (provision) -> generate -> tokenize -> train -> evaluate -> export -> (preserve) -> (S3 audit)
             CompletionsDataset -> TokenizedDataset -> Checkpoint -> EvaluationReport, ExportResult
+         -> S3 usage and run summary, on the pipeline run's own page
+
+Each stage's result has a lineage page per artifact group it made (tasks/artifacts.py); the run ends with
+its S3 usage (what it wrote, the bucket by kind and prefix, dead data, what a cleanup would reclaim) and its
+summary (stages, tau, speedup, artifacts linked to their lineage pages), whether it completed or failed.
 
 Stages left out of the form are skipped; a run may start from earlier work by giving the first stage
 its input (tokenization.completions, training.dataset, evaluation.checkpoint: an earlier result or its
-result.json URI). The form is checked as a DAG before anything runs. The embedded demo is this pipeline with `demo_pipeline()`'s
-parameters (the `embedded-demo` deployment); a real target fills the `pipeline` deployment's form or
-`infra/examples/qwen3.6-27b-4gpu.json`. Evaluation measures the held-out split by default.
+result.json URI). The form is checked as a DAG before anything runs. The embedded demo is this pipeline
+with `demo_pipeline()`'s parameters (flows/demo.py; the `embedded-demo` deployment); a real target fills
+the `pipeline` deployment's form or `infra/examples/qwen3.6-27b-4gpu.json`. Evaluation measures the
+held-out split by default.
 
 Run: `dflash demo`, or `dflash run pipeline --params infra/examples/qwen3.6-27b-4gpu.json`.
 """
@@ -22,14 +28,13 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field, model_validator
 
-from dflash_core.embedded import demo_prompt_params
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.planner import PRESETS, PlanInputs
+from dflash_core.s3audit import Retention
 from dflash_core.settings import Settings, load_settings
 from dflash_core.stage_results import Checkpoint, PipelineResult
-from dflash_core.storage import ObjectStore
-from dflash_core.train.config import TrainConfig
 from flows.command_line import run_from_command_line
+from flows.demo import demo_stages
 from flows.deployments import StageFailed, run_stage
 from flows.evaluate import EvaluateParams
 from flows.export import ExportParams
@@ -40,12 +45,12 @@ from flows.s3 import S3AuditParams
 from flows.tokenize import TokenizeParams
 from flows.train import TrainFlowParams
 from tasks.artifacts import artifact_record
+from tasks.pipeline_report import publish_run_summary, publish_usage, stage_runs
 from tasks.plan import plan_capacity
-from tasks.provenance import flow_version
+from tasks.provenance import attempt_segments, flow_version
 from tasks.store import check_store, publish_report
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
-DEMO_DATASET, DEMO_RUN = "demo", "smollm2"
 
 
 class PipelineParams(BaseModel):
@@ -100,26 +105,8 @@ class PipelineParams(BaseModel):
 
 
 def demo_pipeline() -> PipelineParams:
-    """The embedded demo: a seeded ShareGPT sample plus the bundled tool-use prompts answered by SmolLM2 on one
-    CPU server (4 of the 38 held out), a few CPU steps of a 2-layer drafter, evaluation on the held-out prompts."""
-    generation = GenerateParams(
-        dataset=DEMO_DATASET, prompts_version="sharegpt-seed0", run=DEMO_RUN, **demo_prompt_params(), shard_size=6,
-        holdout={"fraction": 0.1},
-        sampling={"max_tokens": 40, "temperature": 0.0, "enable_thinking": False},  # SmolLM2 has no thinking mode
-        client={"concurrency": 6}, canary_prompts=2, canary={"max_length_fraction": 1.0})
-    training = TrainFlowParams(config=TrainConfig(
-        run_name="demo-drafter", target="embedded", token_budget=512, max_steps=20, checkpoint_every=10, log_every=2,
-        validate_capture_batches=1, drafter={"num_layers": 2, "block_size": 8, "num_anchors": 64},
-        optim={"lr": 1e-3, "warmup_steps": 2}))
-    return PipelineParams(generation=generation, tokenization=TokenizeParams(), training=training,
-                          train_deployment="train-demo", evaluation=EvaluateParams(num_prompts=4, max_new_tokens=24),
-                          export=ExportParams())
-
-
-def demo_completions_prefix(settings: Settings) -> str:
-    """Where the demo's completions live: what the tokenize deployment's nightly schedule starts pointed at."""
-    key = artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, DEMO_DATASET, DEMO_RUN)
-    return ObjectStore.from_settings(settings).uri(key) + "/"
+    """The embedded demo (flows/demo.py): the `embedded-demo` deployment's form."""
+    return PipelineParams(**demo_stages())
 
 
 def _preserve_on_crash(flow_obj, flow_run_obj, state) -> None:
@@ -150,6 +137,7 @@ def pipeline(params: PipelineParams = PipelineParams()) -> PipelineResult:
         _run_stages(params, result)
     except StageFailed as failed:
         _preserve(params, result, when="failure")
+        _publish_evidence(settings, params, result)
         return fail_run(failed, already_logged=True)  # the stage's own run logged the cause
     _preserve(params, result, when="end")
     if params.audit is not None:
@@ -157,7 +145,7 @@ def pipeline(params: PipelineParams = PipelineParams()) -> PipelineResult:
             result.audit = run_stage("s3-audit", params.audit)
         except StageFailed as failed:  # the drafter is made; the audit's own run says what went wrong
             get_run_logger().warning("the S3 audit failed: %s", failed)
-    result.artifacts = _records(result)
+    _publish_evidence(settings, params, result)
     return result
 
 
@@ -191,6 +179,23 @@ def _preserve(params: PipelineParams, result: PipelineResult, *, when: str) -> N
                                     key=f"preserve-{when}-attempt-{flow_run.run_count or 1}")
     except StageFailed as failed:
         get_run_logger().warning("preserving the node failed: %s", failed)
+
+
+def _publish_evidence(settings: Settings, params: PipelineParams, result: PipelineResult) -> None:
+    """This run's page ends with its S3 usage and its summary (stages, tau, speedup, artifacts and their lineage
+    pages); either failing is logged (its task run says why), never the run's story."""
+    result.artifacts = _records(result)
+    stages = stage_runs(settings, flow_run_id=str(flow_run.id), return_state=True)
+    runs = stages.result() if stages.is_completed() else []
+    key = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "usage", *attempt_segments(), "usage.json")
+    usage = publish_usage(settings, run_ids=[run.id for run in runs] or [str(flow_run.id)], key=key,
+                          retention=params.audit.retention if params.audit else Retention(), return_state=True)
+    if usage.is_completed():
+        result.artifacts.append(artifact_record(usage.result()))
+    summary = publish_run_summary(settings, result, stages=runs, return_state=True)
+    for name, state in (("stage list", stages), ("S3 usage", usage), ("run summary", summary)):
+        if not state.is_completed():
+            get_run_logger().warning("the run's %s was not published: %s", name, state.message)
 
 
 def _records(result: PipelineResult) -> list[dict]:

@@ -1,6 +1,6 @@
-"""S3 flows: the weekly audit (inventory, dead data, lineage graph, as Prefect artifacts and S3 reports) and
-the cleanup (a dry run unless `confirm`; run the plan an audit published with `plan_uri` to delete
-exactly what was reviewed, re-checked first).
+"""S3 flows: the weekly audit (inventory, dead data, lineage as a table of edges, as Prefect artifacts and S3
+reports) and the cleanup (a dry run unless `confirm`; run the plan an audit published with `plan_uri` to
+delete exactly what was reviewed, re-checked first).
 
 Run: `python -m flows.s3 audit --params '{"prefix": ""}'`
      `python -m flows.s3 cleanup --params '{"plan_uri": "s3://dflash/reports/s3-audit/.../plan.json", "confirm": true}'`
@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from dflash_core.s3audit import Retention, bytes_by_kind_png, kind_table_rows
+from dflash_core.s3audit import Retention, bytes_by_kind_png, kind_table_rows, lineage_markdown
 from dflash_core.settings import load_settings
 from dflash_core.units import binary_bytes
 from flows.command_line import run_chosen_from_command_line
@@ -30,7 +30,7 @@ class S3AuditParams(BaseModel):
     retention: Retention = Field(default_factory=Retention, description="The cleanup rules the dry run applies. "
                                  "Prefect's results (prefect-results/) are kept unless prefect_results_days is set.")
     verify_hashes: bool = Field(True, description="HEAD every manifested object to compare its sha256.")
-    max_graph_nodes: int = Field(80, ge=1, description="Artifacts drawn in the lineage graph (newest first).")
+    max_graph_nodes: int = Field(80, ge=1, description="Edges of the lineage table (newest first).")
 
 
 class S3CleanupParams(BaseModel):
@@ -58,8 +58,9 @@ def s3_audit(params: S3AuditParams = S3AuditParams()) -> dict:
                              key="s3-audit-summary", description="inventory, dead data, problems")
     # Embedded, not a presigned link: no key material in the Prefect database.
     png_artifact(bytes_by_kind_png(report), key="s3-audit-bytes-by-kind", description="bytes per artifact kind")
-    create_markdown_artifact(f"# Lineage of `{report.store_uri}`\n\n{output.mermaid}", key="s3-audit-lineage",
-                             description="artifacts and their inputs, from manifests")
+    create_markdown_artifact(f"# Lineage of `{report.store_uri}`\n\n"
+                             + lineage_markdown(report, max_edges=params.max_graph_nodes), key="s3-audit-lineage",
+                             description="artifact groups and what they were made from (edges, from manifests)")
     print(f"{report.objects:,} objects, {binary_bytes(report.bytes)}; dead {report.dead_objects:,} "
           f"({binary_bytes(report.dead_bytes)}); unmanifested {report.unmanifested:,}; plan {published.plan_uri}")
     return {"report": published.report_uri, "plan": published.plan_uri, "objects": report.objects,

@@ -34,7 +34,7 @@ from dflash_core.layout import (
     HELDOUT_STEM, QUARANTINE_SUFFIX, ArtifactKind, artifact_key, downstream_shard_name, is_heldout_key, is_manifest_key,
     kind_of_key,
 )
-from dflash_core.lineage import InputRef, write_artifact
+from dflash_core.lineage import InputRef
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import RESULT_FILE, CompletionsDataset, StoredShard, TokenizedDataset
 from dflash_core.storage import ObjectStore, sha256_bytes
@@ -45,8 +45,8 @@ from dflash_core.tokenize import (
 from dflash_core.tokenize.stats import skip_reasons
 from flows.command_line import run_from_command_line
 from flows.failures import fail_run
-from tasks.artifacts import artifact_record, stored_record, ui_key
-from tasks.provenance import attempt_segments, flow_version, run_producer
+from tasks.artifacts import NewArtifact, artifact_record, store_artifacts, stored_record, tokenizer_inputs, ui_key
+from tasks.provenance import attempt_segments, flow_version
 from tasks.results import resolve_result, store_result
 from tasks.store import png_artifact
 from tasks.tokenize import ShardSummary, read_completion_ids, summary_frames, tokenize_completion_shard
@@ -137,23 +137,24 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> TokenizedDataset:
     report_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "tokenize", completions.dataset, out_run,
                                  *attempt_segments())
     refs = [InputRef(uri=store.uri(s.output_key), sha256=s.output_sha256) for s in summaries]
-    producer = run_producer()
-    # The verdict, beside the shards it judged (by hash): the trainer trains only on passed shards.
+    # The verdict, beside the shards it judged (by hash): the trainer trains only on passed shards. The tokenizer
+    # that made them is among its inputs (its files by sha256).
     dataset_key = artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, completions.dataset, out_run,
                                DATASET_MANIFEST_NAME)
     dataset_manifest = DatasetManifest(
         dataset=completions.dataset, run=out_run, gate=verdict, thresholds=params.gate.model_dump(),
         shards={s.output_key.rsplit("/", 1)[-1]: s.output_sha256 for s in summaries},
         samples=sum(s.samples for s in summaries), report=store.uri(f"{report_prefix}/stats.json"))
-    stored = [
-        write_artifact(store, dataset_key, dataset_manifest.to_bytes(), kind=ArtifactKind.TOKENIZED, inputs=refs,
-                       config={"quality_gate": verdict.verdict}, producer=producer),
-        write_artifact(store, f"{report_prefix}/stats.json", json.dumps(report, indent=2, default=str).encode(),
-                       kind=ArtifactKind.REPORT, inputs=refs, config=params, producer=producer),
-        write_artifact(store, f"{report_prefix}/loss-histogram.png",
-                       histogram_png(samples, title=f"{name}: loss tokens per sample"),
-                       kind=ArtifactKind.REPORT, inputs=refs, config=params, producer=producer),
-    ]
+    params_json = params.model_dump(mode="json")
+    stored = store_artifacts(settings, [
+        NewArtifact(key=dataset_key, data=dataset_manifest.to_bytes(), kind=ArtifactKind.TOKENIZED,
+                    inputs=[*refs, *tokenizer_inputs(settings, tokenizer_dir)],
+                    config={"quality_gate": verdict.verdict}),
+        NewArtifact(key=f"{report_prefix}/stats.json", data=json.dumps(report, indent=2, default=str).encode(),
+                    kind=ArtifactKind.REPORT, inputs=refs, config=params_json),
+        NewArtifact(key=f"{report_prefix}/loss-histogram.png", kind=ArtifactKind.REPORT, inputs=refs,
+                    config=params_json, data=histogram_png(samples, title=f"{name}: loss tokens per sample")),
+    ])
     _publish_stats(params, name=name, by_shard=by_shard, by_source=by_source, overall=overall, skipped=skipped,
                    problems=problems, verdict=verdict.verdict, png=store.get_bytes(stored[2].key))
     tokenized_uri = store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, completions.dataset, out_run))

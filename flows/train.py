@@ -25,7 +25,7 @@ from dflash_core.train.config import TrainConfig
 from dflash_core.train.entry import Rendezvous
 from flows.command_line import run_from_command_line
 from flows.nodes import preserve_on_failure
-from tasks.artifacts import artifact_record, publish_stored, ui_key
+from tasks.artifacts import artifact_record, publish_stored, target_inputs, ui_key
 from tasks.data_gate import check_training_data, verify_shards
 from tasks.provenance import attempt_segments, flow_version
 from tasks.results import resolve_result, store_result
@@ -97,7 +97,10 @@ def train(params: TrainFlowParams) -> Checkpoint | dict:
         "final_metrics": report.final_metrics, "flow_run": str(flow_run.id or ""), "artifacts": records})
     key = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "train", config.run_name, *attempt_segments(),
                        RESULT_FILE)
-    return store_result(settings, result, key=key, inputs=[InputRef(uri=s.uri, sha256=s.sha256) for s in result.data])
+    # What it was trained on, and the target it was trained for (its files by sha256).
+    inputs = [*(InputRef(uri=s.uri, sha256=s.sha256) for s in result.data),
+              *target_inputs(settings, config.target, seed=config.seed)]
+    return store_result(settings, result, key=key, inputs=inputs)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Store a stage's typed result in S3 (its `result.json`, with a manifest: a task) and resolve what a
-stage was given as input: the upstream record itself, the URI of its result.json, or for a checkpoint a
-bare step dir whose meta.json names its run."""
+"""Store a stage's typed result in S3 (its `result.json`, with a manifest, then the lineage pages of what the
+stage made: a task) and resolve what a stage was given as input: the upstream record itself, the URI of its
+result.json, or for a checkpoint a bare step dir whose meta.json names its run."""
 
 from __future__ import annotations
 
@@ -15,21 +15,24 @@ from dflash_core.lineage import InputRef, write_artifact
 from dflash_core.settings import Settings
 from dflash_core.stage_results import Checkpoint, StageResult, parse_result
 from dflash_core.storage import ObjectStore
-from tasks.artifacts import artifact_record
+from tasks.artifacts import artifact_record, publish_lineage
 from tasks.provenance import run_producer
-from tasks.store import retry_transient
+from tasks.retry import retry_store_outage
 
 R = TypeVar("R", bound=StageResult)
 
 
-@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_transient)
+@task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_store_outage)
 def store_result(settings: Settings, result: R, *, key: str, inputs: tuple[InputRef, ...] | list[InputRef] = ()) -> R:
-    """`result` with its `result_uri` set and its own record added to `artifacts`, written to `key`."""
+    """`result` with its `result_uri` set and its own record added to `artifacts`, written to `key`; then the
+    lineage page of each node the stage made (tasks.artifacts.publish_lineage), `inputs` among its inputs."""
     store = ObjectStore.from_settings(settings)
     stored = result.model_copy(update={"result_uri": store.uri(key)})
     manifest = write_artifact(store, key, stored.to_json_bytes(), kind=ArtifactKind.REPORT, inputs=list(inputs),
                               config={"result": stored.kind}, producer=run_producer())
-    return stored.model_copy(update={"artifacts": [*stored.artifacts, artifact_record(manifest)]})
+    stored = stored.model_copy(update={"artifacts": [*stored.artifacts, artifact_record(manifest)]})
+    publish_lineage(settings, store, stored, inputs=inputs)
+    return stored
 
 
 def resolve_result(settings: Settings, value: R | str, model: type[R]) -> R:

@@ -19,9 +19,6 @@ from tasks.provenance import run_producer
 from tasks.retry import retry_store_outage
 
 
-retry_transient = retry_store_outage  # TEMPORARY alias while tasks/artifacts.py and tasks/results.py move over
-
-
 def png_artifact(png: bytes, *, key: str, description: str) -> None:
     """An image artifact that embeds the PNG itself (a data: URI): no link to S3, no key material."""
     create_image_artifact(image_url="data:image/png;base64," + base64.b64encode(png).decode(), key=key,

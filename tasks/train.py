@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections import deque
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from prefect.artifacts import update_progress_artifact
 from dflash_core.layout import TRAIN_RUN_FILES, ArtifactKind, checkpoints_key, is_heldout_key, train_report_key
 from dflash_core.lineage import InputRef, Manifest, read_manifest, write_artifact
 from dflash_core.planner import PRESETS, Plan, PlanInputs, plan, shape_from_config
+from dflash_core.provenance import producer_env
 from dflash_core.settings import Settings
 from dflash_core.stage_results import Checkpoint, StoredShard
 from dflash_core.storage import ObjectStore
@@ -89,8 +91,10 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
     progress = create_progress_artifact(progress=0.0, description=f"training {config.run_name}")
     tail: deque[str] = deque(maxlen=40)
     hosted_rank_0 = False
+    # The trainer writes the checkpoints' manifests: they name this task run as their producer.
+    env = {**os.environ, **producer_env(run_producer())}
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                          preexec_fn=die_with_parent) as process:
+                          preexec_fn=die_with_parent, env=env) as process:
         for line in process.stdout:
             line = line.rstrip()
             tail.append(line)

@@ -29,6 +29,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from dflash_core.layout import MANIFEST_SUFFIX, ArtifactKind
+from dflash_core.lineage import InputRef, Manifest
 from dflash_core.s3audit.inventory import PREFECT_RESULTS_KIND, Inventory
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -176,11 +177,11 @@ def _describing_only(inventory: Inventory, nominated: dict[str, tuple[str, str]]
     superseded = {inventory.uri(k) for k, (rule, _) in nominated.items() if rule == "superseded-tokenization"}
     found: dict[str, str] = {}
     while True:
-        new = {key: f"describes only superseded tokenizations ({len(m.inputs)} inputs, e.g. {m.inputs[0].uri})"
+        new = {key: f"describes only superseded tokenizations ({len(data)} inputs, e.g. {data[0].uri})"
                for key, m in inventory.manifests.items()
-               if key not in found and key not in nominated and m.inputs
+               if key not in found and key not in nominated and (data := _data_inputs(m))
                and m.kind in (ArtifactKind.TOKENIZED, ArtifactKind.REPORT)
-               and all(ref.uri in superseded for ref in m.inputs)}
+               and all(ref.uri in superseded for ref in data)}
         if not new:
             return found
         found.update(new)
@@ -195,11 +196,16 @@ def _companions_of_kept(inventory: Inventory, nominated: dict[str, tuple[str, st
         manifest = inventory.manifests.get(key)
         if manifest is None or not reason.startswith("describes only"):
             continue
-        kept = [ref.uri for ref in manifest.inputs
+        kept = [ref.uri for ref in _data_inputs(manifest)
                 if ref.uri.removeprefix(inventory.bucket_uri) not in nominated]
         if kept:
             found[key] = kept[0]
     return found
+
+
+def _data_inputs(manifest: Manifest) -> list[InputRef]:
+    """The inputs that are data (not the tokenizer's or the target model's files: those describe nothing)."""
+    return [ref for ref in manifest.inputs if ref.role is None]
 
 
 def _abandoned(artifacts: pl.DataFrame, days: float, now: datetime) -> dict[str, str]:

@@ -18,10 +18,9 @@ from datetime import UTC, datetime
 import polars as pl
 
 from dflash_core.layout import MANIFEST_SUFFIX, PREFECT_RESULTS_FOLDER, ArtifactKind
-from dflash_core.lineage import LineageGraph, Manifest
+from dflash_core.lineage import UNKNOWN_KIND, LineageGraph, Manifest
 from dflash_core.storage import ObjectNotFound, ObjectStore
 
-UNKNOWN_KIND = "unknown"
 PREFECT_RESULTS_KIND = "prefect-results"  # Prefect's persisted results under PREFECT_RESULTS_FOLDER/
 # How many leading key segments name one unit of work (a dataset version, a run, a node).
 GROUP_DEPTH: dict[str, int] = {

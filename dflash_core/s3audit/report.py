@@ -1,4 +1,5 @@
-"""The audit as a report: JSON-able summary, markdown, rows for a table, a PNG of bytes per kind."""
+"""The audit as a report: JSON-able summary, markdown, rows for a table, a PNG of bytes per kind, and the
+lineage between artifact groups as a table of edges (what the Prefect UI renders)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from dflash_core.layout import ArtifactKind
+from dflash_core.lineage import NodeEdge, bucket_kind_of, edges_markdown, node_edges
 from dflash_core.s3audit.cleanup import CleanupPlan, plan_cleanup
 from dflash_core.s3audit.dead import Retention
 from dflash_core.s3audit.inventory import (
@@ -19,6 +21,7 @@ from dflash_core.storage import ObjectStore
 from dflash_core.units import binary_bytes
 
 LISTED = 100  # keys listed per problem in the report (counts are always complete)
+LINEAGE_EDGES = 200  # edges between artifact groups kept in the report, newest first
 
 
 class AuditReport(BaseModel):
@@ -44,6 +47,9 @@ class AuditReport(BaseModel):
     incomplete_uploads: list[dict[str, Any]] = Field(
         default_factory=list, description="Multipart uploads never completed nor aborted (their parts use space "
         "without being objects): key, upload_id, initiated.")
+    lineage: list[NodeEdge] = Field(default_factory=list, description=(
+        f"Edges between artifact groups (a dataset run, a checkpoint step, an export, a report) under the prefix and "
+        f"their inputs, newest first, at most {LINEAGE_EDGES}."))
 
 
 def audit(store: ObjectStore, prefixes: dict[ArtifactKind, str], *, prefix: str = "",
@@ -83,6 +89,8 @@ def build_report(inventory: Inventory, plan: CleanupPlan, *, prefix: str = "", n
         stale_inputs=sorted(p for p in graph.stale_inputs() if p[0].startswith(inventory.bucket_uri + prefix)),
         dead_objects=dead.height, dead_bytes=int(dead["bytes"].sum()), dead_by_rule=_rows(dead_by_rule),
         protected=len(plan.protected),
+        lineage=node_edges(graph, kind_of=bucket_kind_of(inventory.bucket_uri, inventory.prefixes),
+                           prefix_uri=inventory.bucket_uri + prefix, max_edges=LINEAGE_EDGES),
     )
 
 
@@ -149,7 +157,16 @@ def audit_markdown(report: AuditReport, plan: CleanupPlan, *, max_rows: int = 25
     if plan.protected:
         lines += ["", "## Nominated but kept (referenced by live data)", "",
                   *[f"- `{p.key}`: {p.kept_because} (was: {p.nominated_because})" for p in plan.protected[:max_rows]]]
+    lines += ["", "## Lineage (artifact groups and what they were made from, newest first)", "",
+              lineage_markdown(report, max_edges=max_rows)]
     return "\n".join(lines) + "\n"
+
+
+def lineage_markdown(report: AuditReport, *, max_edges: int) -> str:
+    """The report's lineage as a table of edges, the newest `max_edges`."""
+    shown = report.lineage[:max_edges]
+    more = len(report.lineage) - len(shown)
+    return edges_markdown(shown) + (f"\n\n{more:,} more edges in report.json." if more else "")
 
 
 def _prefect_results_line(report: AuditReport, plan: CleanupPlan) -> str:

@@ -1,8 +1,9 @@
 """The pipeline is one DAG of results, on the real Prefect and S3 servers with a real tokenizer and a
 tiny real model: a run on a dataset of its own trains on exactly the shards its tokenize stage made
 (by sha256, in the checkpoint's manifest), never on the held-out split, and evaluates on the
-held-out split; a training shard holding a held-out prompt id is refused; a stage started alone
-takes the URI of its upstream's result.json.
+held-out split; every node it made has a lineage page in the UI and the run's page its S3 usage and
+summary; a training shard holding a held-out prompt id is refused; a stage started alone takes the URI of
+its upstream's result.json.
 
 Run: `.venv/bin/python -m pytest -q tests/integration/test_dag.py`
 """
@@ -101,6 +102,74 @@ def test_a_pipeline_on_its_own_dataset_trains_on_its_shards_and_evaluates_held_o
     # every stage's result is stored, so each can be started alone from its upstream's URI
     for stage in (result.tokenization, result.training, result.evaluation, result.export):
         assert store.exists(store.key_of(stage.result_uri)), stage.kind
+    _check_the_evidence(store, env_settings, state, result, tiny_target)
+
+
+def _artifacts(flow_run_ids: list[str]) -> dict[str, object]:
+    """The newest artifact of each key these flow runs made."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=flow_run_ids)), sort=ArtifactSort.CREATED_DESC)
+    artifacts: dict[str, object] = {}
+    for artifact in found:
+        artifacts.setdefault(artifact.key, artifact)
+    return artifacts
+
+
+def _check_the_evidence(store, settings, state, result, tiny_target) -> None:
+    """Each node a stage made has a lineage page naming its producer (flow run and task run, linked), its inputs
+    with hashes (the target's and tokenizer's files among them), its parents (linked to their pages) and what was
+    made from it; the pipeline run's page ends with its S3 usage and its summary, linked to those pages."""
+    from dflash_core.lineage import artifact_url, flow_run_url, task_run_url
+    from dflash_core.storage import sha256_file
+    from tasks.artifacts import lineage_key
+
+    ui = settings.prefect_api_url
+    tokenized, checkpoint, evaluation, export = result.tokenization, result.training, result.evaluation, result.export
+    pages = _artifacts([tokenized.flow_run, checkpoint.flow_run, evaluation.flow_run, export.flow_run])
+    dataset_node = tokenized.train_shards[0].uri.rsplit("/", 1)[0] + "/"
+    page = {name: pages[lineage_key(node)] for name, node in (
+        ("tokenized", dataset_node), ("checkpoint", checkpoint.uri + "/"), ("evaluation", evaluation.report),
+        ("export", export.exports["native"]))}
+    weights = read_manifest(store, store.key_of(checkpoint.uri) + "/model.safetensors")
+    verdict = read_manifest(store, store.key_of(tokenized.dataset_manifest))
+    assert weights.producer.task_run_id and verdict.producer.task_run_id  # the trainer's task run; a task's
+    ckpt = page["checkpoint"].data
+    assert flow_run_url(ui, checkpoint.flow_run) in ckpt and task_run_url(ui, weights.producer.task_run_id) in ckpt
+    assert f"git `{weights.producer.git_sha}`" in ckpt and f"host `{weights.producer.host}`" in ckpt
+    dataset_link = f"tokenized [{store.key_of(dataset_node)}]({artifact_url(ui, str(page['tokenized'].id))})"
+    for shard in checkpoint.data:  # its inputs, with hashes, linked to the dataset's page
+        assert f"| `{shard.uri.rsplit('/', 1)[-1]}` | tokenized | {dataset_link} | `{shard.sha256}` |" in ckpt
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):  # the target, by sha256
+        assert f"`{sha256_file(tiny_target / name)}`" in ckpt, name
+    assert "| target-model |" in ckpt and "| tokenizer |" in ckpt
+    fed = ckpt.split("### Fed", 1)[1]  # the later stages added their rows
+    assert f"({artifact_url(ui, str(page['evaluation'].id))})" in fed
+    assert f"({artifact_url(ui, str(page['export'].id))})" in fed
+    edges = ckpt.split("### Lineage graph", 1)[1].split("###", 1)[0]
+    assert "completions `completions/" in edges and "| → | checkpoint " in edges and "mermaid" not in ckpt
+
+    data = page["tokenized"].data
+    assert all(f"`{s.uri.rsplit('/', 1)[-1]}`" in data for s in tokenized.train_shards + tokenized.heldout_shards)
+    assert f"`{sha256_file(tiny_target / 'tokenizer.json')}`" in data and "completions `completions/" in data
+    assert f"({artifact_url(ui, str(page['checkpoint'].id))})" in data.split("### Fed", 1)[1]
+    for name in ("evaluation", "export"):
+        assert f"`{sha256_file(tiny_target / 'model.safetensors')}`" in page[name].data
+        assert f"({artifact_url(ui, str(page['checkpoint'].id))})" in page[name].data  # its parent's page
+
+    run = _artifacts([str(state.state_details.flow_run_id)])
+    usage = run["s3-usage"].data
+    assert "This run wrote" in usage and "| checkpoint |" in usage.split("## Written by this run", 1)[1]
+    assert "A cleanup would reclaim" in usage and "Unmanifested:" in usage and "by run prefix" in usage
+    assert run["s3-usage-by-kind"].data.startswith("data:image/png;base64,")
+    summary = run["pipeline-summary"].data
+    assert f"[lineage of {store.key_of(checkpoint.uri)}/]({artifact_url(ui, str(page['checkpoint'].id))})" in summary
+    assert "| block |" in summary and flow_run_url(ui, checkpoint.flow_run) in summary
+    assert any(r["uri"].endswith("/usage.json") for r in result.artifacts)
 
 
 def test_in_sample_evaluation_is_asked_for_and_labelled(prefect_server, store, env_settings, tiny_target,

@@ -150,3 +150,77 @@ def test_lineage_show_walks_up_and_down_with_hashes_and_the_flow_run_link(store:
     assert missing.exit_code == 2 and "has no manifest and no manifest names it" in missing.output
     listed = json.loads(runner.invoke(cli.app, ["lineage", "list", prefix, "--json"]).output)
     assert {"from": tokenized.uri, "to": checkpoint.uri} in listed["edges"]
+
+
+def test_prefect_results_are_not_listed_as_unmanifested(store: ObjectStore, prefix: str, env_settings) -> None:
+    """Prefect's persisted results (its task cache) never have manifests: not unknown provenance."""
+    import uuid
+
+    from typer.testing import CliRunner
+
+    from dflash_core import cli
+    from dflash_core.layout import PREFECT_RESULTS_FOLDER
+
+    result_key = f"{PREFECT_RESULTS_FOLDER}/{uuid.uuid4().hex}"
+    store.put_bytes(result_key, b"a pickled task result")
+    store.put_bytes(f"{prefix}/dead/hidden_states.bin", b"\0" * 10)
+    assert find_unmanifested(store, f"{PREFECT_RESULTS_FOLDER}/") == []
+    listed = json.loads(CliRunner().invoke(cli.app, ["lineage", "list", "--json"]).output)  # the whole bucket
+    assert f"{prefix}/dead/hidden_states.bin" in listed["unmanifested"]
+    assert not [key for key in listed["unmanifested"] if key.startswith(f"{PREFECT_RESULTS_FOLDER}/")]
+
+
+def test_a_walk_up_by_node_reaches_the_sources_and_the_target(store: ObjectStore, prefix: str, tmp_path) -> None:
+    """prompts -> completions -> tokenized (+ tokenizer) -> checkpoint (+ target): one node per run's folder, the
+    edges between them, each input once, and a note when only a sample of a parent's files was read."""
+    from dflash_core.layout import DEFAULT_PREFIXES
+    from dflash_core.lineage import (
+        TARGET_MODEL, TOKENIZER, InputRef, bucket_kind_of, build_lineage, edges_markdown, node_edges, tokenizer_refs,
+        view_lineage,
+    )
+
+    prefixes = {kind: f"{prefix}/{p}" for kind, p in DEFAULT_PREFIXES.items()}
+    model = tmp_path / "target"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    tokenizer = tokenizer_refs(model)
+    target = [InputRef(uri=(model / "config.json").as_uri(), sha256="c" * 64, role=TARGET_MODEL), *tokenizer]
+
+    def put(kind: ArtifactKind, name: str, inputs) -> object:
+        return write_artifact(store, f"{prefixes[kind]}/{name}", name.encode(), kind=kind, inputs=inputs)
+
+    prompts = put(ArtifactKind.PROMPTS, "demo/v1/prompts-00000.jsonl", [])
+    completions = [put(ArtifactKind.COMPLETIONS, f"demo/r1/shard-0000{i}.jsonl", [input_ref(store, prompts.key)])
+                   for i in range(2)]
+    shards = [put(ArtifactKind.TOKENIZED, f"demo/r1/shard-0000{i}.arrow", [input_ref(store, c.key)])
+              for i, c in enumerate(completions)]
+    put(ArtifactKind.TOKENIZED, "demo/r1/dataset.json", [*(input_ref(store, s.key) for s in shards), *tokenizer])
+    files = [put(ArtifactKind.CHECKPOINT, f"drafter/step-000004/{name}", [input_ref(store, s.key) for s in shards])
+             for name in ("model.safetensors", "meta.json")]
+    node = {kind: store.uri(f"{prefixes[kind]}/{name}") for kind, name in (
+        (ArtifactKind.PROMPTS, "demo/v1/"), (ArtifactKind.COMPLETIONS, "demo/r1/"),
+        (ArtifactKind.TOKENIZED, "demo/r1/"), (ArtifactKind.CHECKPOINT, "drafter/step-000004/"))}
+    kind_of = bucket_kind_of(store.uri(""), prefixes)
+
+    view = view_lineage(store, node[ArtifactKind.CHECKPOINT], files, kind="checkpoint", extra_inputs=target,
+                        kind_of=kind_of)
+    assert view.parents() == [node[ArtifactKind.TOKENIZED], model.as_uri() + "/"]
+    assert [ref.uri for ref in view.inputs] == [s.uri for s in shards] + [ref.uri for ref in target]
+    assert {(e.parent_kind, e.child_kind) for e in view.edges} == {  # up through the files the checkpoint used
+        ("tokenized", "checkpoint"), (TARGET_MODEL, "checkpoint"), ("completions", "tokenized"),
+        ("prompts", "completions")}
+    assert view.complete and view.manifests[completions[1].uri].inputs[0].uri == prompts.uri
+    sampled = view_lineage(store, node[ArtifactKind.CHECKPOINT], files, kind="checkpoint", kind_of=kind_of,
+                           reads_per_node=1)
+    assert not sampled.complete and node[ArtifactKind.PROMPTS] in {e.parent for e in sampled.edges}
+
+    # The same edges from the whole graph (what the audit's lineage table shows), newest artifact first.
+    edges = node_edges(build_lineage(store, prefix), kind_of=kind_of, prefix_uri=store.uri(prefix))
+    assert (edges[0].parent, edges[0].child) == (node[ArtifactKind.TOKENIZED], node[ArtifactKind.CHECKPOINT])
+    assert {(e.parent, e.child) for e in edges} >= {(node[ArtifactKind.PROMPTS], node[ArtifactKind.COMPLETIONS]),
+                                                   (node[ArtifactKind.COMPLETIONS], node[ArtifactKind.TOKENIZED])}
+    assert {e.parent_kind for e in edges if e.child == node[ArtifactKind.TOKENIZED]} == {"completions", TOKENIZER}
+    table = edges_markdown(edges)
+    row = f"| tokenized `{prefix}/tokenized/demo/r1/` | → | checkpoint `{prefix}/checkpoints/drafter/step-000004/` |"
+    assert row in table and "mermaid" not in table

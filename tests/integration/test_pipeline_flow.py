@@ -35,8 +35,9 @@ def test_pipeline_flow_writes_verified_report_and_artifacts(prefect_server, stor
 
     keys = {artifact.key for artifact in asyncio.run(artifacts())}
     assert {"capacity-plan-smollm2-135m", "plan-report"} <= keys
-    assert result.artifacts == [{"uri": manifest.uri, "kind": "report", "sha256": manifest.sha256,
-                                    "manifest": manifest.uri + ".manifest.json"}]
+    assert result.artifacts[0] == {"uri": manifest.uri, "kind": "report", "sha256": manifest.sha256,
+                                   "manifest": manifest.uri + ".manifest.json"}
+    assert result.artifacts[1]["uri"].endswith("/usage.json")  # the run's S3 usage, on every pipeline run
     assert manifest.producer.git_sha == pipeline.version
 
 

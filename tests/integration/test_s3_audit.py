@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from dflash_core.layout import DEFAULT_PREFIXES, PREFECT_RESULTS_FOLDER, ArtifactKind
-from dflash_core.lineage import InputRef, Manifest, input_ref, read_manifest, write_artifact
+from dflash_core.lineage import TOKENIZER, InputRef, Manifest, input_ref, read_manifest, write_artifact
 from dflash_core.s3audit import (
     CleanupNotConfirmed, Retention, audit, audit_markdown, execute_cleanup, take_inventory, write_deletion_record,
 )
@@ -67,9 +67,11 @@ def plant(store: ObjectStore, *, root: str | None = None) -> Planted:
     time.sleep(0.01)  # created_at orders the two tokenizations
     tokenized_new = write_artifact(store, key(ArtifactKind.TOKENIZED, "demo", "run-v2", "shard-00000.arrow"), b"n" * 80,
                                    kind=ArtifactKind.TOKENIZED, inputs=[input_ref(store, completions.key)])
-    # What the tokenize flow writes beside a run: its dataset.json (quality verdict) and a stats report.
+    # What the tokenize flow writes beside a run: its dataset.json (quality verdict; the tokenizer's files among its
+    # inputs, which describe nothing) and a stats report.
+    tokenizer = InputRef(uri="file:///models/smollm2/tokenizer.json", sha256="t" * 64, role=TOKENIZER)
     describers = {run: [write_artifact(store, key(ArtifactKind.TOKENIZED, "demo", run, "dataset.json"), b"{}",
-                                       kind=ArtifactKind.TOKENIZED, inputs=[input_ref(store, shard.key)]),
+                                       kind=ArtifactKind.TOKENIZED, inputs=[input_ref(store, shard.key), tokenizer]),
                         write_artifact(store, key(ArtifactKind.REPORT, "tokenize", "demo", run, f"flow-{run}",
                                                   "attempt-1", "stats.json"), b"{}",
                                        kind=ArtifactKind.REPORT, inputs=[input_ref(store, shard.key)])]
@@ -142,6 +144,15 @@ def test_audit_finds_dead_prefix_unmanifested_objects_and_broken_manifests(store
     assert kept[p.steps[100][0].key] == f"referenced by kept {p.export.uri}"
     assert kept[p.referenced_hidden_state].startswith("referenced by kept ")
     assert report.dead_bytes == sum(c.bytes for c in plan.candidates)
+    # Lineage between artifact groups, as a table of edges (the UI renders it; it prints Mermaid as code).
+    edges = {(e.parent.removeprefix(store.uri(p.root + "/")), e.child.removeprefix(store.uri(p.root + "/")))
+             for e in report.lineage}
+    assert {("prompts/demo/v1/", "completions/demo/run/"), ("completions/demo/run/", "tokenized/demo/run-v2/"),
+            ("tokenized/demo/run-v2/", "checkpoints/drafter/step-000100/"),
+            ("checkpoints/drafter/step-000100/", "exports/drafter/native/")} <= edges
+    lineage = audit_markdown(report, plan).split("## Lineage", 1)[1]
+    row = f"| checkpoint `{p.root}/checkpoints/drafter/step-000100/` | → | export `{p.root}/exports/drafter/native/` |"
+    assert row in lineage and "flowchart" not in lineage
     # Without the clock moved on, fresh unmanifested data is not yet abandoned.
     _, _, today = audit(store, p.prefixes, prefix=p.root + "/", retention=Retention(keep_checkpoints=2),
                         verify_hashes=False)
@@ -173,11 +184,11 @@ def test_cleanup_needs_confirmation_and_never_deletes_what_live_data_references(
     for survivor in (p.tokenized_old.key, *(m.key for m in p.describers_old), p.steps[100][0].key, p.referenced_hidden_state, p.export.key, p.stray,
                      *(m.key for m in p.steps[300] + p.steps[400])):
         assert store.exists(survivor), survivor
-    # Every live manifest's inputs are still there.
+    # Every live manifest's inputs in the bucket are still there.
     inventory = take_inventory(store, p.prefixes, verify_hashes=False)
     for key, manifest in inventory.manifests.items():
         if key.startswith(p.root + "/"):
-            for ref in manifest.inputs:
+            for ref in (ref for ref in manifest.inputs if ref.uri.startswith(store.uri(""))):
                 assert store.exists(ref.uri.removeprefix(store.uri(""))), f"{ref.uri} (input of {manifest.uri})"
     assert set(result.deleted_manifests) == {m.key for m in [p.steps[100][1], *p.steps[200]]}
 
@@ -331,3 +342,31 @@ def test_cli_keeps_prefect_results_unless_prefect_results_days_is_given(store: O
     audited = json.loads(audit_out.output)
     assert audited["unmanifested_keys"] == [] and [r["kind"] for r in audited["by_kind"]] == ["prefect-results"]
     store.delete_many(results)
+
+
+def test_a_runs_usage_is_what_its_flow_runs_wrote_beside_the_bucket_and_its_dead_data(store: ObjectStore) -> None:
+    from dflash_core.provenance import current_producer
+    from dflash_core.s3audit import run_usage, usage_markdown, usage_png
+
+    p = plant(store)
+    run_id = str(uuid.uuid4())
+    mine = [write_artifact(store, p.key(ArtifactKind.CHECKPOINT, "mine", "step-000001", name), b"w" * size,
+                           kind=ArtifactKind.CHECKPOINT, producer=current_producer(flow_run_id=run_id))
+            for name, size in (("model.safetensors", 300), ("meta.json", 20))]
+    report_key = p.key(ArtifactKind.REPORT, "probe", "mine", "report.json")
+    write_artifact(store, report_key, b"{}", kind=ArtifactKind.REPORT, producer=current_producer(flow_run_id=run_id))
+    inventory, report, plan = audit(store, p.prefixes, now=LATER, retention=Retention(keep_checkpoints=2),
+                                    verify_hashes=False)
+    usage = run_usage(inventory, report, plan, run_ids=[run_id, "a-stage-that-wrote-nothing"])
+
+    manifests = [store.head(key + ".manifest.json").size for key in (mine[0].key, mine[1].key, report_key)]
+    assert usage.written_objects == 3 and usage.written_bytes == 320 + 2 + sum(manifests)
+    assert {r["kind"]: r["objects"] for r in usage.written_by_kind} == {"checkpoint": 2, "report": 1}
+    assert (usage.bucket_objects, usage.bucket_bytes, usage.dead_bytes) == (report.objects, report.bytes,
+                                                                            plan.total_bytes)
+    assert usage.dead_objects == len(plan.candidates) > 0 and usage.unmanifested == report.unmanifested > 0
+    assert f"{p.root}/checkpoints/mine" in {r["group"] for r in report.by_group}
+    text = usage_markdown(usage)
+    assert "**This run wrote 3 objects" in text and "| checkpoint | 2 |" in text.split("## The bucket", 1)[0]
+    assert "A cleanup would reclaim" in text and "| abandoned-prefix |" in text and "by run prefix" in text
+    assert usage_png(usage).startswith(b"\x89PNG")

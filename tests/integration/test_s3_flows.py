@@ -1,5 +1,5 @@
 """The s3-audit and s3-cleanup flows on the real Prefect and S3 servers: reports and Prefect artifacts
-(table, markdown, bar chart, mermaid lineage), then a reviewed plan run as a dry run and for real.
+(table, markdown, bar chart, lineage table), then a reviewed plan run as a dry run and for real.
 
 Run: `.venv/bin/python -m pytest tests/integration/test_s3_flows.py -q`
 """
@@ -47,7 +47,7 @@ def test_audit_flow_publishes_reports_and_artifacts_then_cleanup_runs_the_review
     assert records[summary["plan"]]["sha256"] == read_manifest(store, summary["plan"].split("/", 3)[3]).sha256
     artifacts = _artifacts(str(state.state_details.flow_run_id))
     assert {"s3-audit-by-kind", "s3-audit-summary", "s3-audit-bytes-by-kind", "s3-audit-lineage"} <= set(artifacts)
-    assert "flowchart LR" in artifacts["s3-audit-lineage"].data and "-->" in artifacts["s3-audit-lineage"].data
+    assert "| → |" in artifacts["s3-audit-lineage"].data and "flowchart" not in artifacts["s3-audit-lineage"].data
     assert "abandoned-prefix" in artifacts["s3-audit-summary"].data
     assert artifacts["s3-audit-bytes-by-kind"].data.startswith("data:image/png;base64,")  # embedded, not a link
     key_id = env_settings.s3_access_key_id.get_secret_value()

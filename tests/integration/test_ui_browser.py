@@ -4,8 +4,11 @@ tokenize deployment's form renders its descriptions (no text lost to markdown), 
 the form fails for a fixable cause (no completions yet), the cause is fixed, Retry is pressed on the
 run's page, the run completes and its artifacts and task runs are listed. Then a pipeline run of two
 stages (tokenize -> train): its page draws the run graph, saved as a screenshot (path printed), and
-the graph the UI draws (the server's graph-v2) has the edge from tokenize to train. Screenshots of
-the page are saved (path printed) when a step fails.
+the graph the UI draws (the server's graph-v2) has the edge from tokenize to train. Then the evidence,
+followed by its links: the run's summary, the checkpoint's lineage page (producer flow run and task run
+linked, the target and tokenizer among its inputs), its parent the tokenized dataset's page with the
+completions it was made from, and the run's S3 usage and its chart (an image that must load). Screenshots
+of the page are saved (path printed) when a step fails.
 
 Needs `chromium` and `chromium-driver` (Debian) and `selenium` (the dev extra); skips, saying which is
 missing, otherwise. Run: `.venv/bin/python -m pytest -q tests/integration/test_ui_browser.py`
@@ -145,6 +148,83 @@ def _run_pipeline(base: str, store, target, tmp_path) -> str:
     return run["id"]
 
 
+def _follow_the_evidence(driver, base: str, pipeline_run: str, *, shots: Path) -> None:
+    """From the pipeline run's page to its summary, to the checkpoint's lineage page (who made it, linked), through
+    its parent to the tokenized dataset's page and the completions it names; then the run's S3 usage and its chart,
+    an image that loads."""
+    driver.get(f"{base}/runs/flow-run/{pipeline_run}")
+    _wait_text(driver, "Completed")
+    _click_tab(driver, "Artifacts")
+    _wait_text(driver, "pipeline-summary", "s3-usage", "s3-usage-by-kind")
+    _open_link(driver, containing="pipeline-summary", href_part="/artifacts/artifact/")
+    _wait_text(driver, "dflash pipeline: stages", "tokenize", "train", "Artifacts (each with a .manifest.json")
+    driver.save_screenshot(str(shots / "pipeline-summary.png"))
+
+    _open_link(driver, containing="lineage of checkpoints/", href_part="/artifacts/artifact/")
+    checkpoint = _wait_text(driver, "Lineage of checkpoint", "Made by", "Inputs (what made it)", "target-model",
+                            "tokenizer", "Lineage graph")
+    assert "mermaid" not in checkpoint and "none (written by the flow itself)" not in checkpoint  # a task run each
+    assert _links(driver, "/runs/flow-run/") and _links(driver, "/runs/task-run/"), "its producer is linked"
+    driver.save_screenshot(str(shots / "checkpoint-lineage.png"))
+
+    _open_link(driver, containing="tokenized/demo/smollm2/", href_part="/artifacts/artifact/")
+    dataset = _wait_text(driver, "Lineage of tokenized", "shard-00000.arrow", "Fed (what was made from it)")
+    # Its inputs: the completion shards by sha256 (put there by hand: no manifest, so no page of their own).
+    assert "shard-00000.jsonl" in dataset and "shard-00001.jsonl" in dataset and "completions/demo/smollm2/" in dataset
+    assert "checkpoints/" in dataset.split("Fed (what was made from it)", 1)[1], "the checkpoint it fed"
+    driver.save_screenshot(str(shots / "dataset-lineage.png"))
+
+    driver.get(f"{base}/runs/flow-run/{pipeline_run}")
+    _click_tab(driver, "Artifacts")
+    _open_link(driver, containing="s3-usage", href_part="/artifacts/artifact/", whole_line=True)
+    _wait_text(driver, "This run wrote", "A cleanup would reclaim", "Unmanifested", "by run prefix", "checkpoint")
+    driver.get(f"{base}/runs/flow-run/{pipeline_run}")
+    _click_tab(driver, "Artifacts")
+    _open_link(driver, containing="s3-usage-by-kind", href_part="/artifacts/artifact/")
+    _wait_image(driver)
+    driver.save_screenshot(str(shots / "s3-usage-chart.png"))
+    print(f"the evidence as the UI shows it: {shots}/{{pipeline-summary,checkpoint-lineage,dataset-lineage,"
+          f"s3-usage-chart}}.png")
+
+
+def _links(driver, href_part: str) -> list[str]:
+    from selenium.webdriver.common.by import By
+
+    return [a.get_attribute("href") for a in driver.find_elements(By.TAG_NAME, "a")
+            if href_part in (a.get_attribute("href") or "")]
+
+
+def _open_link(driver, *, containing: str, href_part: str, whole_line: bool = False, timeout_s: float = 30.0) -> None:
+    """Go where the link points whose text contains `containing` (as one whole line of it: an artifact card's key)."""
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for anchor in driver.find_elements(By.TAG_NAME, "a"):
+            href, text = anchor.get_attribute("href") or "", anchor.text
+            found = containing in [line.strip() for line in text.splitlines()] if whole_line else containing in text
+            if href_part in href and found:
+                driver.get(href)
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"no link with {containing!r} to {href_part} on {driver.current_url}")
+
+
+def _wait_image(driver, *, timeout_s: float = 30.0) -> None:
+    """An image on the page that the browser loaded (decoded, with a width)."""
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        images = [img for img in driver.find_elements(By.TAG_NAME, "img")
+                  if (img.get_attribute("src") or "").startswith("data:image/png")]
+        loaded = "return arguments[0].complete && arguments[0].naturalWidth"
+        if any(driver.execute_script(loaded, img) for img in images):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no loaded PNG on {driver.current_url}")
+
+
 def _utc_iso(seconds: float) -> str:
     import datetime
 
@@ -219,6 +299,7 @@ def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, st
                    if node["kind"] == "flow-run"}
         assert set(by_flow) == {"dflash-tokenize", "dflash-train"}, [n["label"] for n in nodes.values()]
         assert [edge["id"] for edge in nodes[by_flow["dflash-train"]]["parents"]] == [by_flow["dflash-tokenize"]]
+        _follow_the_evidence(browser, base, pipeline_run, shots=Path(tmp_path))
     except Exception:
         shot = Path(tmp_path) / "ui-failure.png"
         browser.save_screenshot(str(shot))
