@@ -42,7 +42,7 @@ def run_ours(job: Job, variant: Variant) -> dict:
         from dflash_core.train.assemble import build_trainer
 
         trainer = build_trainer(config, models_dir=Path(WORKER["models_dir"]), corpus=corpus_for_worker())
-    check_recipe_applied(config, trainer.drafter_config)
+    check_recipe_applied(config, trainer.drafter_config, trainer.drafter.loss)
     logged: list[tuple[int, float]] = []  # (step, time) of each record: steady-state steps/s between them
     sync_device()
     start = time.perf_counter()
@@ -62,16 +62,13 @@ def run_ours(job: Job, variant: Variant) -> dict:
             "target_layer_ids": drafter_config.target_layer_ids, **evaluate_drafter(drafter)}
 
 
-def check_recipe_applied(config, drafter_config) -> None:
-    """The drafter the Trainer built carries the run's training-only settings and tapped layers: a
-    variant whose lever the trainer dropped would silently measure the default."""
-    from dflash_core.train.config import REGULARIZATION_FIELDS
-
-    wanted = {name: getattr(config.drafter, name) for name in REGULARIZATION_FIELDS}
-    built = {name: getattr(drafter_config, name, None) for name in REGULARIZATION_FIELDS}
-    if built != wanted:
-        raise RuntimeError(f"the Trainer built a drafter with {built}, the run asks for {wanted}: drafter_config_for "
-                           "must apply DrafterSettings.drafter_training_fields() to the drafter config")
+def check_recipe_applied(config, drafter_config, loss) -> None:
+    """The drafter the Trainer built trains with the run's loss spec (training-only settings) and taps
+    the run's layers: a variant whose lever the trainer dropped would silently measure the default."""
+    wanted = config.drafter.loss_spec()
+    if loss != wanted:
+        raise RuntimeError(f"the Trainer built a drafter training with {loss}, the run asks for {wanted}: the "
+                           "assembly must build the drafter with DrafterSettings.loss_spec()")
     taps = config.drafter.target_layer_ids
     if taps is not None and list(drafter_config.target_layer_ids) != list(taps):
         raise RuntimeError(f"the Trainer built a drafter tapping {drafter_config.target_layer_ids}, the run asks "

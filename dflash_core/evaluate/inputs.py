@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_core.model.dflash2 import config_from_dict
+from dflash_core.model.loss_spec import LossSpec
 
 CHECKPOINT_MODEL_FILE = "model.safetensors"
 CHECKPOINT_META_FILE = "meta.json"
@@ -88,6 +89,8 @@ def load_drafter_checkpoint(path: Path, *, device: str | torch.device = "cpu") -
     meta = json.loads(meta_path.read_text())
     if "drafter_config" not in meta:
         raise ValueError(f"{meta_path} has no drafter_config")
-    drafter = config_from_dict(meta["drafter_config"]).build(device=device)
+    # The loss it trained with rides along into exports; checkpoints before the LossSpec kept it in the config.
+    loss = LossSpec.from_dict(meta.get("loss") or meta["drafter_config"])
+    drafter = config_from_dict(meta["drafter_config"]).build(device=device, loss=loss)
     drafter.load_state_dict(load_file(model_path, device=str(device)), strict=True)
     return drafter

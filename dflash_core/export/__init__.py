@@ -28,9 +28,10 @@ from dflash_core.export.checks import (
     check_speculators_compatible,
     check_state_dict,
 )
-from dflash_core.export.native import config_from_native, native_config
+from dflash_core.export.native import config_from_native, exported_loss, loss_from_extras, native_config
 from dflash_core.export.speculators import config_from_speculators, speculators_config
 from dflash_core.model.config import DFlashConfig, _text_config
+from dflash_core.model.loss_spec import LossSpec
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -51,9 +52,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def build_export_configs(
     config: DFlashConfig, *, target_config: Any, verifier_name_or_path: str, dtype: torch.dtype,
-    formats: tuple[str, ...] = FORMATS,
+    formats: tuple[str, ...] = FORMATS, loss: LossSpec | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The config.json dict of each format, validated against the target and against each other."""
+    """The config.json dict of each format, validated against the target and against each other; `loss`
+    (the drafter's LossSpec, None: the defaults) rides along as training metadata."""
+    loss = loss or LossSpec()
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {formats}")
@@ -61,13 +64,13 @@ def build_export_configs(
     check_against_target(config, target_config=target_config)
     text = _text_config(target_config)
     max_positions = int(getattr(text, "max_position_embeddings", None) or 32768)
-    out = {"native": native_config(config, max_position_embeddings=max_positions, dtype=_dtype_name(dtype))}
+    out = {"native": native_config(config, loss=loss, max_position_embeddings=max_positions, dtype=_dtype_name(dtype))}
     if "speculators" in formats:
         if not verifier_name_or_path:
             raise ValueError("verifier_name_or_path is required for the speculators format")
         check_speculators_compatible(config, num_target_layers=text.num_hidden_layers)
         out["speculators"] = speculators_config(
-            config, max_position_embeddings=max_positions, verifier_name_or_path=verifier_name_or_path,
+            config, loss=loss, max_position_embeddings=max_positions, verifier_name_or_path=verifier_name_or_path,
             verifier_architectures=list(getattr(target_config, "architectures", None) or []),
             dtype=_dtype_name(dtype),
         )
@@ -78,6 +81,8 @@ def build_export_configs(
         if again.to_dict() != config.to_dict():
             diff = {k: (v, again.to_dict()[k]) for k, v in config.to_dict().items() if again.to_dict()[k] != v}
             raise ValueError(f"{name} config does not round-trip: {diff}")
+        if _loss_of(json.loads(json.dumps(data))) != loss_from_extras(exported_loss(loss, block_size=config.block_size)):
+            raise ValueError(f"{name} config does not carry the drafter's loss settings back")
     return {name: out[name] for name in formats}
 
 
@@ -92,7 +97,7 @@ def export_drafter(
     check_state_dict(config, state)
     configs = build_export_configs(
         config, target_config=target_config, verifier_name_or_path=verifier_name_or_path, dtype=dtype,
-        formats=formats,
+        formats=formats, loss=getattr(drafter, "loss", None),
     )
     tensors = {name: t.to(device="cpu", dtype=dtype).contiguous() for name, t in state.items()}
     written = {}
@@ -116,6 +121,13 @@ def read_export_config(path: Path) -> tuple[str, DFlashConfig]:
     return "native", config_from_native(data)
 
 
+def _loss_of(data: dict[str, Any]) -> LossSpec:
+    """The training metadata an export carries (native: dflash_config; speculators: dflash_pipeline)."""
+    if "speculators_model_type" in data:
+        return loss_from_extras((data.get("transformer_layer_config") or {}).get("dflash_pipeline") or {})
+    return loss_from_extras(data.get("dflash_config") or {})
+
+
 def load_drafter(path: Path, *, device: str | torch.device = "cpu") -> torch.nn.Module:
     """A `DFlashDraftModel` or `DFlash2DraftModel` (fp32) from a native or speculators export directory;
     attach the target after."""
@@ -124,6 +136,6 @@ def load_drafter(path: Path, *, device: str | torch.device = "cpu") -> torch.nn.
     # speculators' own save_pretrained may also hold verifier-owned tensors: not drafter weights.
     state = {name: t.float() for name, t in state.items() if name.startswith(DRAFTER_PREFIXES)}
     check_state_dict(config, state)
-    drafter = config.build(device=device)
+    drafter = config.build(device=device, loss=_loss_of(json.loads((Path(path) / CONFIG_FILE).read_text())))
     drafter.load_state_dict(state, strict=True)
     return drafter

@@ -34,11 +34,23 @@ from typing import Any
 
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
+from dflash_core.model.loss_spec import LossSpec
 
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
-# Training settings no runtime reads; carried so an export reads back to the drafter it was.
+# Training settings no runtime reads (the drafter's LossSpec, its regularizers left out); carried so an
+# export reads back to the drafter it was.
 LOSS_FIELDS = ("loss_gamma", "loss_type", "loss_weighting", "dpace_alpha")
+
+
+def exported_loss(loss: LossSpec, *, block_size: int) -> dict[str, Any]:
+    """The LOSS_FIELDS of `loss` as an export writes them (loss_gamma resolved for the block size)."""
+    return {**{name: getattr(loss, name) for name in LOSS_FIELDS}, "loss_gamma": loss.gamma_or_none(block_size)}
+
+
+def loss_from_extras(extras: dict[str, Any]) -> LossSpec:
+    """The LossSpec an export carries (absent fields: the defaults)."""
+    return LossSpec(**{name: extras[name] for name in LOSS_FIELDS if extras.get(name) is not None})
 
 
 def architecture(config: DFlashConfig) -> str:
@@ -81,7 +93,7 @@ def layer_config(config: DFlashConfig, *, max_position_embeddings: int) -> dict[
     }
 
 
-def native_config(config: DFlashConfig, *, max_position_embeddings: int, dtype: str) -> dict[str, Any]:
+def native_config(config: DFlashConfig, *, loss: LossSpec, max_position_embeddings: int, dtype: str) -> dict[str, Any]:
     """config.json of the native format (DFlash or DFlash 2, by the config's type)."""
     dflash = {
         "mask_token_id": config.mask_token_id,
@@ -90,7 +102,7 @@ def native_config(config: DFlashConfig, *, max_position_embeddings: int, dtype: 
         "causal": False,
         "qk_norm": config.qk_norm,
         "target_model_type": config.target_model_type,
-        **{name: getattr(config, name) for name in LOSS_FIELDS},
+        **exported_loss(loss, block_size=config.block_size),
     }
     if isinstance(config, DFlash2Config):
         dflash.update({name: getattr(config, name) for name in DFLASH2_FIELDS})
@@ -139,7 +151,6 @@ def config_from_layer_fields(
         target_model_type=extras.get("target_model_type", "qwen3"),
         target_num_layers=num_target_layers,
         initializer_range=layer.get("initializer_range", 0.02),
-        **{name: extras[name] for name in LOSS_FIELDS if extras.get(name) is not None},
     )
     if not dflash2:
         return base

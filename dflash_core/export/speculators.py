@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_core.export.native import DFLASH2_ARCHITECTURE, LOSS_FIELDS, config_from_layer_fields, layer_config
+from dflash_core.export.native import DFLASH2_ARCHITECTURE, config_from_layer_fields, exported_loss, layer_config
+from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.config import DFlashConfig
 from dflash_core.model.dflash2 import variant_of
 
@@ -30,7 +31,7 @@ SPECULATORS_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_r
 
 
 def speculators_config(
-    config: DFlashConfig, *, max_position_embeddings: int, verifier_name_or_path: str,
+    config: DFlashConfig, *, loss: LossSpec, max_position_embeddings: int, verifier_name_or_path: str,
     verifier_architectures: list[str], dtype: str,
 ) -> dict[str, Any]:
     """config.json of the speculators format."""
@@ -40,7 +41,7 @@ def speculators_config(
     layer["dflash_pipeline"] = {
         "target_model_type": config.target_model_type,
         "num_target_layers": config.target_num_layers,
-        **{name: getattr(config, name) for name in LOSS_FIELDS},
+        **exported_loss(loss, block_size=config.block_size),
     }
     model_type = variant_of(config)
     dflash2 = model_type == "dflash2"

@@ -21,12 +21,6 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 _LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
-# Training-only regularizers (0 = off): applied by `forward` in training mode, never when drafting.
-# They are not part of what a drafter is, so `to_dict` (checkpoint meta, exports) leaves them out.
-REGULARIZATION_FIELDS = ("feature_noise", "dropout", "label_smoothing")
-
-# Position-weight decay of the loss, per block size, as the DFlash paper sets it.
-DEFAULT_LOSS_GAMMA = {16: 7.0, 8: 4.0}
 
 
 def tapped_layer_ids(*, num_target_layers: int, num_tapped_layers: int) -> list[int]:
@@ -95,21 +89,7 @@ class DFlashConfig:
     attention_bias: bool = False
     target_model_type: str = "qwen3"
     target_num_layers: int | None = None
-    loss_gamma: float | None = None
     initializer_range: float = 0.02
-    # Training loss (not needed to run a drafter): "ce" learns the target's argmax (or the data
-    # tokens), "kl" its whole distribution at the block's positions; slot weights "exp_decay"
-    # (exp(-(k-1)/loss_gamma)) or "dpace" (speculators' D-PACE, smoothing dpace_alpha).
-    loss_type: str = "ce"
-    loss_weighting: str = "exp_decay"
-    dpace_alpha: float = 0.5
-    # Training-only regularization, 0 = off; `forward` applies it in training mode, drafting never
-    # does and exports do not carry it: feature_noise (Gaussian noise on the tapped target states,
-    # std = feature_noise x each state's RMS), dropout (on every sublayer's output before its
-    # residual add), label_smoothing (of the LM-head cross-entropy).
-    feature_noise: float = 0.0
-    dropout: float = 0.0
-    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         if self.layer_types is None:
@@ -133,30 +113,10 @@ class DFlashConfig:
             raise ValueError(f"rotary dim {self.rotary_dim} must be even")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of a {self.vocab_size}-row embedding")
-        if self.feature_noise < 0:
-            raise ValueError(f"feature_noise must be >= 0, got {self.feature_noise}")
-        for name in ("dropout", "label_smoothing"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.label_smoothing and self.loss_type != "ce":
-            raise ValueError(f"label_smoothing smooths the cross-entropy's labels: it needs loss_type 'ce', "
-                             f"got {self.loss_type!r}")
-        if self.loss_gamma is None:
-            if self.block_size not in DEFAULT_LOSS_GAMMA:
-                raise ValueError(
-                    f"no default loss_gamma for block_size {self.block_size}; pass one "
-                    f"(defaults exist for {sorted(DEFAULT_LOSS_GAMMA)})"
-                )
-            self.loss_gamma = DEFAULT_LOSS_GAMMA[self.block_size]
 
     @property
     def num_tapped_layers(self) -> int:
         return len(self.target_layer_ids)
-
-    @property
-    def stochastic_training(self) -> bool:
-        """Whether a training pass draws random numbers (feature noise or dropout)."""
-        return self.feature_noise > 0 or self.dropout > 0
 
     @property
     def rotary_dim(self) -> int:
@@ -173,7 +133,6 @@ class DFlashConfig:
         mask_token_id: int | None = None,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
-        loss_gamma: float | None = None,
     ) -> DFlashConfig:
         """Derive a drafter for `target_config` (a transformers config, composite or text)."""
         text = _text_config(target_config)
@@ -208,19 +167,17 @@ class DFlashConfig:
             attention_bias=False,
             target_model_type=model_type,
             target_num_layers=num_target_layers,
-            loss_gamma=loss_gamma,
         )
 
-    def build(self, *, device: Any = None) -> Any:
-        """The drafter module (fp32 parameters; run it under bf16 autocast on GPU)."""
+    def build(self, *, device: Any = None, loss: Any = None) -> Any:
+        """The drafter module (fp32 parameters; run it under bf16 autocast on GPU) that trains with `loss`
+        (a LossSpec; None: the defaults)."""
         from dflash_core.model.drafter import DFlashDraftModel
 
-        return DFlashDraftModel(self, device=device)
+        return DFlashDraftModel(self, device=device, loss=loss)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field but the training-only regularizers (the run's TrainConfig records those), so a
-        drafter trained with them exports and reads back exactly as one trained without."""
-        return {name: value for name, value in dataclasses.asdict(self).items() if name not in REGULARIZATION_FIELDS}
+        return dataclasses.asdict(self)
 
 
 def _default_mask_token_id(text_config: Any) -> int:

@@ -39,6 +39,7 @@ from dflash_core.model.dflash2_loss import dflash2_objective, selector_metrics, 
 from dflash_core.model.drafter import ContextCache, DFlashDraftModel, DraftOutput, TargetHeads
 from dflash_core.model.dynamic_conv import GroupedDynamicCausalConv
 from dflash_core.model.loss import default_chunk_size
+from dflash_core.model.loss_spec import LossSpec, LOSS_SPEC_FIELDS
 
 VARIANTS = ("dflash", "dflash2")
 DFLASH2_FIELDS = (
@@ -89,9 +90,6 @@ class DFlash2Config(DFlashConfig):
             raise ValueError(
                 f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping}"
             )
-        # The DFlash 2 objective has no KL form (the selector needs hard labels): refused, never ignored.
-        if self.loss_type != "ce":
-            raise ValueError(f"DFlash 2 training supports loss_type='ce' only, got {self.loss_type!r}")
 
     @property
     def conv_num_groups(self) -> int:
@@ -112,8 +110,8 @@ class DFlash2Config(DFlashConfig):
         extra = {name: kwargs.pop(name) for name in DFLASH2_FIELDS if name in kwargs}
         return cls.from_dflash(DFlashConfig.from_target(target_config, **kwargs), **extra)
 
-    def build(self, *, device: Any = None) -> DFlash2DraftModel:
-        return DFlash2DraftModel(self, device=device)
+    def build(self, *, device: Any = None, loss: LossSpec | None = None) -> DFlash2DraftModel:
+        return DFlash2DraftModel(self, device=device, loss=loss)
 
 
 def drafter_config(variant: str, base: DFlashConfig, **dflash2_fields: Any) -> DFlashConfig:
@@ -133,9 +131,11 @@ def variant_of(config: DFlashConfig) -> str:
 
 
 def config_from_dict(data: dict[str, Any]) -> DFlashConfig:
-    """Inverse of `config.to_dict()` for either variant (a checkpoint's `drafter_config`)."""
+    """Inverse of `config.to_dict()` for either variant (a checkpoint's `drafter_config`; older ones also
+    carry the loss fields, which belong to the LossSpec: `LossSpec.from_dict` reads them)."""
     is_dflash2 = any(name in data for name in DFLASH2_FIELDS)
-    return (DFlash2Config if is_dflash2 else DFlashConfig)(**data)
+    return (DFlash2Config if is_dflash2 else DFlashConfig)(
+        **{name: value for name, value in data.items() if name not in LOSS_SPEC_FIELDS})
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
@@ -217,10 +217,13 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     layer_class = DFlash2DecoderLayer
 
-    def __init__(self, config: DFlash2Config, *, device=None) -> None:
+    def __init__(self, config: DFlash2Config, *, device=None, loss: LossSpec | None = None) -> None:
         if not isinstance(config, DFlash2Config):
             raise ValueError(f"DFlash2DraftModel needs a DFlash2Config, got {type(config).__name__}")
-        super().__init__(config, device=device)
+        # The DFlash 2 objective has no KL form (the selector needs hard labels): refused, never ignored.
+        if loss is not None and loss.loss_type != "ce":
+            raise ValueError(f"DFlash 2 training supports loss_type='ce' only, got {loss.loss_type!r}")
+        super().__init__(config, device=device, loss=loss)
         self.candidate_selector = CandidateSelector(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -284,8 +287,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         drafted = hidden[:, :, 1:]
         labels = self._labels(input_ids_BT=input_ids, plan=plan, teacher_hidden_BTH=teacher_hidden)
         predecessors = self._predecessor_ids(input_ids=input_ids, plan=plan, labels_BAK=labels)
-        dpace = cfg.loss_weighting == "dpace"
-        weights = plan.label_valid.float() if dpace else self.slot_weights[1:] * plan.label_valid
+        dpace = self.loss.loss_weighting == "dpace"
+        weights = plan.label_valid.float() if dpace else self.exp_decay_weights() * plan.label_valid
         lm_head_weight = self.target_heads.lm_head.weight
         objective = dflash2_objective(
             drafted.reshape(-1, drafted.shape[-1]),
@@ -298,9 +301,9 @@ class DFlash2DraftModel(DFlashDraftModel):
             softcap=cfg.final_logit_softcapping,
             selector_loss_weight=cfg.selector_loss_weight,
             chunk_size=loss_chunk_size or default_chunk_size(vocab_size=lm_head_weight.shape[0]),
-            dpace_alpha=cfg.dpace_alpha if dpace else None,
+            dpace_alpha=self.loss.dpace_alpha if dpace else None,
             num_slots=cfg.block_size - 1,
-            label_smoothing=cfg.label_smoothing,
+            label_smoothing=self.loss.label_smoothing,
             compiled=self._layers_compiled,
         )
         metrics = selector_metrics(objective, valid_BAK=plan.label_valid, anchor_valid_BA=plan.anchor_valid)

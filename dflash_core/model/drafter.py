@@ -21,6 +21,7 @@ from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_core.model.loss import chunked_lm_head_loss, default_chunk_size
 from dflash_core.model.loss import position_weights
 from dflash_core.model.loss import teacher_token_ids
+from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.masks import (
     create_flex_block_mask, dense_mask, drafting_mask, flex_attend, sdpa_attend, tuned_flex_options,
 )
@@ -67,9 +68,10 @@ class ContextCache:
 class DFlashDraftModel(nn.Module):
     layer_class = DFlashDecoderLayer  # a variant (DFlash 2) swaps in its own layer
 
-    def __init__(self, config: DFlashConfig, *, device=None) -> None:
+    def __init__(self, config: DFlashConfig, *, device=None, loss: LossSpec | None = None) -> None:
         super().__init__()
         self.config = config
+        self.loss = loss or LossSpec()  # how it trains; `config` is what it is
         hidden = config.hidden_size
         self.fc = nn.Linear(config.num_tapped_layers * hidden, hidden, bias=False, device=device)
         self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps, device=device)
@@ -78,11 +80,7 @@ class DFlashDraftModel(nn.Module):
         )
         self.norm = RMSNorm(hidden, eps=config.rms_norm_eps, device=device)
         self.rotary_emb = RotaryEmbedding(rotary_dim=config.rotary_dim, theta=config.rope_theta, device=device)
-        self.register_buffer(
-            "slot_weights",
-            position_weights(block_size=config.block_size, gamma=config.loss_gamma, device=device),
-            persistent=False,
-        )
+        self.register_buffer("slot_weights", self._position_weights(device), persistent=False)
         self._target: tuple[TargetHeads] | None = None  # a tuple keeps nn.Module from registering it
         self._layers_compiled = False
         if device is None or torch.device(device).type != "meta":
@@ -100,9 +98,22 @@ class DFlashDraftModel(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         self.rotary_emb.reset_buffers()
-        self.slot_weights = position_weights(
-            block_size=self.config.block_size, gamma=self.config.loss_gamma, device=self.slot_weights.device
-        )
+        self.slot_weights = self._position_weights(self.slot_weights.device)
+
+    def _position_weights(self, device) -> torch.Tensor:
+        """The exp-decay slot weights of the loss; empty when the block size has no default gamma and the
+        loss spec names none (a drafter that only drafts needs none; training with them says so)."""
+        block = self.config.block_size
+        gamma = self.loss.gamma_or_none(block)
+        if gamma is None:
+            return torch.empty(0, device=device)
+        return position_weights(block_size=block, gamma=gamma, device=device)
+
+    def exp_decay_weights(self) -> torch.Tensor:
+        """[block_size - 1] weights of the drafted slots (slot 0, the anchor, is given)."""
+        if not self.slot_weights.numel():
+            self.loss.gamma(self.config.block_size)  # raises: no default gamma for this block size
+        return self.slot_weights[1:]
 
     def attach_target(self, heads: TargetHeads) -> None:
         """Borrow the target's embedding, final norm and LM head, frozen."""
@@ -205,7 +216,7 @@ class DFlashDraftModel(nn.Module):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Drafter states of every slot of every planned block: [B, A, block_size, H] (after the final norm).
-        In training mode the config's feature noise and dropout apply, drawn from `generator`."""
+        In training mode the loss spec's feature noise and dropout apply, drawn from `generator`."""
         cfg = self.config
         batch, seq_len = input_ids.shape
         block = cfg.block_size
@@ -215,8 +226,8 @@ class DFlashDraftModel(nn.Module):
             raise ValueError(f"target_hidden {tuple(target_hidden.shape)} does not match input_ids {tuple(input_ids.shape)}")
         num_anchors = plan.num_anchors
         regularize = self.training
-        if regularize and cfg.feature_noise > 0:
-            target_hidden = noisy_features(target_hidden, num_layers=cfg.num_tapped_layers, scale=cfg.feature_noise,
+        if regularize and self.loss.feature_noise > 0:
+            target_hidden = noisy_features(target_hidden, num_layers=cfg.num_tapped_layers, scale=self.loss.feature_noise,
                                            generator=generator)
         context = self.fuse_target_features(target_hidden)
 
@@ -228,8 +239,8 @@ class DFlashDraftModel(nn.Module):
         context_rope = self.rotary_emb(plan.position_ids)
         context_kv = [layer.self_attn.key_value(context, context_rope) for layer in self.layers]
         masks = None
-        if regularize and cfg.dropout > 0:
-            masks = dropout_masks(shape=tuple(block_hidden.shape), rate=cfg.dropout, num_layers=len(self.layers),
+        if regularize and self.loss.dropout > 0:
+            masks = dropout_masks(shape=tuple(block_hidden.shape), rate=self.loss.dropout, num_layers=len(self.layers),
                                   generator=generator, device=block_hidden.device)
         hidden = self._run_layers(
             block_hidden,
@@ -268,7 +279,7 @@ class DFlashDraftModel(nn.Module):
 
         valid = plan.label_valid
         kl = self._loss_is_kl(teacher_hidden)
-        dpace = cfg.loss_weighting == "dpace"
+        dpace = self.loss.loss_weighting == "dpace"
         lm_head_weight = self.target_heads.lm_head.weight
         out = chunked_lm_head_loss(
             drafted.reshape(-1, drafted.shape[-1]),
@@ -277,11 +288,11 @@ class DFlashDraftModel(nn.Module):
             labels_N=None if kl else self._labels(input_ids_BT=input_ids, plan=plan,
                                                   teacher_hidden_BTH=teacher_hidden).flatten(),
             teacher_hidden_NH=self._teacher_rows(teacher_hidden_BTH=teacher_hidden, plan=plan) if kl else None,
-            token_weights_N=None if dpace else self.slot_weights[1:].expand_as(valid).flatten(),
-            dpace_alpha=cfg.dpace_alpha if dpace else None,
+            token_weights_N=None if dpace else self.exp_decay_weights().expand_as(valid).flatten(),
+            dpace_alpha=self.loss.dpace_alpha if dpace else None,
             num_slots=block - 1,
             chunk_size=loss_chunk_size or default_chunk_size(vocab_size=lm_head_weight.shape[0]),
-            label_smoothing=cfg.label_smoothing,
+            label_smoothing=self.loss.label_smoothing,
             compiled=self._layers_compiled,
         )
         labels = torch.where(valid, out.labels.view_as(valid), torch.zeros_like(valid, dtype=torch.long))
@@ -292,15 +303,10 @@ class DFlashDraftModel(nn.Module):
         return DraftOutput(hidden_BAKH=drafted, labels_BAK=labels), out.loss, metrics
 
     def _loss_is_kl(self, teacher_hidden: torch.Tensor | None) -> bool:
-        cfg = self.config
-        if cfg.loss_type not in ("ce", "kl"):
-            raise ValueError(f"loss_type must be 'ce' or 'kl', got {cfg.loss_type!r}")
-        if cfg.loss_weighting not in ("exp_decay", "dpace"):
-            raise ValueError(f"loss_weighting must be 'exp_decay' or 'dpace', got {cfg.loss_weighting!r}")
-        if cfg.loss_type == "kl" and teacher_hidden is None:
+        if self.loss.loss_type == "kl" and teacher_hidden is None:
             raise ValueError("loss_type 'kl' learns the target's distribution: it needs teacher_hidden "
                              "(loss_target 'teacher'), not the data tokens")
-        return cfg.loss_type == "kl"
+        return self.loss.loss_type == "kl"
 
     def _teacher_rows(self, *, teacher_hidden_BTH: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
         """[B*A*K, H]: per drafted slot, the target's final-normed state at the position before its label

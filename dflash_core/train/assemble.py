@@ -119,7 +119,7 @@ def _build_drafter(drafter_config: DFlashConfig, target: torch.nn.Module, *, con
     """The drafter, initialized from the run's seed (and the target's last layers with init=target),
     with the target's embedding, final norm and LM head attached (own frozen copies in the pair layout)."""
     torch.manual_seed(config.seed)
-    drafter = drafter_config.build(device=devices.drafter)
+    drafter = drafter_config.build(device=devices.drafter, loss=config.drafter.loss_spec())
     drafter.init_weights()
     if config.drafter.init == "target":
         init_from_target_layers(drafter, language_model(target).layers)

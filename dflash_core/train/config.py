@@ -11,7 +11,8 @@ import yaml
 from pydantic import BaseModel, Field, model_validator
 
 from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
-from dflash_core.model.config import REGULARIZATION_FIELDS, tapped_layer_ids
+from dflash_core.model.config import tapped_layer_ids
+from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
 from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS, default_num_anchors
 
@@ -132,11 +133,12 @@ class DrafterSettings(BaseModel):
         """`loss_weighting`, or the variant's default when it is None (the drafter config records it)."""
         return self.loss_weighting or "dpace"
 
-    def drafter_training_fields(self) -> dict[str, Any]:
-        """The training-only settings the drafter config carries (loss and regularization): the trainer
-        applies them with `dataclasses.replace(base_config, **settings.drafter_training_fields())`."""
-        return {"loss_type": self.loss_type, "loss_weighting": self.resolved_loss_weighting,
-                "dpace_alpha": self.dpace_alpha, **{name: getattr(self, name) for name in REGULARIZATION_FIELDS}}
+    def loss_spec(self) -> LossSpec:
+        """How the drafter trains (loss, slot weights, regularizers): the drafter module holds it, apart from
+        its architecture config (`drafter_setup.drafter_config_for`)."""
+        return LossSpec(loss_type=self.loss_type, loss_weighting=self.resolved_loss_weighting,
+                        loss_gamma=self.loss_gamma, dpace_alpha=self.dpace_alpha, feature_noise=self.feature_noise,
+                        dropout=self.dropout, label_smoothing=self.label_smoothing)
 
     def dflash2_fields(self) -> dict[str, Any]:
         """The DFlash 2 settings, as `dflash_core.model.dflash2.drafter_config` takes them."""

@@ -36,8 +36,9 @@ def load_target_tokenizer(spec: str, *, models_dir: Path):
 
 def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedCorpus | None = None,
                        tokenizer=None) -> DFlashConfig:
-    """The drafter a run trains: shapes from the target, tapped layers, mask token, loss and variant
-    (a DFlash2Config for variant dflash2) from `config.drafter`. The mask token is checked (never an
+    """The drafter a run trains, its architecture only: shapes from the target, tapped layers, mask token
+    and variant (a DFlash2Config for variant dflash2) from `config.drafter` (how it trains:
+    `config.drafter.loss_spec()`). The mask token is checked (never an
     end token) or chosen with the tokenizer and the corpus's token counts (a row the data never contains)."""
     import dataclasses
 
@@ -59,7 +60,6 @@ def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedC
     layer_ids = d.tapped_layer_ids(num_target_layers=text.num_hidden_layers)
     base = DFlashConfig.from_target(
         target_config, num_layers=d.num_layers, block_size=d.block_size, num_tapped_layers=len(layer_ids),
-        mask_token_id=mask_token_id, layer_types=d.layer_types, sliding_window=d.sliding_window,
-        loss_gamma=d.loss_gamma)
-    base = dataclasses.replace(base, target_layer_ids=layer_ids, **d.drafter_training_fields())
+        mask_token_id=mask_token_id, layer_types=d.layer_types, sliding_window=d.sliding_window)
+    base = dataclasses.replace(base, target_layer_ids=layer_ids)
     return drafter_config(d.variant, base, **(d.dflash2_fields() if d.variant == "dflash2" else {}))

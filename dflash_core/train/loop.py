@@ -125,6 +125,7 @@ class Trainer:
         if not self.dist.is_main:
             return None
         meta = {"config": self.config.model_dump(mode="json"), "drafter_config": self.drafter_config.to_dict(),
+                "loss": self.drafter.loss.to_dict(),
                 "producer": current_producer(flow_run_id=self.flow_run_id).model_dump(),
                 "target_kernels": self.target_kernels.as_dict() if self.target_kernels else None}
         path = ckpt.save_checkpoint(self.run_dir / "checkpoints", step=self.step,

@@ -75,8 +75,7 @@ def regularization_generator(drafter, *, generator: torch.Generator, device: tor
     """A generator on `device` for the drafter's feature noise and dropout, seeded from the step's
     (anchor) generator after the plan drew from it, so (seed, step, micro-batch) fixes them; None, and
     the step generator untouched, when the drafter's config draws nothing."""
-    config = getattr(drafter, "module", drafter).config  # DDP wraps the drafter
-    if not getattr(config, "stochastic_training", False):
+    if not getattr(drafter, "module", drafter).loss.stochastic:  # DDP wraps the drafter
         return None
     seed = int(torch.randint(0, 2**62, (1,), generator=generator))
     return torch.Generator(device=device).manual_seed(seed)

@@ -29,10 +29,9 @@ def _checkpoint_in_s3(store, prefix, tmp_path, *, variant="dflash"):
     target = load_target_model("tiny:qwen3", device=torch.device("cpu"), models_dir=tmp_path, seed=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = DFlashConfig.from_target(target.config, num_layers=1, block_size=4, num_tapped_layers=2,
-                                          loss_gamma=2.0)
+        config = DFlashConfig.from_target(target.config, num_layers=1, block_size=4, num_tapped_layers=2)
     config = drafter_config(variant, config, **({"selector_rank": 8} if variant == "dflash2" else {}))
-    drafter = config.build()
+    drafter = config.build()  # evaluation reads the architecture only
     path = save_checkpoint(tmp_path / "ckpt", step=7, model_state=drafter.state_dict(), train_state={},
                            meta={"drafter_config": config.to_dict()}, keep_last=1)
     upload_checkpoint(store, path, key_prefix=f"{prefix}/checkpoints", inputs=[], config={})

@@ -16,6 +16,7 @@ pytest.importorskip("speculators.models.dflash", reason="speculators==0.9.0 is n
 
 from dflash_core.export import export_drafter  # noqa: E402
 from dflash_core.model import DFlashConfig  # noqa: E402
+from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.anchors import BlockPlan  # noqa: E402
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config  # noqa: E402
 
@@ -33,10 +34,10 @@ def _drafter_and_target(tmp_path, *, layer_types=None, sliding_window=None, fami
     verifier_dir = tmp_path / "verifier"
     target.save_pretrained(verifier_dir)
     config = DFlashConfig.from_target(
-        target_config, num_layers=2, block_size=_BLOCK, num_tapped_layers=2, loss_gamma=2.0,
+        target_config, num_layers=2, block_size=_BLOCK, num_tapped_layers=2,
         layer_types=layer_types, sliding_window=sliding_window,
     )
-    drafter = config.build()
+    drafter = config.build(loss=LossSpec(loss_gamma=2.0))
     with torch.no_grad():  # norms start at 1: perturb them so a skipped norm would show
         for name, parameter in drafter.named_parameters():
             if "norm" in name:

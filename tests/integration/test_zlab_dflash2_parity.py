@@ -19,6 +19,7 @@ zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 is not 
 
 from dflash_core.evaluate.speculative import SpeculativeDecoder, greedy_decode  # noqa: E402
 from dflash_core.model import plan_blocks  # noqa: E402
+from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.anchors import BlockPlan  # noqa: E402
 from dflash_core.model.dflash2 import DFlash2Config  # noqa: E402
 from dflash_core.export import export_drafter  # noqa: E402
@@ -46,7 +47,6 @@ def _pair(tmp_path, *, output_multiplier, softcap, prompt=None):
         target_config,
         num_layers=2,
         block_size=_BLOCK,
-        loss_gamma=2.0,
         num_tapped_layers=2,
         conv_kernel_size=2,
         conv_group_size=16,
@@ -55,7 +55,7 @@ def _pair(tmp_path, *, output_multiplier, softcap, prompt=None):
         output_multiplier=output_multiplier,
         final_logit_softcapping=softcap,
     )
-    drafter = config.build()
+    drafter = config.build(loss=LossSpec(loss_gamma=2.0))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, parameter in drafter.named_parameters():
@@ -99,10 +99,11 @@ def _learn_continuation(drafter, target, prompt, *, min_steps=150, max_steps=600
     assert metrics["selector_acceptance_length"] > 2.5, metrics
 
 
-@pytest.fixture(params=_TRANSFORMS, ids=["plain", "multiplier+softcap"])
-def pair(request, tmp_path):
+@pytest.fixture(scope="module", params=_TRANSFORMS, ids=["plain", "multiplier+softcap"])
+def pair(request, tmp_path_factory):
+    """Built once per transform: the tests that take it only read the pair."""
     multiplier, softcap = request.param
-    return _pair(tmp_path, output_multiplier=multiplier, softcap=softcap)
+    return _pair(tmp_path_factory.mktemp("zlab-dflash2"), output_multiplier=multiplier, softcap=softcap)
 
 
 def test_zlab_loads_every_weight_and_config_field(pair):

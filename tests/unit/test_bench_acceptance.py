@@ -134,10 +134,11 @@ def test_every_variant_is_a_valid_run_and_levers_must_reach_the_drafter(bench):
     config = TrainConfig(target="embedded", data=["x"], drafter=bench.variants()["default+noise=0.2"].drafter)
     built = DFlashConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, vocab_size=256, target_layer_ids=[1, 2], mask_token_id=5, block_size=8)
-    with pytest.raises(RuntimeError, match="drafter_training_fields"):
-        bench.check_recipe_applied(config, built)  # a trainer that dropped the lever: refused, not measured
-    bench.check_recipe_applied(config, built.__class__(**{**built.__dict__, "feature_noise": 0.2}))
+    default_loss = TrainConfig(target="embedded", data=["x"]).drafter.loss_spec()
+    with pytest.raises(RuntimeError, match="loss_spec"):
+        bench.check_recipe_applied(config, built, default_loss)  # a trainer that dropped the lever: refused
+    bench.check_recipe_applied(config, built, config.drafter.loss_spec())
     tapped = TrainConfig(target="embedded", data=["x"], drafter=bench.variants()["default+last-tap=N-2"].drafter)
     assert tapped.drafter.target_layer_ids == [1, 28]
     with pytest.raises(RuntimeError, match="tapping"):
-        bench.check_recipe_applied(tapped, built)  # [1, 2] built, [1, 28] asked
+        bench.check_recipe_applied(tapped, built, tapped.drafter.loss_spec())  # [1, 2] built, [1, 28] asked

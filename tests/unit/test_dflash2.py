@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_core.model import DFlashConfig, plan_blocks
+from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.model.dflash2 import (
     CandidateSelector,
@@ -19,8 +20,8 @@ from dflash_core.model.dflash2 import (
     config_from_dict,
     draft_tokens,
     drafter_config,
-    grouped_dynamic_causal_conv,
 )
+from dflash_core.model.dynamic_conv import grouped_dynamic_causal_conv
 from dflash_core.export import export_drafter, load_drafter
 from dflash_core.model.dflash2_loss import dflash2_objective, transform_logits
 from dflash_core.model.loss import dpace_weights
@@ -40,11 +41,10 @@ def _setup(*, seed: int = 0, num_anchors: int = 8, **dflash2_fields):
         target_config,
         num_layers=2,
         block_size=_BLOCK,
-        loss_gamma=2.0,
         num_tapped_layers=2,
         **{**_DFLASH2, **dflash2_fields},
     )
-    drafter = config.build()
+    drafter = config.build(loss=LossSpec(loss_gamma=2.0))
     drafter.attach_target(target_heads(target))
     input_ids = torch.randint(1, _VOCAB, (2, _SEQ))
     captured = HiddenStateCapture(target, layer_ids=config.target_layer_ids, capture_final=True)(input_ids)
@@ -79,7 +79,7 @@ def test_fresh_dflash2_computes_what_dflash_computes():
     target, drafter, input_ids, captured, plan = _setup()
     base = DFlashConfig(
         **{f.name: getattr(drafter.config, f.name) for f in dataclasses.fields(DFlashConfig)}
-    ).build()
+    ).build(loss=drafter.loss)
     shared = {k: v for k, v in drafter.state_dict().items() if k in base.state_dict()}
     base.load_state_dict(shared, strict=True)
     base.attach_target(target_heads(target))
@@ -321,7 +321,7 @@ def test_draft_tokens_walk_the_selector_from_the_anchor():
         predecessor = candidates.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
         assert torch.equal(tokens[:, slot], predecessor)
     base = DFlashConfig.from_target(
-        tiny_target_config("qwen3"), num_layers=2, block_size=_BLOCK, loss_gamma=2.0, num_tapped_layers=2
+        tiny_target_config("qwen3"), num_layers=2, block_size=_BLOCK, num_tapped_layers=2
     ).build()
     base.attach_target(drafter.target_heads)
     base_cache = base.new_cache()
@@ -338,7 +338,7 @@ def test_draft_tokens_walk_the_selector_from_the_anchor():
 def test_config_validation_variants_and_round_trips():
     target_config = tiny_target_config("qwen3")
     base = DFlashConfig.from_target(
-        target_config, num_layers=2, block_size=_BLOCK, loss_gamma=2.0, num_tapped_layers=2
+        target_config, num_layers=2, block_size=_BLOCK, num_tapped_layers=2
     )
     config = drafter_config("dflash2", base, selector_top_k=8)
     assert isinstance(config, DFlash2Config) and config.selector_top_k == 8 and config.conv_kernel_size == 2
@@ -357,8 +357,10 @@ def test_config_validation_variants_and_round_trips():
         with pytest.raises(ValueError):
             DFlash2Config.from_dflash(base, **fields)
     with pytest.raises(ValueError, match="loss_type"):  # the selector needs hard labels: no KL form
-        DFlash2Config.from_dflash(dataclasses.replace(base, loss_type="kl"))
-    assert DFlash2Config.from_dflash(dataclasses.replace(base, loss_weighting="dpace")).loss_weighting == "dpace"
+        config.build(device="meta", loss=LossSpec(loss_type="kl"))
+    assert config.build(device="meta", loss=LossSpec(loss_weighting="dpace")).loss.loss_weighting == "dpace"
+    legacy = {**config.to_dict(), "loss_type": "ce", "loss_gamma": 2.0, "dropout": 0.0}  # older checkpoints
+    assert config_from_dict(legacy) == config and LossSpec.from_dict(legacy) == LossSpec(loss_gamma=2.0)
     with pytest.raises(ValueError, match="variant"):
         drafter_config("eagle3", base)
     with pytest.raises(ValueError, match="given for variant 'dflash'"):

@@ -4,7 +4,6 @@ the slots' positions and D-PACE weights, each equal to a direct computation on f
 Run: .venv/bin/python -m pytest tests/unit/test_drafter_loss_options.py -q
 """
 
-import dataclasses
 import warnings
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_core.model import DFlashConfig, plan_blocks
+from dflash_core.model.loss_spec import LossSpec
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config
 
 _SEQ, _BLOCK = 32, 4
@@ -25,8 +25,7 @@ def _setup():
     target = build_target(target_config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = DFlashConfig.from_target(target_config, num_layers=1, block_size=_BLOCK, loss_gamma=2.0,
-                                          num_tapped_layers=2)
+        config = DFlashConfig.from_target(target_config, num_layers=1, block_size=_BLOCK, num_tapped_layers=2)
     input_ids = torch.randint(1, target_config.vocab_size, (2, _SEQ))
     captured = HiddenStateCapture(target, layer_ids=config.target_layer_ids, capture_final=True)(input_ids)
     loss_mask = torch.ones(2, _SEQ, dtype=torch.bool)
@@ -36,8 +35,8 @@ def _setup():
     return target, config, input_ids, captured, plan
 
 
-def _drafter(config, target, state=None):
-    drafter = config.build()
+def _drafter(config, target, state=None, **loss):
+    drafter = config.build(loss=LossSpec(loss_gamma=2.0, **loss))
     if state is not None:
         drafter.load_state_dict(state)
     drafter.attach_target(target_heads(target))
@@ -53,8 +52,7 @@ def _run(drafter, input_ids, captured, plan):
 def test_kl_loss_is_kl_to_the_targets_distribution_at_the_previous_position(weighting):
     target, config, input_ids, captured, plan = _setup()
     base = _drafter(config, target)
-    kl_config = dataclasses.replace(config, loss_type="kl", loss_weighting=weighting)
-    drafter = _drafter(kl_config, target, base.state_dict())
+    drafter = _drafter(config, target, base.state_dict(), loss_type="kl", loss_weighting=weighting)
     output, loss, metrics = _run(drafter, input_ids, captured, plan)
 
     valid = plan.label_valid
@@ -82,7 +80,7 @@ def test_kl_loss_is_kl_to_the_targets_distribution_at_the_previous_position(weig
 
 def test_dpace_cross_entropy_matches_a_direct_computation():
     target, config, input_ids, captured, plan = _setup()
-    drafter = _drafter(dataclasses.replace(config, loss_weighting="dpace", dpace_alpha=0.3), target)
+    drafter = _drafter(config, target, loss_weighting="dpace", dpace_alpha=0.3)
     output, loss, _ = _run(drafter, input_ids, captured, plan)
     loss.backward()
     valid = plan.label_valid
@@ -97,6 +95,6 @@ def test_dpace_cross_entropy_matches_a_direct_computation():
 
 def test_kl_needs_the_teacher():
     target, config, input_ids, captured, plan = _setup()
-    drafter = _drafter(dataclasses.replace(config, loss_type="kl"), target)
+    drafter = _drafter(config, target, loss_type="kl")
     with pytest.raises(ValueError, match="teacher_hidden"):
         drafter(input_ids=input_ids, target_hidden=captured.tapped_hidden, plan=plan)

@@ -47,7 +47,7 @@ def test_drafter_loads_from_a_training_checkpoint(tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = DFlashConfig.from_target(tiny_target_config("qwen3"), num_layers=1, block_size=4, loss_gamma=2.0,
+        config = DFlashConfig.from_target(tiny_target_config("qwen3"), num_layers=1, block_size=4,
                                           num_tapped_layers=2)
     drafter = config.build()
     path = save_checkpoint(tmp_path, step=3, model_state=drafter.state_dict(), train_state={},

@@ -13,6 +13,7 @@ import torch
 from dflash_core.export import build_export_configs, export_drafter, load_drafter, read_export_config
 from dflash_core.model import DFlashConfig
 from dflash_core.model.dflash2 import DFlash2Config, DFlash2DraftModel
+from dflash_core.model.loss_spec import LossSpec
 from dflash_core.target import tiny_target_config
 
 
@@ -22,16 +23,15 @@ _DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selecto
 def _drafter(family="qwen3", *, dflash2: dict | None = None, loss: dict | None = None, **overrides):
     """A tiny drafter (DFlash 2 with the `dflash2` fields; `loss`: training loss options)."""
     target_config = tiny_target_config(family, num_layers=8 if family == "qwen3_5" else 6)
-    kwargs = dict(num_layers=2, block_size=4, num_tapped_layers=2, loss_gamma=2.0)
+    kwargs = dict(num_layers=2, block_size=4, num_tapped_layers=2)
     kwargs.update(overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(target_config, **kwargs)
-    config = dataclasses.replace(config, **(loss or {}))
     if dflash2 is not None:
         config = DFlash2Config.from_dflash(config, **dflash2)
     torch.manual_seed(0)
-    drafter = config.build()
+    drafter = config.build(loss=LossSpec(loss_gamma=2.0, **(loss or {})))
     with torch.no_grad():  # off the identity init, so equal weights mean something
         for parameter in drafter.parameters():
             parameter.add_(0.01 * torch.randn(parameter.shape))
@@ -40,6 +40,7 @@ def _drafter(family="qwen3", *, dflash2: dict | None = None, loss: dict | None =
 
 def _assert_equal_drafters(a, b):
     assert a.config.to_dict() == b.config.to_dict()
+    assert a.loss == b.loss  # the training settings ride along
     state_b = b.state_dict()
     assert state_b.keys() == a.state_dict().keys()
     for name, tensor in a.state_dict().items():

@@ -11,6 +11,7 @@ import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from dflash_core.model.attention import RotaryEmbedding, apply_rope
+from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.config import DFlashConfig, tapped_layer_ids
 from dflash_core.target import tiny_target_config
 
@@ -46,10 +47,10 @@ def test_qwen3_8b_shape_derives_the_released_drafter_shape():
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
         4096, 32, 8, 128,
     )
-    assert config.qk_norm and config.loss_gamma == 7.0 and config.rotary_dim == 128
+    assert config.qk_norm and LossSpec().gamma(config.block_size) == 7.0 and config.rotary_dim == 128
     drafter = _from_target(target, num_layers=5, block_size=16).build(device="meta")
     assert drafter.fc.in_features == 5 * 4096 and drafter.fc.bias is None
-    assert _from_target(target, num_layers=5, block_size=8).loss_gamma == 4.0
+    assert LossSpec().gamma(_from_target(target, num_layers=5, block_size=8).block_size) == 4.0
 
 
 def test_every_family_gets_the_runtime_attention_conventions():
@@ -95,7 +96,8 @@ def test_partial_rotary_kernel_matches_the_hybrid_targets_own_rope():
 def test_bad_settings_raise_value_errors():
     target = tiny_target_config("qwen3")
     with pytest.raises(ValueError, match="loss_gamma"):
-        _from_target(target, num_layers=2, block_size=5)
+        LossSpec().gamma(5)  # a block size the DFlash paper gives no decay for
+    _from_target(target, num_layers=2, block_size=5).build(device="meta")  # drafting needs none
     with pytest.raises(ValueError, match="sliding_window"):
         _from_target(target, num_layers=2, block_size=8, layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ValueError, match="layer_types"):

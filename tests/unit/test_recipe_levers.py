@@ -1,5 +1,6 @@
-"""Training-only recipe levers (feature noise, dropout, label smoothing): off by default and a no-op
-when off, on they change the training step but never drafting or exports, and a step's seed fixes them.
+"""Training-only recipe levers (feature noise, dropout, label smoothing), in the drafter's LossSpec: off
+by default and a no-op when off, on they change the training step but never drafting or exports, and a
+step's seed fixes them.
 
 Run: .venv/bin/python -m pytest tests/unit/test_recipe_levers.py -q
 """
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from dflash_core.export import build_export_configs
 from dflash_core.model import DFlashConfig
-from dflash_core.model.config import REGULARIZATION_FIELDS
+from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.dflash2 import DFlash2Config, draft_tokens
 from dflash_core.model.dflash2_loss import dflash2_objective
 from dflash_core.model.loss import chunked_lm_head_loss
@@ -24,6 +25,7 @@ from dflash_core.train.step import drafter_step, regularization_generator
 _SEQ, _BLOCK, _VOCAB = 40, 4, 256
 _DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 _LEVERS = {"feature_noise": 0.2, "dropout": 0.1, "label_smoothing": 0.1}
+REGULARIZATION_FIELDS = tuple(_LEVERS)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,23 +36,21 @@ def world():
     target_config = tiny_target_config("qwen3")
     target = build_target(target_config)
     input_ids = torch.randint(1, _VOCAB, (1, _SEQ))
-    base = DFlashConfig.from_target(target_config, num_layers=2, block_size=_BLOCK, loss_gamma=2.0,
-                                    num_tapped_layers=2)
+    base = DFlashConfig.from_target(target_config, num_layers=2, block_size=_BLOCK, num_tapped_layers=2)
     captured = HiddenStateCapture(target, layer_ids=base.target_layer_ids, capture_final=True)(input_ids)
     tensors = {"input_ids": input_ids, "position_ids": torch.arange(_SEQ)[None],
                "loss_mask": torch.ones(1, _SEQ, dtype=torch.bool), "document_ids": torch.zeros(1, _SEQ, dtype=torch.long)}
     return target, target_config, base, captured, tensors
 
 
-def _config(base: DFlashConfig, variant: str, **changes) -> DFlashConfig:
-    config = dataclasses.replace(base, loss_weighting="dpace", **changes)
-    return DFlash2Config.from_dflash(config, **_DFLASH2) if variant == "dflash2" else config
+def _config(base: DFlashConfig, variant: str) -> DFlashConfig:
+    return DFlash2Config.from_dflash(base, **_DFLASH2) if variant == "dflash2" else base
 
 
-def _drafter(world, variant: str, **changes):
+def _drafter(world, variant: str, **levers):
     target, _, base, _, _ = world
     torch.manual_seed(3)
-    drafter = _config(base, variant, **changes).build()
+    drafter = _config(base, variant).build(loss=LossSpec(loss_weighting="dpace", loss_gamma=2.0, **levers))
     with torch.no_grad():  # off the identity init, so every module's gradient is exercised
         for parameter in drafter.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(7)))
@@ -75,12 +75,9 @@ def _same(a, b) -> bool:
 def test_levers_are_off_by_default():
     settings = DrafterSettings()
     assert all(getattr(settings, name) == 0 for name in REGULARIZATION_FIELDS)
-    fields = settings.drafter_training_fields()
-    assert {name: fields[name] for name in REGULARIZATION_FIELDS} == dict.fromkeys(REGULARIZATION_FIELDS, 0.0)
-    assert fields["loss_weighting"] == "dpace"
-    config = DFlashConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16, vocab_size=256, target_layer_ids=[1, 2], mask_token_id=5, block_size=8)
-    assert all(getattr(config, name) == 0 for name in REGULARIZATION_FIELDS) and not config.stochastic_training
+    spec = settings.loss_spec()
+    assert {name: getattr(spec, name) for name in REGULARIZATION_FIELDS} == dict.fromkeys(REGULARIZATION_FIELDS, 0.0)
+    assert spec.loss_weighting == "dpace" and not spec.stochastic and not LossSpec().stochastic
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
@@ -123,7 +120,7 @@ def test_each_lever_changes_training_and_is_fixed_by_the_seed(world, variant, le
 def test_levers_leave_drafting_eval_mode_and_exports_alone(world, variant):
     target, target_config, _, captured, tensors = world
     plain, regularized = _drafter(world, variant), _drafter(world, variant, **_LEVERS)
-    assert regularized.config.stochastic_training
+    assert regularized.loss.stochastic
     caches = []
     for drafter in (plain, regularized):  # evaluation: a cache over the context, then one block
         caches.append(drafter.new_cache())
@@ -147,9 +144,10 @@ def test_levers_leave_drafting_eval_mode_and_exports_alone(world, variant):
         drafter.train()
     assert torch.equal(*outputs)
     exported = [build_export_configs(d.config, target_config=target_config, verifier_name_or_path="target",
-                                     dtype=torch.float32, formats=("native",)) for d in (plain, regularized)]
+                                     dtype=torch.float32, formats=("native",), loss=d.loss) for d in (plain, regularized)]
     assert exported[0] == exported[1]
     assert not set(REGULARIZATION_FIELDS) & set(regularized.config.to_dict())
+    assert not set(REGULARIZATION_FIELDS) & set(exported[1]["native"]["dflash_config"])
 
 
 def test_feature_noise_is_relative_to_each_state():
@@ -241,12 +239,10 @@ def test_settings_refuse_what_cannot_apply():
         DrafterSettings(dropout=1.0)
     with pytest.raises(ValueError):
         DrafterSettings(feature_noise=-0.1)
-    base = DFlashConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, vocab_size=256, target_layer_ids=[1, 2], mask_token_id=5, block_size=8)
     with pytest.raises(ValueError, match="label_smoothing"):
-        dataclasses.replace(base, loss_type="kl", label_smoothing=0.1)
+        LossSpec(loss_type="kl", label_smoothing=0.1)
     with pytest.raises(ValueError, match="dropout"):
-        dataclasses.replace(base, dropout=1.0)
+        LossSpec(dropout=1.0)
 
 
 def test_every_train_config_field_is_described_for_the_ui():
@@ -265,4 +261,6 @@ def test_the_trainer_builds_the_drafter_with_the_levers(world):
     config = TrainConfig(target="tiny:qwen3", data=["x"], drafter={"num_layers": 2, "block_size": 4,
                                                                    "loss_gamma": 2.0, **_LEVERS})
     built = drafter_config_for(config, target_config=target_config)
-    assert {name: getattr(built, name) for name in REGULARIZATION_FIELDS} == _LEVERS
+    assert not set(REGULARIZATION_FIELDS) & set(built.to_dict())  # the architecture only
+    spec = config.drafter.loss_spec()
+    assert {name: getattr(spec, name) for name in REGULARIZATION_FIELDS} == _LEVERS and spec.loss_gamma == 2.0
