@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from dflash_core.lineage import flow_run_url, node_label, node_of
+from dflash_core.lineage_views import flow_run_url, node_label, node_of
 
 # Which field of the pipeline's result (dflash_core.stage_results.PipelineResult) each stage's flow returned.
 STAGE_RESULTS = {"generate": "generation", "tokenize": "tokenization", "train": "training", "evaluate": "evaluation",
@@ -156,7 +156,7 @@ def artifact_table(result: dict) -> Table:
 def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: dict[str, str] | None = None,
                      title: str = "dflash pipeline") -> str:
     """The same three tables in markdown, each artifact group linked to its lineage page (`lineage`: node ->
-    page URL, nodes as dflash_core.lineage.node_of names them)."""
+    page URL, nodes as dflash_core.lineage_views.node_of names them)."""
     result, lineage = result or {}, lineage or {}
     lines = [f"# {title}: stages", "", "| stage | state | duration | made | flow run |", "|---|---|---:|---|---|"]
     for run in stages:

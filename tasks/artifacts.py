@@ -23,9 +23,10 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from dflash_core.layout import ArtifactKind, is_manifest_key, manifest_key
-from dflash_core.lineage import (
-    DigestCache, InputRef, LineageView, Manifest, artifact_url, bucket_kind_of, edges_markdown, flow_run_url,
-    node_label, node_of, read_manifest, target_refs, task_run_url, tokenizer_refs, view_lineage, write_artifact,
+from dflash_core.lineage import InputRef, Manifest, read_manifest, write_artifact
+from dflash_core.lineage_refs import DigestCache, target_refs, tokenizer_refs
+from dflash_core.lineage_views import (
+    LineageView, artifact_url, bucket_kind_of, edges_markdown, flow_run_url, node_label, node_of, task_run_url, view_lineage,
 )
 from dflash_core.provenance import Producer
 from dflash_core.settings import Settings

@@ -8,7 +8,8 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from dflash_core.layout import ArtifactKind
-from dflash_core.lineage import Manifest, artifact_url, node_of, write_artifact
+from dflash_core.lineage import Manifest, write_artifact
+from dflash_core.lineage_views import artifact_url, node_of
 from dflash_core.run_summary import StageRun, read_stage_runs, summary_markdown
 from dflash_core.s3audit import Retention, audit, run_usage, usage_markdown, usage_png
 from dflash_core.settings import Settings

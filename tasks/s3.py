@@ -10,7 +10,8 @@ from prefect import task
 from pydantic import BaseModel
 
 from dflash_core.layout import ArtifactKind, artifact_key
-from dflash_core.lineage import InputRef, LineageGraph, Manifest, mermaid, write_artifact
+from dflash_core.lineage import InputRef, LineageGraph, Manifest, write_artifact
+from dflash_core.lineage_views import mermaid
 from dflash_core.s3audit import (
     AuditReport, CleanupPlan, CleanupResult, Retention, audit, audit_markdown, bytes_by_kind_png, execute_cleanup,
     write_deletion_record,

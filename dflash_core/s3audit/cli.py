@@ -195,7 +195,8 @@ def lineage_show(
     as_json: Annotated[bool, typer.Option("--json", help="Print as JSON (for scripts).")] = False,
 ) -> None:
     """What made URI (flow run and its UI link, code version, inputs with hashes, config) and what it fed."""
-    from dflash_core.lineage import LineageGraph, describe
+    from dflash_core.lineage import LineageGraph
+    from dflash_core.lineage_views import describe
     from dflash_core.s3audit import take_inventory
     from dflash_core.storage import StoreError
 

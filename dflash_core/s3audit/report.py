@@ -11,7 +11,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from dflash_core.layout import ArtifactKind
-from dflash_core.lineage import NodeEdge, bucket_kind_of, edges_markdown, node_edges
+from dflash_core.lineage_views import NodeEdge, bucket_kind_of, edges_markdown, node_edges
 from dflash_core.s3audit.cleanup import CleanupPlan, plan_cleanup
 from dflash_core.s3audit.dead import Retention
 from dflash_core.s3audit.inventory import (

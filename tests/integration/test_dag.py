@@ -124,7 +124,7 @@ def _check_the_evidence(store, settings, state, result, tiny_target) -> None:
     """Each node a stage made has a lineage page naming its producer (flow run and task run, linked), its inputs
     with hashes (the target's and tokenizer's files among them), its parents (linked to their pages) and what was
     made from it; the pipeline run's page ends with its S3 usage and its summary, linked to those pages."""
-    from dflash_core.lineage import artifact_url, flow_run_url, task_run_url
+    from dflash_core.lineage_views import artifact_url, flow_run_url, task_run_url
     from dflash_core.storage import sha256_file
     from tasks.artifacts import lineage_key
 

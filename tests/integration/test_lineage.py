@@ -174,10 +174,9 @@ def test_a_walk_up_by_node_reaches_the_sources_and_the_target(store: ObjectStore
     """prompts -> completions -> tokenized (+ tokenizer) -> checkpoint (+ target): one node per run's folder, the
     edges between them, each input once, and a note when only a sample of a parent's files was read."""
     from dflash_core.layout import DEFAULT_PREFIXES
-    from dflash_core.lineage import (
-        TARGET_MODEL, TOKENIZER, InputRef, bucket_kind_of, build_lineage, edges_markdown, node_edges, tokenizer_refs,
-        view_lineage,
-    )
+    from dflash_core.lineage import TARGET_MODEL, TOKENIZER, InputRef, build_lineage
+    from dflash_core.lineage_refs import tokenizer_refs
+    from dflash_core.lineage_views import bucket_kind_of, edges_markdown, node_edges, view_lineage
 
     prefixes = {kind: f"{prefix}/{p}" for kind, p in DEFAULT_PREFIXES.items()}
     model = tmp_path / "target"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 
-from dflash_core.lineage import (
-    TARGET_MODEL, TOKENIZER, DigestCache, InputRef, NodeEdge, edges_markdown, node_of, target_refs, tokenizer_refs,
-)
+from dflash_core.lineage import TARGET_MODEL, TOKENIZER, InputRef
+from dflash_core.lineage_refs import DigestCache, target_refs, tokenizer_refs
+from dflash_core.lineage_views import NodeEdge, edges_markdown, node_of
 from dflash_core.storage import sha256_bytes, sha256_file
 
 
