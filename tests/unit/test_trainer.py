@@ -196,7 +196,7 @@ def test_loss_options_train(tmp_path) -> None:
         config = tiny_config(tmp_path / name, max_steps=60, log_every=20, checkpoint_every=100)
         config.drafter = config.drafter.model_copy(update={"variant": "dflash", "loss_target": "teacher", **changes})
         trainer = build_trainer(config)
-        assert getattr(trainer.drafter_config, next(iter(changes))) == next(iter(changes.values()))
+        assert getattr(trainer.drafter.loss, next(iter(changes))) == next(iter(changes.values()))
         logs = [json.loads(x) for x in trainer.run().metrics_path.read_text().splitlines()]
         assert logs[-1]["window"]["loss"] < 0.7 * logs[0]["window"]["loss"], (name, [r["window"]["loss"] for r in logs])
 
