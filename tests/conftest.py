@@ -42,9 +42,30 @@ def free_port(*, grpc_offset: bool = False) -> int:
             return port
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One thread per process for the whole session, children included (training entries, servers): the
+    tiny matmuls here run up to 10x slower on two threads of a busy 2-core machine, and module- and
+    session-scoped fixtures (trained drafters, targets) are built before any function fixture could pin
+    it. An OMP_NUM_THREADS set by the caller wins."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test on the Prefect server is `slow`: the server takes ~15 s to start and each flow run
+    starts processes of seconds each (training, inference servers, deployment runs). `-m "not slow"`
+    then never starts it."""
+    for item in items:
+        if "prefect_server" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def one_thread():
-    """Tiny matmuls on a busy 2-core machine run several times faster on one thread than on two."""
+    """One torch thread for this test whatever OMP_NUM_THREADS says (pytest_configure already sets the
+    session's default to one)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -117,6 +138,14 @@ def prefect_server(settings: Settings):
         else:
             os.environ[key] = value
     local.shutdown(service)
+
+
+@pytest.fixture(scope="session")
+def demo_prompt_sample():
+    """`embedded.demo_prompts()` once per session: each call streams the whole shipped ShareGPT file."""
+    from dflash_core import embedded
+
+    return embedded.demo_prompts()
 
 
 @pytest.fixture(scope="session")

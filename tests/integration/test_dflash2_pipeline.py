@@ -28,12 +28,10 @@ from tests.unit.test_trainer import tiny_config
 _DFLASH2 = {"variant": "dflash2", "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8,
             "selector_top_k": 4}
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _config(tmp_path, **changes) -> TrainConfig:
-    """test_trainer's tiny run (1 layer, B=4, data labels), 150 steps, as DFlash 2."""
-    config = tiny_config(tmp_path, **{"max_steps": 150, "checkpoint_every": 1000, "log_every": 50, **changes})
+    """test_trainer's tiny run (1 layer, B=4, data labels), 30 steps, as DFlash 2."""
+    config = tiny_config(tmp_path, **{"max_steps": 30, "checkpoint_every": 1000, "log_every": 10, **changes})
     config.drafter = type(config.drafter).model_validate({**config.drafter.model_dump(), **_DFLASH2})
     return config
 
@@ -44,15 +42,9 @@ def _records(trainer: Trainer) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A DFlash 2 run of 150 steps: (trainer, checkpoint dir)."""
-    tmp_path = tmp_path_factory.mktemp("dflash2-run")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the one_thread fixture does (it is function-scoped)
-    try:
-        trainer = build_trainer(_config(tmp_path))
-        result = trainer.run()
-    finally:
-        torch.set_num_threads(threads)
+    """A DFlash 2 run of 30 steps (loss 10.9 -> 1.7, selector acceptance 1.1 -> 2.2 seen): (trainer, checkpoint dir)."""
+    trainer = build_trainer(_config(tmp_path_factory.mktemp("dflash2-run")))
+    result = trainer.run()
     trainer.close()
     return trainer, result.checkpoint
 

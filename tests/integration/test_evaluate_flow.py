@@ -16,9 +16,6 @@ import torch
 from dflash_core.lineage import read_manifest
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _checkpoint_in_s3(store, prefix, tmp_path, *, variant="dflash"):
     from dflash_core.model import DFlashConfig
     from dflash_core.model.dflash2 import drafter_config

@@ -120,6 +120,7 @@ def private_s3(tmp_path):
     local.shutdown(service)
 
 
+@pytest.mark.slow  # a SeaweedFS of its own and a training process
 def test_s3_stopped_and_restarted_mid_run(private_s3, tmp_path) -> None:
     from dflash_core.services import local
     from dflash_core.services.process import stop
@@ -156,7 +157,7 @@ def test_s3_stopped_and_restarted_mid_run(private_s3, tmp_path) -> None:
     _assert_s3_holds(store, prefix, root, [140, 150])
 
 
-def test_failed_upload_is_repaired_by_a_rerun_at_max_steps(store, settings, prefix, tmp_path, one_thread) -> None:
+def test_failed_upload_is_repaired_by_a_rerun_at_max_steps(store, settings, prefix, tmp_path) -> None:
     from dflash_core.lineage import read_manifest
 
     config_path = _config(tmp_path, "repair", upload_checkpoints=True, max_steps=6, checkpoint_every=2)
@@ -187,7 +188,7 @@ def test_failed_upload_is_repaired_by_a_rerun_at_max_steps(store, settings, pref
         _refuse_remote_checkpoints(store, key_prefix)  # a fresh run of this name would mix with these
 
 
-def test_wrong_credentials_fail_the_run_at_once(settings, s3_server, prefix, tmp_path, one_thread) -> None:
+def test_wrong_credentials_fail_the_run_at_once(settings, s3_server, prefix, tmp_path) -> None:
     from dflash_core.train.uploader import CheckpointUploadFailed
 
     bad = ObjectStore.from_settings(settings.replace(s3_secret_access_key="wrong-secret"))
@@ -201,6 +202,7 @@ def test_wrong_credentials_fail_the_run_at_once(settings, s3_server, prefix, tmp
     assert trainer.step < 400
 
 
+@pytest.mark.slow  # three processes: the CLI, its training child, a second run
 def test_two_runs_with_one_name_and_the_cli_killed(tmp_path) -> None:
     config = _config(tmp_path, "shared", max_steps=100000, checkpoint_every=1000)
     run_dir = tmp_path / "runs" / "shared"

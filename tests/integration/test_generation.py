@@ -31,12 +31,12 @@ CLIENT = ClientConfig(concurrency=4, max_attempts=5, backoff_s=0.2, request_time
 
 @pytest.fixture(scope="session")
 def servers(tiny_model_dir, tmp_path_factory):
-    """Three data-parallel `transformers serve` instances for the session, started together; the third
-    is the one a test kills."""
+    """Two data-parallel `transformers serve` instances for the session, started together; the second
+    is the one a test kills, the first serves the other tests."""
     profile = TransformersProfile(model=str(tiny_model_dir))
     run_dir = tmp_path_factory.mktemp("servers")
-    base = _free_consecutive(3)
-    instances = launcher.launch(profile, num_instances=3, base_port=base, run_dir=run_dir)
+    base = _free_consecutive(2)
+    instances = launcher.launch(profile, num_instances=2, base_port=base, run_dir=run_dir)
     launcher.wait_until_ready(instances, profile)
     yield profile, instances
     launcher.stop_instances(instances)
@@ -68,16 +68,18 @@ def _records(store, key) -> list[CompletionRecord]:
     return [CompletionRecord.model_validate_json(line) for line in store.get_bytes(key).splitlines()]
 
 
+@pytest.mark.slow  # inference servers
 def test_servers_bind_loopback_and_answer(servers) -> None:
     profile, instances = servers
     assert all(instance.url.startswith("http://127.0.0.1:") for instance in instances)
     assert all(launcher.is_ready(instance.url, profile) for instance in instances)
-    assert {i.index for i in launcher.load_instances(Path(instances[0].log_path).parent)} == {0, 1, 2}
+    assert {i.index for i in launcher.load_instances(Path(instances[0].log_path).parent)} == {0, 1}
 
 
+@pytest.mark.slow  # inference servers
 def test_generation_survives_a_killed_instance(servers, tiny_model_dir, store, prefix, tmp_path) -> None:
     profile, instances = servers
-    doomed = instances[2:]
+    doomed = instances[1:]
     prompt_key = _prompt_shard(store, prefix, 24)
     output_key = f"{prefix}/completions/shard-00000.jsonl"
     seen = []
@@ -100,11 +102,12 @@ def test_generation_survives_a_killed_instance(servers, tiny_model_dir, store, p
     assert manifest.config["sampling"]["max_tokens"] == 6
 
 
+@pytest.mark.slow  # inference servers
 def test_resume_skips_what_was_answered(servers, store, prefix, tmp_path) -> None:
     profile, instances = servers
     prompt_key = _prompt_shard(store, prefix, 12)
     output_key = f"{prefix}/completions/shard-00000.jsonl"
-    urls = [i.url for i in instances[:2]]
+    urls = [instances[0].url]
 
     class Interrupted(Exception):
         pass
@@ -137,6 +140,7 @@ def test_resume_skips_what_was_answered(servers, store, prefix, tmp_path) -> Non
     assert read_manifest(store, output_key).config["sampling"]["temperature"] == 0.7
 
 
+@pytest.mark.slow  # inference servers
 def test_failed_prompts_are_recorded_then_retried(servers, store, prefix, tmp_path) -> None:
     profile, instances = servers
     prompt_key = _prompt_shard(store, prefix, 6)
@@ -152,7 +156,7 @@ def test_failed_prompts_are_recorded_then_retried(servers, store, prefix, tmp_pa
     assert {f.id for f in failures_of(store, output_key)} == {f"p{i:03d}" for i in range(6)}
     assert all("ConnectError" in f.error for f in failures_of(store, output_key))
     fixed = generate_shard(store, prompt_key=prompt_key, output_key=output_key,
-                           target=_target(profile, [i.url for i in instances[:2]]), scratch_dir=tmp_path)
+                           target=_target(profile, [instances[0].url]), scratch_dir=tmp_path)
     assert fixed.failed == 0 and fixed.generated_now == 6 and failures_of(store, output_key) == []
     assert len(_records(store, output_key)) == 6
 

@@ -62,6 +62,7 @@ def _tree_state(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow  # venvs and pip installs
 def test_provision_twice_second_run_changes_nothing(tmp_path: Path, ram_disk: Path) -> None:
     build_wheel(tmp_path / "wheelhouse")
     model = tmp_path / "model"
@@ -126,6 +127,7 @@ def test_provision_refuses_a_venv_on_a_network_mount(tmp_path: Path) -> None:
         provision(LocalAccess(), local_node(tmp_path / "node", gpus=8), ProvisionConfig())
 
 
+@pytest.mark.slow  # a venv and pip
 def test_preserve_stops_only_ours_and_uploads_everything_with_manifests(store, settings, tmp_path: Path) -> None:
     name = f"node-{uuid.uuid4().hex[:8]}"
     work = tmp_path / "node"
@@ -176,6 +178,7 @@ def test_preserve_stops_only_ours_and_uploads_everything_with_manifests(store, s
     assert graph.inputs_of(store.uri(prefix + "NOTE.md")) == {s.uri for s in result.saved}
 
 
+@pytest.mark.slow  # venvs and pip installs
 def test_provision_without_ensurepip_fills_the_venv_with_the_outer_pip(tmp_path: Path) -> None:
     """Images without python3-venv (no ensurepip): the venv is made --without-pip and filled by `pip --python`."""
     import sys

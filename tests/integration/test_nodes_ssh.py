@@ -110,6 +110,7 @@ def test_host_keys_are_verified_and_passwords_never_used(sshd: Sshd, tmp_path: P
         sshd.node(key_path=stranger).connect()
 
 
+@pytest.mark.slow  # a venv and pip over SSH
 def test_provision_twice_and_preserve_over_ssh(sshd: Sshd, store, settings) -> None:
     from dflash_core.lineage import read_manifest
     from dflash_core.nodes import PROCESS_DIR, PreserveConfig, preserve, write_node_record

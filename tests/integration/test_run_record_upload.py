@@ -66,6 +66,7 @@ def _assert_stored_with_manifest(store, key: str, data: bytes) -> None:
     assert manifest.kind == "report" and manifest.sha256 == sha256_bytes(data) and manifest.bytes == len(data)
 
 
+@pytest.mark.slow  # two training processes
 def test_a_killed_run_is_auditable_from_the_bucket_and_its_metrics_end_equal(store, settings, tmp_path,
                                                                             monkeypatch) -> None:
     name = f"record-{uuid.uuid4().hex[:8]}"

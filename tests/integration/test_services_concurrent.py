@@ -17,11 +17,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dflash_core.services import local
 from dflash_core.services.stages import settings_env, stage_service
 from tests.conftest import free_port
 
 UP_TIMEOUT_S = 480
+
+pytestmark = pytest.mark.slow
 
 
 def _ours(work_dir: Path) -> dict[int, str]:

@@ -24,9 +24,6 @@ _SEQ, _BLOCK = 24, 4
 _ANCHORS = [3, 9, 15]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _drafter_and_target(tmp_path, *, layer_types=None, sliding_window=None, family="qwen3"):
     torch.manual_seed(0)
     target_config = tiny_target_config(family, **({"num_layers": 8} if family == "qwen3_5" else {}))

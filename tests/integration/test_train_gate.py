@@ -81,6 +81,7 @@ def _dflash_train(config: Path, settings, *extra: str) -> subprocess.CompletedPr
                           env=env, capture_output=True, text=True, timeout=300, cwd=config.parent)
 
 
+@pytest.mark.slow  # two `dflash train` processes
 def test_dflash_train_refuses_a_failed_dataset_and_records_the_override(store, settings, failed_dataset,
                                                                         tmp_path) -> None:
     prefix, shard_key = failed_dataset

@@ -26,8 +26,6 @@ from dflash_core.target import HiddenStateCapture, build_target, target_heads, t
 
 _BLOCK, _NEW = 4, 24
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _trained_drafter(family, *, layer_types=None, sliding_window=None, steps=100):
     """A tiny target and a drafter overfit to its greedy continuations of two random prompts."""

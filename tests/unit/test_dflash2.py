@@ -30,8 +30,6 @@ from dflash_core.target import HiddenStateCapture, build_target, target_heads, t
 _SEQ, _BLOCK, _VOCAB = 40, 4, 256
 _DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _setup(*, seed: int = 0, num_anchors: int = 8, **dflash2_fields):
     torch.manual_seed(seed)

@@ -143,7 +143,7 @@ def test_model_conversion_into_a_full_work_dir(tmp_path, monkeypatch) -> None:
     assert list(models.iterdir()) == [], "the partial conversion stayed in the work dir"
 
 
-def test_disk_full_ends_the_run_with_an_error_line_the_flow_does_not_retry(tmp_path, monkeypatch, one_thread) -> None:
+def test_disk_full_ends_the_run_with_an_error_line_the_flow_does_not_retry(tmp_path, monkeypatch) -> None:
     import tasks.train as train_tasks
     from dflash_core.train import entry
     from dflash_core.train.config import TrainConfig

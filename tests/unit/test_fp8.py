@@ -24,7 +24,6 @@ from dflash_core.train.assemble import build_trainer
 from dflash_core.train.devices import TrainDevices
 from tests.unit.test_trainer import tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = TrainDevices(torch.device("cpu"), torch.device("cpu"))
 
 

@@ -83,11 +83,10 @@ def test_every_stage_form_survives_the_trip_to_a_deployment_run():
                 assert type(stage).model_validate(stage.model_dump(mode="json")) == stage, field
 
 
-def test_the_demo_holds_out_four_of_its_38_prompts():
-    from dflash_core import embedded
+def test_the_demo_holds_out_four_of_its_38_prompts(demo_prompt_sample):
     from flows.pipeline import demo_pipeline
 
-    records, _ = embedded.demo_prompts()
+    records, _ = demo_prompt_sample
     train, heldout = split_heldout(records, demo_pipeline().generation.holdout)
     assert len(records) == 38 and len(heldout) == 4 == demo_pipeline().evaluation.num_prompts
     assert {p.source for p in heldout} == {"sharegpt", "tool-use"}

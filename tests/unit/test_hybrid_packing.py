@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from dflash_core.hybrid import _packed_conv, _packed_rule, packed_documents, packed_segments, segment_starts
 from dflash_core.target import HiddenStateCapture, build_target, language_model, tiny_target_config, validate_capture
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 _LENGTHS = [37, 5, 70, 1, 20]  # one-token document, then a document right after it
 _PADDING = 11
@@ -164,6 +163,7 @@ def _reference_conv(hidden_states, weight, bias=None, activation=None, **kwargs)
     return F.silu(out) if activation == "silu" else out
 
 
+@pytest.mark.slow  # flex attention compiled on a CPU (~5 s)
 def test_flex_attention_opt_in_keeps_each_document_exact():
     """Qwen3.5 lacks transformers' flex flag only; opted in, the packed row's attention layers skip
     the other documents' blocks and each document still gets its states alone (flex on CPU)."""

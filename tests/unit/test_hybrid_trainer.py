@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from dflash_core.train.checkpoint import load_checkpoint
@@ -16,8 +15,6 @@ from dflash_core.train.data import collate
 from dflash_core.train.assemble import build_trainer
 from dflash_core.train.step import batch_tensors, capture_batch
 from tests.unit.test_trainer import tiny_config
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_hybrid_target_packs_exactly_and_records_its_kernels(tmp_path) -> None:

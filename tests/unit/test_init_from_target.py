@@ -12,8 +12,6 @@ from dflash_core.model import DFlashConfig
 from dflash_core.model.init_from_target import init_from_target_layers
 from dflash_core.target import build_target, language_model, tiny_target_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _drafter_and_layers(family: str):
     torch.manual_seed(0)

@@ -16,8 +16,6 @@ from dflash_core.train.assemble import build_trainer
 from dflash_core.train.report import end_torn_line, load_metrics, read_metrics
 from tests.unit.test_trainer import tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _line(step: int, loss: float) -> str:
     return json.dumps({"step": step, "loss": loss}) + "\n"
@@ -58,18 +56,18 @@ def test_end_torn_line_ends_only_a_torn_line(tmp_path):
 
 
 def test_a_resumed_run_appends_after_a_torn_record(tmp_path, capsys):
-    # killed while writing step 50's record, i.e. before step 50's checkpoint
-    config = tiny_config(tmp_path, max_steps=50, log_every=25, checkpoint_every=25)
+    # killed while writing step 4's record, i.e. before step 4's checkpoint
+    config = tiny_config(tmp_path, max_steps=4, log_every=2, checkpoint_every=2)
     build_trainer(config).run()
     shutil.rmtree(complete_checkpoints(config.run_dir / "checkpoints")[-1])
     metrics = config.run_dir / "metrics.jsonl"
     whole = metrics.read_text()
     metrics.write_text(whole[: whole.rindex("\n", 0, len(whole) - 1) + 40])
     resumed = build_trainer(config)
-    assert resumed.resume() and resumed.step == 25
+    assert resumed.resume() and resumed.step == 2
     resumed.run()
     assert "the last record was cut short" in capsys.readouterr().out
     with pytest.warns(UserWarning, match="skipped 1 torn"):
         records = read_metrics(metrics)
-    assert [r["step"] for r in records] == [25, 50]
-    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == 50  # its own line, not glued on
+    assert [r["step"] for r in records] == [2, 4]
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == 4  # its own line, not glued on

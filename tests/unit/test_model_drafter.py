@@ -16,9 +16,6 @@ from dflash_core.target import HiddenStateCapture, build_target, target_heads, t
 _SEQ = 40
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _setup(family: str, *, block_size: int = 4, layer_types=None, sliding_window=None, seed: int = 0):
     torch.manual_seed(seed)
     target_config = tiny_target_config(family, num_layers=8 if family == "qwen3_5" else 6)

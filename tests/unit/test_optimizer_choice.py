@@ -14,8 +14,6 @@ from dflash_core.train.config import OptimSettings
 from dflash_core.train.optimizer import Optimizers, muon_split
 from tests.unit.test_trainer import tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def test_warmup_fraction_scales_with_max_steps() -> None:
     assert OptimSettings(warmup_steps=100).resolved_warmup_steps(200) == 100

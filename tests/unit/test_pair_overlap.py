@@ -16,8 +16,6 @@ import torch
 from dflash_core.train.assemble import build_trainer
 from tests.unit.test_trainer import tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def pair_config(tmp_path, **changes):
     return tiny_config(tmp_path, placement="pair", target_device="cpu", drafter_device="cpu", log_every=1,

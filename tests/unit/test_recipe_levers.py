@@ -27,8 +27,6 @@ _DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selecto
 _LEVERS = {"feature_noise": 0.2, "dropout": 0.1, "label_smoothing": 0.1}
 REGULARIZATION_FIELDS = tuple(_LEVERS)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def world():

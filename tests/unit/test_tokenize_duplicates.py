@@ -23,7 +23,7 @@ from dflash_core.tokenize import (
 from dflash_core.tokenize.duplicates import _RecordId, record_id
 from dflash_core.tokenize.shard import QUARANTINE_HEAD_BYTES, StaleDuplicates, shard_lines
 from dflash_core.tokenize.stats import sample_frame, skipped_frame
-from tests.unit.conftest_tokenize import jsonl, make_record, qwen_hf, qwen_target, smol_hf  # noqa: F401
+from tests.unit.conftest_tokenize import jsonl, make_record
 
 
 def records(*ids: str) -> bytes:

@@ -13,7 +13,7 @@ import pytest
 
 from dflash_core.tokenize import TargetTokenizer, TokenizeConfig, TokenizePool, tokenize_shard
 from dflash_core.tokenize.shard import TemplateFailed
-from tests.unit.conftest_tokenize import jsonl, make_record, qwen_hf, qwen_target, smol_hf  # noqa: F401
+from tests.unit.conftest_tokenize import jsonl, make_record
 
 FAILING_TEMPLATE = "{{ raise_exception('this template needs a tools list') }}"
 

@@ -15,7 +15,7 @@ from dflash_core.tokenize import (
     sample_frame, skipped_frame, stats_markdown, stats_rows, summarize, tokenize_shard,
 )
 from dflash_core.tokenize.detect import distinct_ngram_fraction, is_repetition_loop, max_identical_tool_calls
-from tests.unit.conftest_tokenize import jsonl, make_record, qwen_hf, qwen_target, smol_hf  # noqa: F401
+from tests.unit.conftest_tokenize import jsonl, make_record
 
 
 def frames(target, data: bytes, shard: str = "shard-00000", config=TokenizeConfig()):

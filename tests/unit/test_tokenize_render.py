@@ -13,9 +13,7 @@ from dflash_core.tokenize.config import TokenizeConfig
 from dflash_core.tokenize.render import PrefixUnstable, prompt_messages, template_kwargs
 from dflash_core.tokenize.shard import ShardTokenizer, tokenize_shard
 from dflash_core.tokenize.target import TargetTokenizer
-from tests.unit.conftest_tokenize import (  # noqa: F401  (fixtures)
-    jsonl, make_record, qwen_hf, qwen_target, smol_hf, smol_target,
-)
+from tests.unit.conftest_tokenize import jsonl, make_record
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
                                                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

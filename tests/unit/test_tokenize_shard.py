@@ -16,7 +16,7 @@ import pytest
 from dflash_core.tokenize import (
     SCHEMA, TokenizeConfig, TokenizePool, arrow_bytes, quarantine_bytes, read_arrow_bytes, tokenize_shard,
 )
-from tests.unit.conftest_tokenize import jsonl, make_record, qwen_hf, qwen_target, smol_hf, smol_target  # noqa: F401
+from tests.unit.conftest_tokenize import jsonl, make_record
 
 BAD_LINES = {
     "malformed_json": b'{"id": "broken", ',

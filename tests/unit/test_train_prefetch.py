@@ -22,8 +22,6 @@ from dflash_core.train.loop import Trainer
 from dflash_core.train.prefetch import THREAD_NAME, BatchPrefetcher
 from tests.unit.test_trainer import tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _prefetch_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == THREAD_NAME]

@@ -17,13 +17,10 @@ from dflash_core.train.optimizer import lr_factor
 from tests.train_fixtures import SYNTHETIC_VERDICT, synthetic_shard
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def tiny_config(tmp_path, **changes) -> TrainConfig:
     shard = synthetic_shard(tmp_path / "data" / "shard-00000.arrow", num_samples=300, min_len=12, max_len=24)
     base = dict(run_name="tiny", target="tiny:llama", data=[str(shard)], output_dir=tmp_path / "runs",
-                token_budget=96, max_steps=300, checkpoint_every=100, keep_last=2, log_every=25,
+                token_budget=96, max_steps=4, checkpoint_every=100, keep_last=2, log_every=25,
                 upload_checkpoints=False,
                 drafter={"num_layers": 1, "block_size": 4, "num_anchors": 16, "loss_gamma": 4.0,
                          "loss_target": "data"},
@@ -32,18 +29,19 @@ def tiny_config(tmp_path, **changes) -> TrainConfig:
 
 
 def test_loss_falls_and_acceptance_rises(tmp_path) -> None:
-    trainer = build_trainer(tiny_config(tmp_path))
+    # 30 steps: the successor map is learned by then (loss 22 -> 0.7, acceptance 1.0 -> 2.7 seen)
+    trainer = build_trainer(tiny_config(tmp_path, max_steps=30, log_every=3, checkpoint_every=10))
     trainer.validate_capture()
     result = trainer.run()
     trainer.close()
     logs = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
-    assert [r["step"] for r in logs] == list(range(25, 301, 25))
+    assert [r["step"] for r in logs] == list(range(3, 31, 3))
     first, last = logs[0], logs[-3:]
     assert sum(r["loss"] for r in last) / 3 < 0.6 * first["loss"]
     assert sum(r["acceptance_length"] for r in last) / 3 > first["acceptance_length"] + 0.3
     assert len(logs[-1]["accuracy_per_position"]) == 3 and logs[-1]["tokens_per_s"] > 0
     assert [p.name for p in complete_checkpoints(tmp_path / "runs" / "tiny" / "checkpoints")] == \
-        ["step-000200", "step-000300"]
+        ["step-000020", "step-000030"]
 
 
 def test_checkpoint_holds_drafter_only_and_full_state(tmp_path) -> None:
@@ -138,13 +136,14 @@ def test_loss_falls_on_real_text(tmp_path) -> None:
     shard = tmp_path / "real.arrow"
     shard.write_bytes(arrow_bytes(table, metadata=SYNTHETIC_VERDICT))
     target = build_tiny_chat_model(tmp_path / "target", num_layers=6)
-    config = tiny_config(tmp_path, target=str(target), data=[str(shard)], token_budget=144, max_steps=120,
-                         log_every=20, checkpoint_every=1000)
+    config = tiny_config(tmp_path, target=str(target), data=[str(shard)], token_budget=144, max_steps=30,
+                         log_every=5, checkpoint_every=1000, optim={"lr": 2e-2, "warmup_steps": 5})
     config.drafter.num_anchors = 24
+    config.drafter.selector_rank = 8  # the default 256 gives 2 x 49,152 x 256 codebook weights for Adam to step
     trainer = build_trainer(config)
     logs = [json.loads(x) for x in trainer.run().metrics_path.read_text().splitlines()]
-    losses = [r["loss"] for r in logs]
-    assert sum(losses[-2:]) < 0.85 * sum(losses[:2]), [round(x, 2) for x in losses]  # seen: 12.8 -> 10.4
+    losses = [r["window"]["loss"] for r in logs]  # window means: a single step's loss is noisy
+    assert sum(losses[-2:]) < 0.85 * sum(losses[:2]), [round(x, 2) for x in losses]  # seen: 33.7 -> 19.8
 
 
 def test_logged_window_is_the_mean_of_its_steps(tmp_path) -> None:
@@ -193,7 +192,7 @@ def test_tapped_layers_come_from_the_settings(tmp_path) -> None:
 def test_loss_options_train(tmp_path) -> None:
     """Exp-decay and KL runs learn as the default (D-PACE) does (teacher labels from the tiny random target)."""
     for name, changes in {"exp_decay": {"loss_weighting": "exp_decay"}, "kl": {"loss_type": "kl"}}.items():
-        config = tiny_config(tmp_path / name, max_steps=60, log_every=20, checkpoint_every=100)
+        config = tiny_config(tmp_path / name, max_steps=30, log_every=10, checkpoint_every=100)
         config.drafter = config.drafter.model_copy(update={"variant": "dflash", "loss_target": "teacher", **changes})
         trainer = build_trainer(config)
         assert getattr(trainer.drafter.loss, next(iter(changes))) == next(iter(changes.values()))
