@@ -68,7 +68,9 @@ def test_one_form_runs_the_whole_dag_over_an_ssh_node(sshd: Sshd, prefect_server
         training=TrainFlowParams(node=node, config={
             "run_name": name, "target": str(tiny_target), "output_dir": str(tmp_path / "runs"), "token_budget": 96,
             "max_steps": 2, "checkpoint_every": 2, "log_every": 1, "validate_capture_batches": 1,
-            "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0}}),
+            # selector_rank 8: the default 256 gives 2 x 49,152 x 256 codebook weights, a 290 MB checkpoint
+            "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0,
+                        "selector_rank": 8}}),
         evaluation=EvaluateParams(num_prompts=2, max_new_tokens=4, modes=["block"]),
         export=ExportParams(formats=["native"]),
         preserve=PreserveParams(node=node),

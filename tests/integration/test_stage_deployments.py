@@ -78,7 +78,9 @@ def test_a_failed_stage_is_retried_alone_and_the_pipeline_retry_reuses_it(stage_
     training = TrainFlowParams(config={
         "run_name": dataset, "target": str(tiny_target), "output_dir": str(tmp_path / "runs"), "token_budget": 96,
         "max_steps": 2, "checkpoint_every": 2, "log_every": 1, "validate_capture_batches": 1,
-        "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0}})
+        # selector_rank 8: the default 256 gives 2 x 49,152 x 256 codebook weights, a 290 MB checkpoint
+        "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0,
+                    "selector_rank": 8}})
     params = PipelineParams(tokenization=tokenization, training=training)
     with get_client(sync_client=True) as client:
         # The pipeline as `dflash demo` starts it: a run of its deployment, on the stage server.
