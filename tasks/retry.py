@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dflash_core.nodes import NodeUnreachable
+from dflash_core.storage import StoreUnavailable
+
 RetryCondition = Callable[..., bool]
 
 
@@ -34,17 +37,8 @@ def retry_unless(*final: type[BaseException]) -> RetryCondition:
     return condition
 
 
-def _outage_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    from dflash_core.nodes import NodeUnreachable
-    from dflash_core.storage import StoreUnavailable
-
-    return (StoreUnavailable,), (NodeUnreachable, StoreUnavailable, ConnectionError, TimeoutError)
-
-
-_STORE_OUTAGE, _UNREACHABLE = _outage_types()
-
 # S3 did not answer (down, 5xx, throttled); a configuration error (wrong credentials, missing bucket,
 # not an S3 server) or a bug fails at once.
-retry_store_outage = retry_if(*_STORE_OUTAGE)
+retry_store_outage = retry_if(StoreUnavailable)
 # The node or S3 did not answer; a failed command, a refused host key or a refused plan fails at once.
-retry_unreachable = retry_if(*_UNREACHABLE)
+retry_unreachable = retry_if(NodeUnreachable, StoreUnavailable, ConnectionError, TimeoutError)

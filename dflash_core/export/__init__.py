@@ -112,13 +112,19 @@ def export_drafter(
 
 def read_export_config(path: Path) -> tuple[str, DFlashConfig]:
     """(format, config) of an export directory, detected from its config.json."""
+    name, config, _ = _read_export(path)
+    return name, config
+
+
+def _read_export(path: Path) -> tuple[str, DFlashConfig, LossSpec]:
+    """(format, config, the loss settings it carries) from one read of config.json."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise ValueError(f"{config_path} does not exist")
     data = json.loads(config_path.read_text())
     if "speculators_model_type" in data:
-        return "speculators", config_from_speculators(data)
-    return "native", config_from_native(data)
+        return "speculators", config_from_speculators(data), _loss_of(data)
+    return "native", config_from_native(data), _loss_of(data)
 
 
 def _loss_of(data: dict[str, Any]) -> LossSpec:
@@ -131,11 +137,11 @@ def _loss_of(data: dict[str, Any]) -> LossSpec:
 def load_drafter(path: Path, *, device: str | torch.device = "cpu") -> torch.nn.Module:
     """A `DFlashDraftModel` or `DFlash2DraftModel` (fp32) from a native or speculators export directory;
     attach the target after."""
-    _, config = read_export_config(path)
+    _, config, loss = _read_export(path)
     state = load_file(Path(path) / WEIGHTS_FILE, device=str(device))
     # speculators' own save_pretrained may also hold verifier-owned tensors: not drafter weights.
     state = {name: t.float() for name, t in state.items() if name.startswith(DRAFTER_PREFIXES)}
     check_state_dict(config, state)
-    drafter = config.build(device=device, loss=_loss_of(json.loads((Path(path) / CONFIG_FILE).read_text())))
+    drafter = config.build(device=device, loss=loss)
     drafter.load_state_dict(state, strict=True)
     return drafter

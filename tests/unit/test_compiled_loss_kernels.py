@@ -87,3 +87,25 @@ def test_compile_layers_compiles_only_its_own_drafters_loss():
     compiled, eager = config.build(), config.build()
     compiled.compile_layers()  # torch.compile is lazy: nothing compiles until a call
     assert compiled._layers_compiled and not eager._layers_compiled
+
+
+def test_a_compiled_drafters_loss_runs_the_compiled_kernels(monkeypatch):
+    """The flag `compile_layers` sets reaches the loss: the drafter then asks for the compiled kernels,
+    another drafter keeps the eager ones (layers left eager here: CPU compiles are slow)."""
+    from dflash_core.model import drafter as drafter_module
+    from tests.unit.test_drafter_loss_options import _drafter, _run, _setup
+
+    asked = []
+    real = drafter_module.chunked_lm_head_loss
+
+    def recording(*args, compiled=False, **kwargs):
+        asked.append(compiled)
+        return real(*args, compiled=False, **kwargs)  # the math is the same; the test is the wiring
+
+    monkeypatch.setattr(drafter_module, "chunked_lm_head_loss", recording)
+    target, config, input_ids, captured, plan = _setup()
+    eager, compiled = _drafter(config, target), _drafter(config, target)
+    compiled._layers_compiled = True  # what compile_layers sets (test above)
+    _run(eager, input_ids, captured, plan)
+    _run(compiled, input_ids, captured, plan)
+    assert asked == [False, True]
