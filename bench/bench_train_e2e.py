@@ -76,11 +76,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from dflash_core.train.config import TrainConfig  # noqa: E402
 from dflash_core.train.data import TokenizedCorpus  # noqa: E402
 from dflash_core.train.assemble import build_trainer  # noqa: E402
+from bench_train_step import measure_matmul_peak  # noqa: E402
+
+def useful_tflop(trainer, args) -> float:
+    """bench_train_step's useful-FLOP count of one step, for a plan like the trainer's: each packed
+    sample a document with its first eighth prompt, the row's anchors shared out evenly."""
+    from bench_train_step import step_flops
+    from dflash_core.model.anchors import plan_blocks
+
+    samples = args.token_budget // args.sample_len
+    loss_mask = torch.ones(samples, args.sample_len, dtype=torch.bool)
+    loss_mask[:, : args.sample_len // 8] = False
+    plan = plan_blocks(loss_mask_BT=loss_mask, num_anchors=args.anchors // samples, block_size=args.block_size,
+                       generator=torch.Generator().manual_seed(0))
+    target_config = getattr(trainer.target.config, "text_config", trainer.target.config)
+    return step_flops(target_config=target_config, config=trainer.drafter_config, plans=[plan], batch=samples,
+                      seq_len=args.sample_len) / 1e12
+
 
 PHASES = ("dflash.prepare_batch", "dflash.target_forward", "dflash.drafter_step", "dflash.optimizer")
 
@@ -260,6 +277,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-out", type=Path, help="chrome trace path (.json or .json.gz)")
     parser.add_argument("--target-fp8", action="store_true",
                         help="the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8)")
+    parser.add_argument("--fp8-fast-accum", action="store_true", help="with --target-fp8: use_fast_accum GEMMs")
+    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs",
+                                                                       "reduce-overhead"], help="TrainConfig.compile_mode")
     parser.add_argument("--sync-debug", action="store_true", help="count synchronizing CUDA calls in the timed steps")
     parser.add_argument("--json", type=Path, help="write the result row here")
     args = parser.parse_args(argv)
@@ -280,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
         checkpoint_every=max_steps + 1, compile=cuda and not args.no_compile, validate_capture_batches=1,
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
                  "loss_target": args.teacher, "variant": args.variant}, prefetch_batches=args.prefetch,
-        target_fp8=args.target_fp8,
+        target_fp8=args.target_fp8, target_fp8_fast_accum=args.fp8_fast_accum, compile_mode=args.compile_mode,
     )
     started = time.perf_counter()
     trainer = build_trainer(config, corpus=corpus)
@@ -336,13 +356,16 @@ def main(argv: list[str] | None = None) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     last = records[-1]
     selector_tau = last.get("selector_acceptance_length", float("nan"))  # DFlash 2 only
+    tflop = useful_tflop(trainer, args)
+    peak_tflops = measure_matmul_peak(device="cuda") if cuda else float("nan")
+    mfu = tflop / (median_ms / 1e3) / peak_tflops
     row = {
         "target": args.target, "variant": args.variant, "tokens_per_row": args.token_budget, "anchors": args.anchors,
         "ms_per_step": median_ms, "wall_ms_per_step": wall_ms, "tokens_per_s": real_tokens / median_ms * 1e3,
         "peak_gib": peak, "host_prepare_ms": host["prepare"], "host_dispatch_ms": host["dispatch"],
         "host_wait_ms": host["wait"], "loss": last["loss"], "acceptance_length": last["acceptance_length"],
         "selector_acceptance_length": selector_tau, "setup_s": setup_s, "per_step_ms": step_ms,
-        "sync_debug_warnings": syncs if args.sync_debug and cuda else None,
+        "useful_tflop": tflop, "matmul_peak_tflops": peak_tflops, "mfu": mfu, "sync_debug_warnings": syncs if args.sync_debug and cuda else None,
         "drafter_parameters": sum(p.numel() for p in trainer.drafter.parameters()),
         "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         "compile": config.compile, "torch": torch.__version__,
@@ -354,7 +377,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{row['tokens_per_s']:>10,.0f}{peak:>9.1f}{host['prepare']:>8.2f}{host['dispatch']:>8.1f}{host['wait']:>8.1f}"
           f"{last['loss']:>8.3f}{last['acceptance_length']:>7.3f}{selector_tau:>8.3f}{setup_s:>8.1f}")
     print(f"drafter parameters: {row['drafter_parameters']:,}; prefetch {args.prefetch}, metrics synced every "
-          f"{args.log_every} steps; wall {wall_ms:.1f} ms/step over the timed window")
+          f"{args.log_every} steps; wall {wall_ms:.1f} ms/step over the timed window; useful {tflop:.1f} TFLOP/step, "
+          f"MFU {mfu:.1%} of the measured bf16 matmul peak {peak_tflops:.0f} TFLOP/s (FLOP limit "
+          f"{tflop / peak_tflops * 1e3:.0f} ms)")
     print(f"per-step ms after warmup: {[round(x) for x in step_ms]}")
     if args.sync_debug and cuda:
         print(f"synchronizing CUDA calls in {args.steps} timed steps: {syncs}")

@@ -48,11 +48,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Fp8Linear(nn.Module):
     """A frozen nn.Linear whose GEMM runs in FP8: weight [N, K] quantized per output channel once,
-    the input per row at every call; the output in the input's dtype."""
+    the input per row at every call; the output in the input's dtype. `fast_accum`: the GEMM's
+    `use_fast_accum` (Hopper accumulates in reduced precision between its periodic promotions to fp32:
+    faster, less exact)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, *, fast_accum: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.fast_accum = fast_accum
         weight, scale = quantize_rows(linear.weight.detach())
         self.register_buffer("weight_fp8", weight)
         self.register_buffer("weight_scale", scale.reshape(1, -1))  # [1, N]: _scaled_mm's row-wise scale_b
@@ -65,7 +68,7 @@ class Fp8Linear(nn.Module):
         x_fp8, x_scale = quantize_rows(rows)
         out_dtype = torch.bfloat16 if x.is_cuda else x.dtype  # CUDA's row-wise FP8 GEMM writes bf16
         y = torch._scaled_mm(x_fp8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                             out_dtype=out_dtype).to(x.dtype)
+                             out_dtype=out_dtype, use_fast_accum=self.fast_accum).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -83,10 +86,11 @@ class Fp8Linear(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8" + (
+            ", fast_accum" if self.fast_accum else "")
 
 
-def quantize_linears(module: nn.Module) -> tuple[int, int]:
+def quantize_linears(module: nn.Module, *, fast_accum: bool = False) -> tuple[int, int]:
     """Replace every nn.Linear under `module` whose widths are multiples of 16 and that is not narrow
     (module docstring) by an Fp8Linear, in place (the original weights are freed). Returns (quantized,
     kept)."""
@@ -102,6 +106,6 @@ def quantize_linears(module: nn.Module) -> tuple[int, int]:
             if child.in_features % _ALIGN or child.out_features % _ALIGN or narrow:
                 kept += 1
                 continue
-            setattr(parent, name, Fp8Linear(child))
+            setattr(parent, name, Fp8Linear(child, fast_accum=fast_accum))
             quantized += 1
     return quantized, kept

@@ -59,7 +59,8 @@ def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Dis
                                         tokenizer=load_target_tokenizer(config.target, models_dir=models_dir))
     drafter = _build_drafter(drafter_config, target, config=config, devices=devices)
     if config.target_fp8:  # after the drafter copied what it needs (heads, init layers) from the target
-        quantize_target(target, device=devices.target, log=dist_info.is_main)
+        quantize_target(target, device=devices.target, log=dist_info.is_main,
+                        fast_accum=config.target_fp8_fast_accum)
     capture = HiddenStateCapture(target, layer_ids=drafter_config.target_layer_ids,
                                  capture_final=config.drafter.loss_target == "teacher")
     optimizer, scheduler = build_optimizer(drafter, config, device=devices.drafter)
@@ -84,7 +85,8 @@ def build_trainer(config: TrainConfig, *, store: ObjectStore | None = None, mode
     return Trainer(parts, model, store=store, dist_info=dist_info, **loop_options)
 
 
-def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool) -> None:
+def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool,
+                    fast_accum: bool = False) -> None:
     """The target's decoder-layer GEMMs to FP8, or a ValueError saying why this device cannot."""
     from dflash_core.fp8 import supports_fp8
     from dflash_core.target_runtime import quantize_decoder_layers_fp8
@@ -92,7 +94,7 @@ def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool)
     why = supports_fp8(device)
     if why is not None:
         raise ValueError(f"target_fp8: {why}; set target_fp8: false to keep the target in its own dtype")
-    quantized, kept = quantize_decoder_layers_fp8(target)
+    quantized, kept = quantize_decoder_layers_fp8(target, fast_accum=fast_accum)
     if log:
         print(f"target GEMMs: fp8 ({quantized} linears; {kept} kept in their dtype: unaligned or narrow)",
               file=sys.stderr, flush=True)

@@ -227,10 +227,16 @@ class TrainConfig(BaseModel):
         "auto", description="Drafter attention in training: flex (flex_attention block mask, GPU), sdpa (dense "
         "mask, CPU or debugging); auto: flex on GPU, sdpa on CPU.")
     compile: bool = Field(False, description="torch.compile the drafter layers and the target's decoder layers (GPU).")
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = Field(
+        "default", description="With compile: torch.compile's mode for the drafter and target layers (reduce-overhead "
+        "replays them as CUDA graphs; max-autotune-no-cudagraphs autotunes their kernels, minutes of compiling).")
     target_fp8: bool = Field(
         False, description="Run the target's decoder-layer GEMMs in FP8 (row-wise scales, dflash_core.fp8; H100/H200 "
         "or newer, or CPU): faster and half the target's weight memory, but the drafter then learns from an FP8 "
         "target's states, close to but not equal to the bf16 target's. For targets served in FP8.")
+    target_fp8_fast_accum: bool = Field(
+        False, description="With target_fp8: the FP8 GEMMs accumulate in Hopper's fast, reduced-precision mode "
+        "(torch._scaled_mm use_fast_accum).")
     checkpoint_every: int = Field(200, ge=1, description="Save a checkpoint every this many steps (and at the "
                                   "end).")
     keep_last: int = Field(3, ge=1, description="Local checkpoints kept; older ones are deleted.")

@@ -92,9 +92,9 @@ def test_each_replaced_linear_is_freed_as_the_next_is_quantized(monkeypatch):
     alive_at_each_quantization = []
 
     class CountingFp8Linear(Fp8Linear):
-        def __init__(self, linear):
+        def __init__(self, linear, **options):
             alive_at_each_quantization.append(sum(ref() is not None for ref in originals))
-            super().__init__(linear)
+            super().__init__(linear, **options)
 
     monkeypatch.setattr(fp8_module, "Fp8Linear", CountingFp8Linear)
     assert quantize_linears(layers) == (8, 0)
@@ -198,3 +198,22 @@ def test_planner_suggests_fp8_where_only_fp8_fits():
     assert too_small.fits is False and "target_fp8" not in too_small.note  # FP8 would not fit either
     already = plan(PlanInputs(**inputs, gpu_memory_gib=90.0, target_fp8=True)).layouts[0]
     assert already.fits is False and "target_fp8" not in already.note
+
+
+def test_fast_accum_reaches_every_quantized_gemm(monkeypatch):
+    layers = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 256))
+    x = torch.randn(5, 64)
+    exact = nn.Sequential(*(Fp8Linear(layer) for layer in layers))(x)
+    calls = []
+    real_scaled_mm = torch._scaled_mm
+
+    def recording_scaled_mm(*args, **kwargs):
+        calls.append(kwargs.get("use_fast_accum"))
+        return real_scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording_scaled_mm)
+    assert quantize_linears(layers, fast_accum=True) == (2, 0)
+    fast = layers(x)
+    assert calls == [True, True]
+    assert all("fast_accum" in repr(layer) for layer in layers)
+    torch.testing.assert_close(fast, exact, rtol=0.05, atol=0.05)
