@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--target-fp8", action="store_true",
                         help="the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8)")
     parser.add_argument("--fp8-fast-accum", action="store_true", help="with --target-fp8: use_fast_accum GEMMs")
-    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs",
-                                                                       "reduce-overhead"], help="TrainConfig.compile_mode")
+    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                        help="TrainConfig.compile_mode")
     parser.add_argument("--sync-debug", action="store_true", help="count synchronizing CUDA calls in the timed steps")
     parser.add_argument("--json", type=Path, help="write the result row here")
     args = parser.parse_args(argv)
