@@ -147,6 +147,23 @@ def variants() -> dict[str, Variant]:
                 "(optim.optimizer: muon; speculators' default optimizer)", drafter=_default(), optim={"optimizer": "muon"}),
         Variant("default+muon+warmup=0.05", "the default with Muon and a 5% warmup", drafter=_default(),
                 optim={"optimizer": "muon", "warmup_fraction": 0.05}),
+        # Issue #31's levers against overfitting and for later slots (each off in the library until measured).
+        Variant("default+dpace=selector", "the default, D-PACE confidences from the selector's K-way probability "
+                "instead of the unary one (drafter.dpace_source)", drafter=_default(dpace_source="selector")),
+        Variant("default+codebooks=embedding", "the default, the selector's codebooks starting as the target "
+                "embedding's top principal components (drafter.selector_codebook_init)",
+                drafter=_default(selector_codebook_init="embedding")),
+        Variant("default+selector_rank=64", "the default with a rank-64 selector (4x fewer codebook parameters "
+                "than 256)", drafter=_default(selector_rank=64)),
+        Variant("default+anchors=stratified", "the default, one anchor per stratum of the eligible positions "
+                "(drafter.anchor_sampling)", drafter=_default(anchor_sampling="stratified")),
+        Variant("default+prompt_anchors", "the default, anchors in prompts too, learning the target's argmax there "
+                "(drafter.prompt_anchors)", drafter=_default(prompt_anchors=True)),
+        Variant("default+dpace=selector+codebooks=embedding", "both selector levers",
+                drafter=_default(dpace_source="selector", selector_codebook_init="embedding")),
+        Variant("default+dpace=selector+codebooks=embedding+anchors=stratified", "both selector levers and "
+                "stratified anchors", drafter=_default(dpace_source="selector", selector_codebook_init="embedding",
+                                                        anchor_sampling="stratified")),
         Variant("speculators", "speculators 0.9 DFlashDraftModel, its trainer's defaults (D-PACE + CE, its 3 taps, "
                 "its 512 anchors per 8,192 tokens); mask: its rule, the EOS fallback replaced", kind="speculators"),
         Variant("speculators+mask=eos", "speculators DFlash with its literal mask fallback (pad = EOS on SmolLM2)",
@@ -163,13 +180,18 @@ def variants() -> dict[str, Variant]:
 
 
 # Named sets of rows. compare: the honest comparison (issue #31 item 1) and the levers that exist as
-# options; core: what a 2,000-step call has room for on one H200.
+# options; core: what a 2,000-step call has room for on one H200; levers: issue #31's selector, anchor
+# and prompt levers against both speculators rows.
 SUITES = {
     "compare": ["speculators", "speculators-dflash2", "default", "dflash", "speculators+anchors=512",
                 "speculators-dflash2+anchors=512", "speculators+mask=eos", "default+last-tap=N-2",
                 "default+warmup=0.05", "default+muon", "default+muon+warmup=0.05"],
     "core": ["speculators", "speculators-dflash2", "default"],
     "tiny": ["default", "speculators", "speculators-dflash2"],
+    "levers": ["default", "speculators", "speculators-dflash2", "default+dpace=selector", "default+codebooks=embedding",
+               "default+selector_rank=64", "default+anchors=stratified", "default+prompt_anchors",
+               "default+dpace=selector+codebooks=embedding",
+               "default+dpace=selector+codebooks=embedding+anchors=stratified"],
 }
 DEFAULT_VARIANTS = list(variants())
 LONG_VARIANTS = ["default", "speculators"]

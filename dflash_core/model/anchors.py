@@ -12,6 +12,8 @@ import dataclasses
 
 import torch
 
+ANCHOR_SAMPLINGS = ("uniform", "stratified")
+
 
 def document_ids_from_positions(position_ids_BT: torch.Tensor) -> torch.Tensor:
     """Document index per token of a packed row: a new document starts where positions don't step by 1."""
@@ -21,7 +23,7 @@ def document_ids_from_positions(position_ids_BT: torch.Tensor) -> torch.Tensor:
 
 
 def eligible_anchor_positions(
-    *, loss_mask_BT: torch.Tensor, document_ids_BT: torch.Tensor, block_size: int
+    *, loss_mask_BT: torch.Tensor, document_ids_BT: torch.Tensor, block_size: int, prompt_anchors: bool = False
 ) -> torch.Tensor:
     """Bool [B, T]: p may anchor a block.
 
@@ -30,11 +32,13 @@ def eligible_anchor_positions(
     always carries loss. The block may run past the end of its document (or of the row): those
     slots get no label (`plan_blocks` masks them), as in speculators. So the last tokens of every
     response, the end-of-turn token among them, are learned at every slot, not only the last.
-    `block_size` is kept for callers; the rule no longer depends on it.
+    `prompt_anchors`: the loss mask is not asked for (prompt positions anchor too; their slots then
+    learn the target's argmax), only the document rule. `block_size` is kept for callers; the rule
+    does not depend on it.
     """
     del block_size
     batch, seq_len = loss_mask_BT.shape
-    loss = loss_mask_BT.bool()
+    loss = torch.ones_like(loss_mask_BT, dtype=torch.bool) if prompt_anchors else loss_mask_BT.bool()
     eligible = torch.zeros_like(loss)
     if seq_len < 3:
         return eligible
@@ -42,19 +46,32 @@ def eligible_anchor_positions(
     same_doc_before = docs[:, 1:-1] == docs[:, :-2]
     next_is_label = loss[:, 2:] & (docs[:, 2:] == docs[:, 1:-1])
     eligible[:, 1:-1] = loss[:, 1:-1] & same_doc_before & next_is_label
+    if prompt_anchors:  # padding (document id -1 where the caller has document ids) never anchors
+        eligible &= docs >= 0
     return eligible
 
 
 def sample_anchors(
-    *, eligible_BT: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+    *, eligible_BT: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
+    sampling: str = "uniform",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to `num_anchors` distinct eligible positions per row, uniformly, sorted ascending.
+    """Up to `num_anchors` distinct eligible positions per row, sorted ascending.
+
+    sampling "uniform": any `num_anchors` of them, uniformly. "stratified": a row's E eligible positions,
+    in row order, cut into `num_anchors` strata of floor or ceil(E / num_anchors) consecutive ones, one
+    uniform pick in each: anchors spread evenly, so blocks overlap less and cover more label positions,
+    and every document gets anchors in proportion to its eligible positions. Both take every eligible
+    position when there are at most `num_anchors`.
 
     Returns (anchors [B, A] long, valid [B, A] bool); rows with fewer eligible positions are
     padded at the end with anchor 0 and valid False.
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    if sampling not in ANCHOR_SAMPLINGS:
+        raise ValueError(f"anchor sampling must be one of {ANCHOR_SAMPLINGS}, got {sampling!r}")
+    if sampling == "stratified":
+        return _stratified_anchors(eligible_BT, num_anchors=num_anchors, generator=generator)
     batch, seq_len = eligible_BT.shape
     scores = torch.rand(batch, seq_len, generator=generator, device=eligible_BT.device)
     scores = torch.where(eligible_BT, scores, torch.full_like(scores, -1.0))
@@ -65,6 +82,25 @@ def sample_anchors(
         positions = torch.cat((positions, pad), dim=1)
     positions = positions.sort(dim=1).values
     valid = positions < seq_len
+    return torch.where(valid, positions, torch.zeros_like(positions)), valid
+
+
+def _stratified_anchors(
+    eligible_BT: torch.Tensor, *, num_anchors: int, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_anchors(sampling="stratified")`: stratum i holds the eligible ranks [ceil(iE/A), ceil((i+1)E/A)),
+    at least one when E >= A, so the picks are distinct and ascending; with E < A, anchor i is rank i."""
+    device = eligible_BT.device
+    rank_BT = eligible_BT.long().cumsum(dim=1)  # 1-based rank of each eligible position
+    count_B1 = rank_BT[:, -1:]
+    index = torch.arange(num_anchors, device=device)
+    low = (index * count_B1 + num_anchors - 1) // num_anchors
+    high = ((index + 1) * count_B1 + num_anchors - 1) // num_anchors
+    draw = torch.rand(eligible_BT.shape[0], num_anchors, generator=generator, device=device)
+    strided = low + (draw * (high - low)).long().clamp(max=(high - low - 1).clamp_min(0))
+    ranks = torch.where(count_B1 >= num_anchors, strided, index.expand_as(strided))
+    valid = index < count_B1
+    positions = torch.searchsorted(rank_BT, ranks + 1)  # the position holding that rank
     return torch.where(valid, positions, torch.zeros_like(positions)), valid
 
 
@@ -132,9 +168,13 @@ def plan_blocks(
     document_ids_BT: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     with_teacher_index: bool = True,
+    anchor_sampling: str = "uniform",
+    prompt_anchors: bool = False,
 ) -> BlockPlan:
     """Sample anchors and derive which slots carry loss. Pass position ids reset per document
-    (or document ids) for packed rows; with neither, each row is one document."""
+    (or document ids) for packed rows; with neither, each row is one document. `anchor_sampling`: see
+    `sample_anchors`. `prompt_anchors`: blocks may also start in prompts and every slot inside its
+    document carries loss, loss mask or not; only for labels from the target's argmax (teacher)."""
     if loss_mask_BT.dim() != 2:
         raise ValueError(f"loss_mask must be [batch, seq], got shape {tuple(loss_mask_BT.shape)}")
     batch, seq_len = loss_mask_BT.shape
@@ -147,9 +187,11 @@ def plan_blocks(
     if document_ids_BT is None:
         document_ids_BT = document_ids_from_positions(position_ids_BT)
     eligible = eligible_anchor_positions(
-        loss_mask_BT=loss_mask_BT, document_ids_BT=document_ids_BT, block_size=block_size
+        loss_mask_BT=loss_mask_BT, document_ids_BT=document_ids_BT, block_size=block_size,
+        prompt_anchors=prompt_anchors,
     )
-    anchors, anchor_valid = sample_anchors(eligible_BT=eligible, num_anchors=num_anchors, generator=generator)
+    anchors, anchor_valid = sample_anchors(eligible_BT=eligible, num_anchors=num_anchors, generator=generator,
+                                           sampling=anchor_sampling)
     offsets = torch.arange(1, block_size, device=device)
     unclamped = anchors[..., None] + offsets
     label_pos = unclamped.clamp(max=seq_len - 1)
@@ -158,7 +200,9 @@ def plan_blocks(
     in_document = (unclamped < seq_len) & (
         document_ids_BT[rows, label_pos] == document_ids_BT.gather(1, anchors)[..., None]
     )
-    label_valid = anchor_valid[..., None] & in_document & loss_mask_BT.bool()[rows, label_pos]
+    label_valid = anchor_valid[..., None] & in_document
+    if not prompt_anchors:
+        label_valid &= loss_mask_BT.bool()[rows, label_pos]
     teacher_index = None
     if with_teacher_index:
         # The target's prediction of token p+k is its output at p+k-1.

@@ -216,6 +216,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     API; `draft_tokens` gives the selector's greedy path)."""
 
     layer_class = DFlash2DecoderLayer
+    has_selector = True
 
     def __init__(self, config: DFlash2Config, *, device=None, loss: LossSpec | None = None) -> None:
         if not isinstance(config, DFlash2Config):
@@ -305,6 +306,7 @@ class DFlash2DraftModel(DFlashDraftModel):
             num_slots=cfg.block_size - 1,
             label_smoothing=self.loss.label_smoothing,
             compiled=self._layers_compiled,
+            dpace_source=self.loss.dpace_source,
         )
         metrics = selector_metrics(objective, valid_BAK=plan.label_valid, anchor_valid_BA=plan.anchor_valid)
         return DraftOutput(hidden_BAKH=drafted, labels_BAK=labels), objective.loss, metrics

@@ -24,6 +24,7 @@ from torch import nn
 
 from dflash_core.model.loss import cross_entropy_logit_grad, cross_entropy_terms, dpace_weights
 from dflash_core.model.topk import grouped_topk
+from dflash_core.model.loss_spec import DPACE_SOURCES
 from dflash_core.model.metrics import block_metrics
 
 
@@ -82,13 +83,15 @@ def compiled_unary_kernel():
 
 
 class _UnaryLossAndCandidates(torch.autograd.Function):
-    """Chunked: weighted-mean CE of transformed logits, correctness, training candidates, and their
-    (differentiable) logits. The CE's input gradient is computed in the forward pass, chunk by
-    chunk; the candidate logits' gradient gathers K LM-head rows per slot in backward."""
+    """Chunked: per-row CE of transformed logits, the label's NLL, correctness, training candidates and
+    their (differentiable) logits. The CE's input gradient is computed in the forward pass, chunk by
+    chunk, unscaled: backward applies the per-row gradient of the loss rows (the slot scale, known only
+    once the selector has scored the candidates when D-PACE reads the selector). The candidate logits'
+    gradient gathers K LM-head rows per slot in backward."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, labels_N, token_weights_N, top_k, multiplier, softcap, chunk_size,
-                dpace_alpha, num_slots, label_smoothing, unary_kernel):
+    def forward(ctx, hidden_NH, weight_VH, labels_N, top_k, multiplier, softcap, chunk_size, label_smoothing,
+                unary_kernel):
         num_rows = hidden_NH.shape[0]
         device = hidden_NH.device
         compute_dtype = weight_VH.dtype
@@ -111,20 +114,18 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
                 raw, labels, label_logit, top_k, multiplier=multiplier, softcap=softcap)
             if needs_grad:
                 grad_hidden[rows] = (grad @ weight_VH).to(hidden_NH.dtype)
-        scale = slot_scale(nll_rows, token_weights_N, dpace_alpha=dpace_alpha, num_slots=num_slots)
-        if needs_grad:
-            grad_hidden.mul_(scale[:, None].to(grad_hidden.dtype))
         ctx.save_for_backward(grad_hidden, weight_VH, candidate_ids, candidate_logits)
         ctx.transform = (multiplier, softcap)
         ctx.chunk_size = chunk_size
         ctx.hidden_dtype = hidden_NH.dtype
-        ctx.mark_non_differentiable(correct, candidate_ids, contains, scale)
-        return (scale * loss_rows).sum(), correct, candidate_ids, candidate_logits, contains, scale
+        nll_out = nll_rows.clone() if loss_rows is nll_rows else nll_rows  # two outputs, two tensors
+        ctx.mark_non_differentiable(nll_out, correct, candidate_ids, contains)
+        return loss_rows, nll_out, correct, candidate_ids, candidate_logits, contains
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct, _grad_ids, grad_candidate_logits, _grad_contains, _grad_scale):
+    def backward(ctx, grad_loss_rows, _grad_nll, _grad_correct, _grad_ids, grad_candidate_logits, _grad_contains):
         grad_ce, weight_VH, candidate_ids, candidate_logits = ctx.saved_tensors
-        grad_hidden = grad_ce * grad_loss.to(grad_ce.dtype)
+        grad_hidden = grad_ce * grad_loss_rows[:, None].to(grad_ce.dtype)
         if grad_candidate_logits is not None:
             multiplier, softcap = ctx.transform
             grad_raw = grad_candidate_logits * _transform_slope(
@@ -135,7 +136,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
                 rows_of_head = weight_VH[candidate_ids[rows]]  # [chunk, K, H]
                 grad_rows = torch.einsum("nk,nkh->nh", grad_raw[rows].to(weight_VH.dtype), rows_of_head)
                 grad_hidden[rows] += grad_rows.to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None
 
 
 def slot_scale(nll_N: torch.Tensor, token_weights_N: torch.Tensor, *, dpace_alpha: float | None,
@@ -165,10 +166,9 @@ class DFlash2Objective:
     selector_correct: torch.Tensor
 
 
-def selector_cross_entropy(scores_NK: torch.Tensor, label_index_N: torch.Tensor, scale_N: torch.Tensor) -> torch.Tensor:
-    """sum(scale * CE_K(scores, label index)), with the unary loss's per-slot scale (`slot_scale`)."""
-    ce = torch.logsumexp(scores_NK, dim=-1) - scores_NK.gather(1, label_index_N[:, None]).squeeze(1)
-    return (scale_N * ce).sum()
+def selector_cross_entropy_rows(scores_NK: torch.Tensor, label_index_N: torch.Tensor) -> torch.Tensor:
+    """CE_K(scores, label index) per slot [N]: the selector's K-way loss before the slot scale."""
+    return torch.logsumexp(scores_NK, dim=-1) - scores_NK.gather(1, label_index_N[:, None]).squeeze(1)
 
 
 def dflash2_objective(
@@ -187,32 +187,36 @@ def dflash2_objective(
     num_slots: int = 0,
     label_smoothing: float = 0.0,
     compiled: bool = False,
+    dpace_source: str = "unary",
 ) -> DFlash2Objective:
     """Both losses over N drafted slots. `selector` is a `CandidateSelector` (top_k, context,
     transition_scores); `predecessor_ids_N` the token before each slot on an accepted path.
     `token_weights_N`: fixed slot weights (0: no loss), or with `dpace_alpha` only the 0/1 validity,
     the slots then weighted by D-PACE within blocks of `num_slots`. `label_smoothing` s smooths the
     unary cross-entropy ((1 - s) * CE + s * mean over the vocabulary of -log q); the selector's
-    K-way loss keeps hard labels. `compiled`: the per-chunk kernel torch.compile'd (GPU)."""
+    K-way loss keeps hard labels. `compiled`: the per-chunk kernel torch.compile'd (GPU). `dpace_source`
+    (with `dpace_alpha`): D-PACE's confidence of a slot is exp(-NLL) of the unary logits ("unary") or of
+    the selector's K-way scores ("selector"); either way the weights scale both losses."""
     if lm_head_weight.requires_grad:
         raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if output_multiplier <= 0:  # the candidates are the raw top-K: a negative multiplier would flip them
         raise ValueError(f"output_multiplier must be > 0, got {output_multiplier}")
+    if dpace_source not in DPACE_SOURCES:
+        raise ValueError(f"dpace_source must be one of {DPACE_SOURCES}, got {dpace_source!r}")
+    if dpace_source == "selector" and dpace_alpha is None:
+        raise ValueError("dpace_source 'selector' sets D-PACE's confidences: it needs dpace_alpha (D-PACE weights)")
     token_weights_N = token_weights_N.float()
-    dflash_loss, unary_correct, candidate_ids, candidate_logits, label_in_top_k, scale = (
+    unary_rows, unary_nll, unary_correct, candidate_ids, candidate_logits, label_in_top_k = (
         _UnaryLossAndCandidates.apply(
             hidden_NH,
             lm_head_weight,
             labels_N,
-            token_weights_N,
             selector.top_k,
             float(output_multiplier),
             None if softcap is None else float(softcap),
             chunk_size,
-            dpace_alpha,
-            num_slots,
             float(label_smoothing),
             compiled_unary_kernel() if compiled else _unary_rows,
         )
@@ -221,7 +225,11 @@ def dflash2_objective(
     scores = candidate_logits + selector.transition_scores(context, candidate_ids).float()
     # The label sits where the top-K has it, else in the last slot (injected).
     label_index = (candidate_ids == labels_N[:, None]).long().argmax(dim=-1)
-    selector_loss = selector_cross_entropy(scores, label_index, scale)
+    selector_rows = selector_cross_entropy_rows(scores, label_index)
+    confidence_nll = selector_rows.detach() if dpace_source == "selector" else unary_nll
+    scale = slot_scale(confidence_nll, token_weights_N, dpace_alpha=dpace_alpha, num_slots=num_slots)
+    dflash_loss = (scale * unary_rows).sum()
+    selector_loss = (scale * selector_rows).sum()
     with torch.no_grad():
         selector_correct = (scores.argmax(dim=-1) == label_index) & label_in_top_k
     return DFlash2Objective(

@@ -67,11 +67,15 @@ class ContextCache:
 
 class DFlashDraftModel(nn.Module):
     layer_class = DFlashDecoderLayer  # a variant (DFlash 2) swaps in its own layer
+    has_selector = False  # DFlash 2 reranks the LM head's top-K with a candidate selector
 
     def __init__(self, config: DFlashConfig, *, device=None, loss: LossSpec | None = None) -> None:
         super().__init__()
         self.config = config
         self.loss = loss or LossSpec()  # how it trains; `config` is what it is
+        if self.loss.dpace_source == "selector" and not self.has_selector:
+            raise ValueError("dpace_source 'selector' weighs slots by the candidate selector's probability: DFlash 2 "
+                             "only (variant dflash2); DFlash has no selector, use dpace_source 'unary'")
         hidden = config.hidden_size
         self.fc = nn.Linear(config.num_tapped_layers * hidden, hidden, bias=False, device=device)
         self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps, device=device)

@@ -11,13 +11,15 @@ from typing import Any
 DEFAULT_LOSS_GAMMA = {16: 7.0, 8: 4.0}
 LOSS_TYPES = ("ce", "kl")
 LOSS_WEIGHTINGS = ("exp_decay", "dpace")
+DPACE_SOURCES = ("unary", "selector")
 
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
     """loss_type "ce" learns the target's argmax (or the data tokens), "kl" its whole distribution at
     the block's positions; slot weights "exp_decay" (exp(-(k-1)/loss_gamma); None: the block size's
-    default) or "dpace" (speculators' D-PACE, smoothing dpace_alpha). Training only, 0 = off, never
+    default) or "dpace" (speculators' D-PACE, smoothing dpace_alpha; dpace_source: whose probability of the label is a slot's
+confidence, the unary LM head's or, DFlash 2 only, the candidate selector's K-way one). Training only, 0 = off, never
     when drafting: feature_noise (Gaussian noise on the tapped target states, std = feature_noise x
     each state's RMS), dropout (on every sublayer's output before its residual add), label_smoothing
     (of the LM-head cross-entropy)."""
@@ -26,6 +28,7 @@ class LossSpec:
     loss_weighting: str = "exp_decay"
     loss_gamma: float | None = None
     dpace_alpha: float = 0.5
+    dpace_source: str = "unary"
     feature_noise: float = 0.0
     dropout: float = 0.0
     label_smoothing: float = 0.0
@@ -35,6 +38,11 @@ class LossSpec:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}")
+        if self.dpace_source not in DPACE_SOURCES:
+            raise ValueError(f"dpace_source must be one of {DPACE_SOURCES}, got {self.dpace_source!r}")
+        if self.dpace_source != "unary" and self.loss_weighting != "dpace":
+            raise ValueError(f"dpace_source {self.dpace_source!r} chooses D-PACE's confidences: it needs "
+                             f"loss_weighting 'dpace', got {self.loss_weighting!r}")
         if self.loss_gamma is not None and self.loss_gamma <= 0:
             raise ValueError(f"loss_gamma must be > 0, got {self.loss_gamma}")
         if self.feature_noise < 0:

@@ -15,7 +15,7 @@ import torch
 
 from dflash_core.hybrid import GDNKernels, install_packed_gdn
 from dflash_core.model import DFlashConfig
-from dflash_core.model.init_from_target import init_from_target_layers
+from dflash_core.model.init_from_target import init_from_target_layers, init_selector_codebooks
 from dflash_core.target import HiddenStateCapture, has_recurrent_layers, language_model, target_heads
 from dflash_core.target_runtime import use_flex_attention
 from dflash_core.train.config import TrainConfig
@@ -118,8 +118,9 @@ def _packing_kernels(target: torch.nn.Module, config: TrainConfig, *, log: bool)
 
 def _build_drafter(drafter_config: DFlashConfig, target: torch.nn.Module, *, config: TrainConfig,
                    devices: TrainDevices) -> torch.nn.Module:
-    """The drafter, initialized from the run's seed (and the target's last layers with init=target),
-    with the target's embedding, final norm and LM head attached (own frozen copies in the pair layout)."""
+    """The drafter, initialized from the run's seed (and the target's last layers with init=target, the
+    selector's codebooks from the target embedding with selector_codebook_init=embedding), with the target's
+    embedding, final norm and LM head attached (own frozen copies in the pair layout)."""
     torch.manual_seed(config.seed)
     drafter = drafter_config.build(device=devices.drafter, loss=config.drafter.loss_spec())
     drafter.init_weights()
@@ -129,4 +130,7 @@ def _build_drafter(drafter_config: DFlashConfig, target: torch.nn.Module, *, con
     if devices.drafter != devices.target:
         heads = type(heads)(**{name: copy.deepcopy(module).to(devices.drafter) for name, module in vars(heads).items()})
     drafter.attach_target(heads)
+    if config.drafter.selector_codebook_init == "embedding":
+        init_selector_codebooks(drafter.candidate_selector, heads.embed_tokens.weight,
+                                std=drafter_config.initializer_range)
     return drafter

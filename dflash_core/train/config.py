@@ -52,6 +52,11 @@ class DrafterSettings(BaseModel):
     dpace_alpha: float = Field(
         0.5, gt=0, le=1, description="D-PACE confidence smoothing: a slot's confidence is (1 - alpha) x its "
         "probability of the label + alpha (0.5: speculators' default).")
+    dpace_source: Literal["unary", "selector"] = Field(
+        "unary", description="D-PACE: whose probability of the label is a slot's confidence. unary (default): the "
+        "LM head's softmax over the vocabulary; selector (DFlash 2 only): the candidate selector's K-way softmax, "
+        "which is what drafting proposes from (the unary probability under-weights slots 2 and later). Needs "
+        "loss_weighting dpace.")
     feature_noise: float = Field(
         0.0, ge=0, description="Training only: Gaussian noise added to each tapped target state, std = this x that "
         "state's RMS (per token and tapped layer); EAGLE-style regularization against overfitting. 0: off (default, "
@@ -68,6 +73,20 @@ class DrafterSettings(BaseModel):
         "random", description="random: small normal weights. target: copy the target's last decoder layers (where "
         "name and shape agree) and pass the last tapped layer through fc (measured: lower acceptance than random on "
         "the embedded target, bench/bench_acceptance.py).")
+    selector_codebook_init: Literal["random", "embedding"] = Field(
+        "random", description="DFlash 2: how the candidate selector's predecessor and successor codebooks start. "
+        "random (default): normal, std initializer_range. embedding: the frozen target embedding projected on its "
+        "top selector_rank principal directions, rescaled to the random init's std (tokens the target embeds alike "
+        "start with alike codes). The codebooks stay plain parameters; exports are unchanged.")
+    anchor_sampling: Literal["uniform", "stratified"] = Field(
+        "uniform", description="How a row's anchors are drawn from its eligible positions. uniform (default): "
+        "num_anchors distinct positions uniformly at random. stratified: the eligible positions in row order cut "
+        "into num_anchors equal strata, one uniform pick in each, so blocks overlap less, more label positions "
+        "are covered and every document gets anchors in proportion to its supervised tokens.")
+    prompt_anchors: bool = Field(
+        False, description="Anchors may also sit in prompt positions (not only where the loss mask is on), their "
+        "slots learning the target's argmax there. Needs loss_target teacher (the data tokens of a prompt are not "
+        "the target's predictions).")
     variant: Literal["dflash", "dflash2"] = Field(
         "dflash2", description="dflash2 (default; longest accepted length in bench/bench_acceptance.py): DFlash 2, "
         "a dynamic causal conv around every sublayer and a candidate selector that reranks the top-K. dflash: the "
@@ -103,6 +122,9 @@ class DrafterSettings(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> DrafterSettings:
         if self.variant == "dflash":
+            if self.dpace_source != "unary" or self.selector_codebook_init != "random":
+                raise ValueError("dpace_source 'selector' and selector_codebook_init 'embedding' are about DFlash 2's "
+                                 "candidate selector, which variant 'dflash' has none of: set variant=dflash2")
             changed = sorted(name for name, value in self.dflash2_fields().items()
                              if value != type(self).model_fields[name].default)
             if changed:
@@ -126,6 +148,13 @@ class DrafterSettings(BaseModel):
             raise ValueError("loss_type=kl learns the target's distribution: it needs loss_target=teacher")
         if self.label_smoothing and self.loss_type != "ce":
             raise ValueError("label_smoothing smooths cross-entropy labels: it needs loss_type=ce")
+        if self.dpace_source != "unary" and self.resolved_loss_weighting != "dpace":
+            raise ValueError(f"dpace_source {self.dpace_source!r} chooses D-PACE's confidences: it needs "
+                             f"loss_weighting=dpace, got {self.loss_weighting!r}")
+        if self.prompt_anchors and self.loss_target != "teacher":
+            raise ValueError("prompt_anchors learns the target's argmax at prompt positions: it needs "
+                             "loss_target=teacher (with loss_target=data a prompt slot would learn the prompt's own "
+                             "tokens, which the target never predicts)")
         return self
 
     @property
@@ -137,7 +166,8 @@ class DrafterSettings(BaseModel):
         """How the drafter trains (loss, slot weights, regularizers): the drafter module holds it, apart from
         its architecture config (`drafter_setup.drafter_config_for`)."""
         return LossSpec(loss_type=self.loss_type, loss_weighting=self.resolved_loss_weighting,
-                        loss_gamma=self.loss_gamma, dpace_alpha=self.dpace_alpha, feature_noise=self.feature_noise,
+                        loss_gamma=self.loss_gamma, dpace_alpha=self.dpace_alpha, dpace_source=self.dpace_source,
+                        feature_noise=self.feature_noise,
                         dropout=self.dropout, label_smoothing=self.label_smoothing)
 
     def dflash2_fields(self) -> dict[str, Any]:

@@ -47,12 +47,17 @@ def capture_batch(capture: HiddenStateCapture, tensors: dict[str, torch.Tensor])
 
 def drafter_step(drafter, *, tensors: dict[str, torch.Tensor], captured: CapturedStates, num_anchors: int,
                  block_size: int, teacher: bool, generator: torch.Generator, device: torch.device,
-                 attention_backend: str, loss_scale: float) -> dict[str, torch.Tensor]:
+                 attention_backend: str, loss_scale: float, anchor_sampling: str = "uniform",
+                 prompt_anchors: bool = False) -> dict[str, torch.Tensor]:
     """Forward + backward of the drafter on one captured batch; the metrics as tensors (no sync).
-    `captured` may already sit on `device` (PairTransfer); otherwise it is copied there."""
+    `captured` may already sit on `device` (PairTransfer); otherwise it is copied there.
+    `anchor_sampling` and `prompt_anchors`: how the anchors are planned (`plan_blocks`)."""
+    if prompt_anchors and not teacher:
+        raise ValueError("prompt_anchors needs the target's argmax as labels (teacher): a prompt slot would "
+                         "otherwise learn the prompt's own tokens")
     plan = plan_blocks(loss_mask_BT=_host(tensors, "loss_mask"), num_anchors=num_anchors, block_size=block_size,
                        position_ids_BT=_host(tensors, "position_ids"), generator=generator,
-                       with_teacher_index=teacher)
+                       with_teacher_index=teacher, anchor_sampling=anchor_sampling, prompt_anchors=prompt_anchors)
     plan = _pinned(plan) if device.type == "cuda" else plan
     plan = plan.to(device, non_blocking=True)
     tapped = captured.tapped_hidden.to(device, non_blocking=True)

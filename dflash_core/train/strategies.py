@@ -59,7 +59,8 @@ class StepContext:
                 self.model, tensors=tensors, captured=captured, num_anchors=config.resolved_num_anchors,
                 block_size=self.parts.drafter_config.block_size, teacher=self.parts.teacher,
                 generator=step_generator(config.seed, step, micro * self.dist.world_size + self.dist.rank),
-                device=self.parts.devices.drafter, attention_backend=config.attention_backend, loss_scale=1 / accum)
+                device=self.parts.devices.drafter, attention_backend=config.attention_backend, loss_scale=1 / accum,
+                anchor_sampling=config.drafter.anchor_sampling, prompt_anchors=config.drafter.prompt_anchors)
 
     def finish_step(self, summed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         parts = self.parts
