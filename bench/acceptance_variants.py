@@ -133,6 +133,9 @@ def variants() -> dict[str, Variant]:
         Variant("default+target_fp8", "the default, trained on the target's FP8 GEMMs (TrainConfig.target_fp8); "
                 "evaluated against the full-precision target, as a bf16-served target would be",
                 drafter=_default(), train={"target_fp8": True}),
+        Variant("default+target_fp8+fast_accum", "the default, trained on the target's FP8 GEMMs with Hopper's "
+                "fast accumulation (TrainConfig.target_fp8_fast_accum)", drafter=_default(),
+                train={"target_fp8": True, "target_fp8_fast_accum": True}),
         Variant("default+warmup=20", "the default, warmup 20 steps instead of 100 (half of a 200-step budget)",
                 drafter=_default(), optim={"warmup_steps": 20}),
         Variant("default+warmup=20+lr=1.2e-3", "the default, warmup 20 and twice the learning rate",
@@ -192,6 +195,7 @@ SUITES = {
                "default+selector_rank=64", "default+anchors=stratified", "default+prompt_anchors",
                "default+dpace=selector+codebooks=embedding",
                "default+dpace=selector+codebooks=embedding+anchors=stratified"],
+    "fp8": ["default", "default+target_fp8", "default+target_fp8+fast_accum"],
 }
 DEFAULT_VARIANTS = list(variants())
 LONG_VARIANTS = ["default", "speculators"]
