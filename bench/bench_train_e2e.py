@@ -277,9 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-out", type=Path, help="chrome trace path (.json or .json.gz)")
     parser.add_argument("--target-fp8", action="store_true",
                         help="the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8)")
-    parser.add_argument("--fp8-fast-accum", action="store_true", help="with --target-fp8: use_fast_accum GEMMs")
-    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
-                        help="TrainConfig.compile_mode")
+    parser.add_argument("--exact-fp8-accum", dest="fp8_fast_accum", action="store_false",
+                        help="with --target-fp8: FP8 GEMMs without use_fast_accum (TrainConfig.target_fp8_fast_accum)")
     parser.add_argument("--sync-debug", action="store_true", help="count synchronizing CUDA calls in the timed steps")
     parser.add_argument("--json", type=Path, help="write the result row here")
     args = parser.parse_args(argv)
@@ -300,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
         checkpoint_every=max_steps + 1, compile=cuda and not args.no_compile, validate_capture_batches=1,
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
                  "loss_target": args.teacher, "variant": args.variant}, prefetch_batches=args.prefetch,
-        target_fp8=args.target_fp8, target_fp8_fast_accum=args.fp8_fast_accum, compile_mode=args.compile_mode,
+        target_fp8=args.target_fp8, target_fp8_fast_accum=args.fp8_fast_accum,
     )
     started = time.perf_counter()
     trainer = build_trainer(config, corpus=corpus)

@@ -257,9 +257,6 @@ class TrainConfig(BaseModel):
         "auto", description="Drafter attention in training: flex (flex_attention block mask, GPU), sdpa (dense "
         "mask, CPU or debugging); auto: flex on GPU, sdpa on CPU.")
     compile: bool = Field(False, description="torch.compile the drafter layers and the target's decoder layers (GPU).")
-    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="With compile: torch.compile's mode for the drafter and target layers "
-        "(max-autotune-no-cudagraphs autotunes their kernels: minutes more compiling).")
     target_fp8: bool = Field(
         False, description="Run the target's decoder-layer GEMMs in FP8 (row-wise scales, dflash_core.fp8; H100/H200 "
         "or newer, or CPU): faster and half the target's weight memory, but the drafter then learns from an FP8 "

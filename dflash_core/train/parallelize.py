@@ -15,9 +15,8 @@ def parallelize(parts: TrainingParts, *, world_size: int) -> torch.nn.Module:
     if parts.config.compile:
         from dflash_core.target_runtime import compile_decoder_layers
 
-        mode = None if parts.config.compile_mode == "default" else parts.config.compile_mode
-        parts.drafter.compile_layers(mode=mode)
-        compile_decoder_layers(parts.target, mode=mode)
+        parts.drafter.compile_layers()
+        compile_decoder_layers(parts.target)
     if world_size == 1:
         return parts.drafter
     from torch.nn.parallel import DistributedDataParallel
