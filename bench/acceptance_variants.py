@@ -162,6 +162,9 @@ def variants() -> dict[str, Variant]:
                 "(drafter.anchor_sampling)", drafter=_default(anchor_sampling="stratified")),
         Variant("default+prompt_anchors", "the default, anchors in prompts too, learning the target's argmax there "
                 "(drafter.prompt_anchors)", drafter=_default(prompt_anchors=True)),
+        Variant("default+kl", "the default with a KL unary loss to the target's distribution "
+                "(drafter.loss_type; the selector keeps the target's argmax; speculators' DFlash 2 default)",
+                drafter=_default(loss_type="kl")),
         Variant("default+dpace=selector+codebooks=embedding", "both selector levers",
                 drafter=_default(dpace_source="selector", selector_codebook_init="embedding")),
         Variant("default+dpace=selector+codebooks=embedding+anchors=stratified", "both selector levers and "
@@ -193,6 +196,7 @@ SUITES = {
     "tiny": ["default", "speculators", "speculators-dflash2"],
     "levers": ["default", "speculators", "speculators-dflash2", "default+dpace=selector", "default+codebooks=embedding",
                "default+selector_rank=64", "default+anchors=stratified", "default+prompt_anchors",
+               "default+kl",
                "default+dpace=selector+codebooks=embedding",
                "default+dpace=selector+codebooks=embedding+anchors=stratified"],
     "fp8": ["default", "default+target_fp8", "default+target_fp8+fast_accum"],

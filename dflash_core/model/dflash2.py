@@ -221,9 +221,6 @@ class DFlash2DraftModel(DFlashDraftModel):
     def __init__(self, config: DFlash2Config, *, device=None, loss: LossSpec | None = None) -> None:
         if not isinstance(config, DFlash2Config):
             raise ValueError(f"DFlash2DraftModel needs a DFlash2Config, got {type(config).__name__}")
-        # The DFlash 2 objective has no KL form (the selector needs hard labels): refused, never ignored.
-        if loss is not None and loss.loss_type != "ce":
-            raise ValueError(f"DFlash 2 training supports loss_type='ce' only, got {loss.loss_type!r}")
         super().__init__(config, device=device, loss=loss)
         self.candidate_selector = CandidateSelector(
             vocab_size=config.vocab_size,
@@ -277,15 +274,17 @@ class DFlash2DraftModel(DFlashDraftModel):
         loss_chunk_size: int | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[DraftOutput, torch.Tensor, dict[str, torch.Tensor]]:
-        """One training pass: DFlash's loss on the unary logits plus alpha x the selector's K-way
-        cross-entropy (teacher-forced predecessors, the label injected when the top-K lacks it).
-        Same inputs as `DFlashDraftModel.forward`; metrics add the selector's."""
+        """One training pass: DFlash's loss on the unary logits (CE, or with loss_type "kl" KL to the
+        target's distribution) plus alpha x the selector's K-way cross-entropy of the hard labels
+        (teacher-forced predecessors, the label injected when the top-K lacks it). Same inputs as
+        `DFlashDraftModel.forward`; metrics add the selector's."""
         cfg = self.config
         hidden = self._block_states(
             input_ids=input_ids, target_hidden=target_hidden, plan=plan, attention_backend=attention_backend,
             generator=generator,
         )
         drafted = hidden[:, :, 1:]
+        kl = self._loss_is_kl(teacher_hidden)
         labels = self._labels(input_ids_BT=input_ids, plan=plan, teacher_hidden_BTH=teacher_hidden)
         predecessors = self._predecessor_ids(input_ids=input_ids, plan=plan, labels_BAK=labels)
         dpace = self.loss.loss_weighting == "dpace"
@@ -307,6 +306,7 @@ class DFlash2DraftModel(DFlashDraftModel):
             label_smoothing=self.loss.label_smoothing,
             compiled=self._layers_compiled,
             dpace_source=self.loss.dpace_source,
+            teacher_hidden_NH=self._teacher_rows(teacher_hidden_BTH=teacher_hidden, plan=plan) if kl else None,
         )
         metrics = selector_metrics(objective, valid_BAK=plan.label_valid, anchor_valid_BA=plan.anchor_valid)
         return DraftOutput(hidden_BAKH=drafted, labels_BAK=labels), objective.loss, metrics

@@ -1,8 +1,10 @@
-"""DFlash 2's training objective: DFlash's weighted cross-entropy on the unary logits plus alpha x a
-K-way cross-entropy of the candidate selector, without [tokens, vocab] logits for all tokens at once.
+"""DFlash 2's training objective: DFlash's weighted unary loss (cross-entropy to the labels, or KL to the
+target's distribution) plus alpha x a K-way cross-entropy of the candidate selector, without
+[tokens, vocab] logits for all tokens at once.
 
 One chunked pass over the LM head gives, per drafted slot, the unary loss and its input gradient
-(as `loss.chunked_lm_head_cross_entropy` does) and the slot's training candidates: the unary top-K,
+(as `loss.chunked_lm_head_loss` does; under KL the teacher's logits of the chunk are made there
+too, from its final-normed states) and the slot's training candidates: the unary top-K,
 with the label put in place of the weakest candidate when the top-K lacks it (so every slot has a
 K-way label; serving would not have it, and the metrics say so). The candidates' unary logits leave
 the pass as a differentiable [N, K] tensor whose backward gathers K LM-head rows per slot, so the
@@ -63,6 +65,26 @@ def _unary_rows(raw, labels, *, multiplier: float, softcap: float | None, smooth
     return loss, nll, label_logit, correct, grad.to(raw.dtype)
 
 
+def _unary_kl_rows(raw, labels, teacher_raw, *, multiplier: float, softcap: float | None, with_grad: bool):
+    """`_unary_rows` with KL(teacher || drafter) as the loss: both raw chunks get the same transform (the
+    unary head mirrors the target's, so a drafter whose states are the teacher's has KL 0). The label
+    (the teacher's argmax) still gives the NLL D-PACE reads, the logit the candidates inject and
+    correctness; d(kl)/d(transformed) = softmax(drafter) - softmax(teacher)."""
+    logits = transform_logits(raw.float(), multiplier=multiplier, softcap=softcap)
+    _, nll, label_logit, log_norm, correct = cross_entropy_terms(logits, labels)
+    teacher = transform_logits(teacher_raw.float(), multiplier=multiplier, softcap=softcap)
+    log_p = torch.log_softmax(teacher, dim=-1)
+    p = torch.exp(log_p)
+    log_q = logits - log_norm[:, None]
+    kl = (p * (log_p - log_q)).sum(dim=-1)
+    if not with_grad:
+        return kl, nll, label_logit, correct, None
+    grad = torch.exp(log_q) - p
+    if multiplier != 1.0 or softcap is not None:
+        grad = grad * _transform_slope(logits, multiplier=multiplier, softcap=softcap)
+    return kl, nll, label_logit, correct, grad.to(raw.dtype)
+
+
 def _candidates(raw, labels, label_logit, top_k: int, *, multiplier: float, softcap: float | None):
     """Training candidates of one chunk: the top-K of the raw logits with their transformed values,
     the label in place of the weakest when missing, and whether it was there. The transform
@@ -82,22 +104,29 @@ def compiled_unary_kernel():
     return torch.compile(_unary_rows, dynamic=False)
 
 
+@functools.cache
+def compiled_unary_kl_kernel():
+    """`_unary_kl_rows` torch.compile'd, as `compiled_unary_kernel`."""
+    return torch.compile(_unary_kl_rows, dynamic=False)
+
+
 class _UnaryLossAndCandidates(torch.autograd.Function):
-    """Chunked: per-row CE of transformed logits, the label's NLL, correctness, training candidates and
-    their (differentiable) logits. The CE's input gradient is computed in the forward pass, chunk by
-    chunk, unscaled: backward applies the per-row gradient of the loss rows (the slot scale, known only
-    once the selector has scored the candidates when D-PACE reads the selector). The candidate logits'
-    gradient gathers K LM-head rows per slot in backward."""
+    """Chunked: per-row CE (or, given the teacher's rows, KL) of transformed logits, the label's NLL,
+    correctness, training candidates and their (differentiable) logits. The unary loss's input gradient
+    is computed in the forward pass, chunk by chunk, unscaled: backward applies the per-row gradient of
+    the loss rows (the slot scale, known only once the selector has scored the candidates when D-PACE
+    reads the selector). The candidate logits' gradient gathers K LM-head rows per slot in backward."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, labels_N, top_k, multiplier, softcap, chunk_size, label_smoothing,
-                unary_kernel):
+    def forward(ctx, hidden_NH, weight_VH, labels_N, teacher_NH, top_k, multiplier, softcap, chunk_size,
+                label_smoothing, unary_kernel):
         num_rows = hidden_NH.shape[0]
         device = hidden_NH.device
         compute_dtype = weight_VH.dtype
         nll_rows = torch.empty(num_rows, dtype=torch.float32, device=device)
-        # With label smoothing the loss differs from the label's NLL, which D-PACE still reads.
-        loss_rows = torch.empty(num_rows, dtype=torch.float32, device=device) if label_smoothing > 0 else nll_rows
+        # With label smoothing or KL the loss differs from the label's NLL, which D-PACE still reads.
+        separate = label_smoothing > 0 or teacher_NH is not None
+        loss_rows = torch.empty(num_rows, dtype=torch.float32, device=device) if separate else nll_rows
         correct = torch.empty(num_rows, dtype=torch.bool, device=device)
         contains = torch.empty(num_rows, dtype=torch.bool, device=device)
         candidate_ids = torch.empty(num_rows, top_k, dtype=torch.long, device=device)
@@ -108,8 +137,15 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             raw = hidden_NH[rows].to(compute_dtype) @ weight_VH.T
             labels = labels_N[rows]
-            loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad = unary_kernel(
-                raw, labels, multiplier=multiplier, softcap=softcap, smoothing=label_smoothing, with_grad=needs_grad)
+            if teacher_NH is None:
+                loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad = unary_kernel(
+                    raw, labels, multiplier=multiplier, softcap=softcap, smoothing=label_smoothing,
+                    with_grad=needs_grad)
+            else:
+                with torch.autocast(device.type, enabled=False):  # the teacher's logits in the target's dtype
+                    teacher_raw = teacher_NH[rows].to(compute_dtype) @ weight_VH.T
+                loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad = unary_kernel(
+                    raw, labels, teacher_raw, multiplier=multiplier, softcap=softcap, with_grad=needs_grad)
             candidate_ids[rows], candidate_logits[rows], contains[rows] = _candidates(
                 raw, labels, label_logit, top_k, multiplier=multiplier, softcap=softcap)
             if needs_grad:
@@ -136,7 +172,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
                 rows_of_head = weight_VH[candidate_ids[rows]]  # [chunk, K, H]
                 grad_rows = torch.einsum("nk,nkh->nh", grad_raw[rows].to(weight_VH.dtype), rows_of_head)
                 grad_hidden[rows] += grad_rows.to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None, None
 
 
 def slot_scale(nll_N: torch.Tensor, token_weights_N: torch.Tensor, *, dpace_alpha: float | None,
@@ -188,6 +224,7 @@ def dflash2_objective(
     label_smoothing: float = 0.0,
     compiled: bool = False,
     dpace_source: str = "unary",
+    teacher_hidden_NH: torch.Tensor | None = None,
 ) -> DFlash2Objective:
     """Both losses over N drafted slots. `selector` is a `CandidateSelector` (top_k, context,
     transition_scores); `predecessor_ids_N` the token before each slot on an accepted path.
@@ -196,7 +233,11 @@ def dflash2_objective(
     unary cross-entropy ((1 - s) * CE + s * mean over the vocabulary of -log q); the selector's
     K-way loss keeps hard labels. `compiled`: the per-chunk kernel torch.compile'd (GPU). `dpace_source`
     (with `dpace_alpha`): D-PACE's confidence of a slot is exp(-NLL) of the unary logits ("unary") or of
-    the selector's K-way scores ("selector"); either way the weights scale both losses."""
+    the selector's K-way scores ("selector"); either way the weights scale both losses.
+    `teacher_hidden_NH`: the target's final-normed state per slot (whose logits predict its label); with
+    it the unary loss is KL(teacher || drafter) over the transformed logits, the teacher's logits made a
+    chunk at a time, and `labels_N` must be the teacher's argmax (the selector, the candidates and
+    D-PACE's unary confidence read them)."""
     if lm_head_weight.requires_grad:
         raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
     if chunk_size < 1:
@@ -207,18 +248,29 @@ def dflash2_objective(
         raise ValueError(f"dpace_source must be one of {DPACE_SOURCES}, got {dpace_source!r}")
     if dpace_source == "selector" and dpace_alpha is None:
         raise ValueError("dpace_source 'selector' sets D-PACE's confidences: it needs dpace_alpha (D-PACE weights)")
+    kl = teacher_hidden_NH is not None
+    if kl and label_smoothing:
+        raise ValueError("label_smoothing applies to cross-entropy labels, not to the KL loss")
+    if kl and teacher_hidden_NH.shape != hidden_NH.shape:
+        raise ValueError(f"teacher_hidden_NH {tuple(teacher_hidden_NH.shape)} must match hidden_NH "
+                         f"{tuple(hidden_NH.shape)}: one teacher row per drafted slot")
+    if compiled:
+        kernel = compiled_unary_kl_kernel() if kl else compiled_unary_kernel()
+    else:
+        kernel = _unary_kl_rows if kl else _unary_rows
     token_weights_N = token_weights_N.float()
     unary_rows, unary_nll, unary_correct, candidate_ids, candidate_logits, label_in_top_k = (
         _UnaryLossAndCandidates.apply(
             hidden_NH,
             lm_head_weight,
             labels_N,
+            teacher_hidden_NH,
             selector.top_k,
             float(output_multiplier),
             None if softcap is None else float(softcap),
             chunk_size,
             float(label_smoothing),
-            compiled_unary_kernel() if compiled else _unary_rows,
+            kernel,
         )
     )
     context = selector.context(hidden_NH, predecessor_ids_N)

@@ -90,10 +90,10 @@ class DrafterSettings(BaseModel):
     variant: Literal["dflash", "dflash2"] = Field(
         "dflash2", description="dflash2 (default; longest accepted length in bench/bench_acceptance.py): DFlash 2, "
         "a dynamic causal conv around every sublayer and a candidate selector that reranks the top-K. dflash: the "
-        "DFlash drafter (also DDTree decoding and KL loss). DFlash 2 "
+        "DFlash drafter (also DDTree decoding). DFlash 2 "
         "loads in z-lab's DFlash2DraftModel, "
         "vLLM/SGLang, and speculators 0.9's dflash2 when output_multiplier/softcapping are off. Block decoding "
-        "only (no DDTree); loss_type ce only.")
+        "only (no DDTree); with loss_type kl its unary loss is KL, its selector keeps the target's argmax.")
     # DFlash 2 only; defaults are DFlash2Config's (the published Qwen3.8-27B-DFlash2 drafter's).
     conv_kernel_size: int = Field(
         _DFLASH2["conv_kernel_size"], ge=1,
@@ -131,9 +131,6 @@ class DrafterSettings(BaseModel):
                 raise ValueError(f"{changed} are DFlash 2 settings but variant is 'dflash': set variant=dflash2, "
                                  "or leave them at their defaults")
         else:
-            if self.loss_type != "ce":
-                raise ValueError(f"variant dflash2 trains with loss_type='ce' only, got {self.loss_type!r} (the "
-                                 "selector learns hard labels; the DFlash 2 objective has no KL form): set variant='dflash' for KL")
             if self.conv_kernel_size > self.block_size:
                 raise ValueError(f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}: "
                                  "the conv never reaches across a block")

@@ -354,8 +354,7 @@ def test_config_validation_variants_and_round_trips():
     for fields in bad:
         with pytest.raises(ValueError):
             DFlash2Config.from_dflash(base, **fields)
-    with pytest.raises(ValueError, match="loss_type"):  # the selector needs hard labels: no KL form
-        config.build(device="meta", loss=LossSpec(loss_type="kl"))
+    assert config.build(device="meta", loss=LossSpec(loss_type="kl")).loss.loss_type == "kl"  # KL unary loss
     assert config.build(device="meta", loss=LossSpec(loss_weighting="dpace")).loss.loss_weighting == "dpace"
     legacy = {**config.to_dict(), "loss_type": "ce", "loss_gamma": 2.0, "dropout": 0.0}  # older checkpoints
     assert config_from_dict(legacy) == config and LossSpec.from_dict(legacy) == LossSpec(loss_gamma=2.0)
