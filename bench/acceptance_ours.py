@@ -41,7 +41,8 @@ def run_ours(job: Job, variant: Variant) -> dict:
         warnings.simplefilter("ignore")
         from dflash_core.train.assemble import build_trainer
 
-        trainer = build_trainer(config, models_dir=Path(WORKER["models_dir"]), corpus=corpus_for_worker())
+        corpus = corpus_for_worker(getattr(job, "data_multiplier", None))
+        trainer = build_trainer(config, models_dir=Path(WORKER["models_dir"]), corpus=corpus)
     check_recipe_applied(config, trainer.drafter_config, trainer.drafter.loss)
     logged: list[tuple[int, float]] = []  # (step, time) of each record: steady-state steps/s between them
     sync_device()

@@ -28,23 +28,25 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 
 def aggregate(results: list[dict], *, variant_order: list[str] | None = None) -> list[dict]:
-    """One row per (variant, steps): tau, tau - 1 and acc@k as mean and sd over seeds, the rest
-    averaged; rows by steps, then in `variant_order` (by name without one). A seed run twice (merged
-    calls) counts once, its first result."""
+    """One row per (variant, steps, data multiplier): tau, tau - 1 and acc@k as mean and sd over seeds,
+    the rest averaged; rows by steps, then in `variant_order` (by name without one), then by data size
+    (runs without a multiplier: None). A seed run twice (merged calls) counts once, its first result."""
     rows = []
     rank = {name: i for i, name in enumerate(variant_order or [])}
-    keys = sorted({(r["variant"], r["steps"]) for r in results},
-                  key=lambda k: (k[1], rank.get(k[0], len(rank)), k[0]))
-    for name, steps in keys:
+    keys = sorted({(r["variant"], r["steps"], r.get("data_multiplier")) for r in results},
+                  key=lambda k: (k[1], rank.get(k[0], len(rank)), k[0], k[2] or 0))
+    for name, steps, multiplier in keys:
         by_seed: dict[int, dict] = {}
         for r in results:
-            if r["variant"] == name and r["steps"] == steps:
+            if r["variant"] == name and r["steps"] == steps and r.get("data_multiplier") == multiplier:
                 by_seed.setdefault(r["seed"], r)
         runs = [by_seed[s] for s in sorted(by_seed)]
         tau_mean, tau_sd = _mean_sd([r["tau"] for r in runs])
         positions = np.array([r["acceptance_per_position"] for r in runs])
         rows.append({
             "variant": name, "steps": steps, "seeds": sorted(by_seed),
+            **({"data_multiplier": multiplier, "train_completions": runs[0].get("train_completions")}
+               if multiplier else {}),
             "tau_mean": tau_mean, "tau_sd": tau_sd, "gain_mean": tau_mean - 1, "gain_sd": tau_sd,
             "acceptance_per_position": positions.mean(axis=0).tolist(),
             "acceptance_per_position_sd": (positions.std(axis=0, ddof=1) if len(runs) > 1
@@ -59,7 +61,8 @@ def aggregate(results: list[dict], *, variant_order: list[str] | None = None) ->
             "target_layer_ids": runs[0]["target_layer_ids"], "command": runs[0].get("command")})
     for row in rows:
         for reference in REFERENCES:
-            ref = next((r for r in rows if r["variant"] == reference and r["steps"] == row["steps"]), None)
+            ref = next((r for r in rows if r["variant"] == reference and r["steps"] == row["steps"]
+                        and r.get("data_multiplier") == row.get("data_multiplier")), None)
             row[f"gain_vs_{reference}"] = row["gain_mean"] / ref["gain_mean"] if ref and ref["gain_mean"] > 0 else None
     return rows
 
@@ -72,9 +75,11 @@ def _mean(values) -> float | None:
 def table(rows: list[dict], *, command: str) -> str:
     """The markdown table; a row reproduces with the command its runs recorded, else `command`."""
     acc_head = " | ".join(f"acc@{k}" for k in range(1, NUM_ACC + 1))
-    lines = [f"| variant | steps | n | tau | tau-1 | {acc_head} | {' | '.join(REFERENCES.values())} | "
+    scaled = any(r.get("data_multiplier") for r in rows)  # a data column only in a data-scaling table
+    lines = [f"| variant | steps |{' data |' if scaled else ''} n | tau | tau-1 | {acc_head} | "
+             f"{' | '.join(REFERENCES.values())} | "
              "sharegpt / own tau | train tau | steps/s | train / eval s | exact | mask | taps | reproduce |",
-             "|---|---:|---:|---|---|" + "---|" * NUM_ACC + "---:|" * len(REFERENCES)
+             "|---|---:|" + ("---:|" if scaled else "") + "---:|---|---|" + "---|" * NUM_ACC + "---:|" * len(REFERENCES)
              + "---|---:|---:|---|---|---|---|---|"]
     for r in rows:
         accept = " | ".join(f"{m:.3f} +- {s:.3f}" for m, s in zip(r["acceptance_per_position"][:NUM_ACC],
@@ -85,9 +90,12 @@ def table(rows: list[dict], *, command: str) -> str:
         seconds = " / ".join("-" if r[k] is None else f"{r[k]:.0f}" for k in ("train_s_mean", "eval_s_mean"))
         seeds = " ".join(str(s) for s in r["seeds"])
         mask = f"{r['mask_token_id']}" + (f" ({r['mask_rule']})" if r.get("mask_rule") else "")
+        multiplier = r.get("data_multiplier")
         reproduce = (f"`{r.get('command') or command} --variants {r['variant']} --seeds {seeds} "
-                     f"--steps {r['steps']} --long-multiplier 0`")
-        lines.append(f"| {r['variant']} | {r['steps']} | {len(r['seeds'])} | {r['tau_mean']:.3f} +- {r['tau_sd']:.3f} "
+                     f"--steps {r['steps']} --long-multiplier 0"
+                     + (f" --data-multipliers {multiplier}`" if multiplier else "`"))
+        data = f" {multiplier}x ({r.get('train_completions') or 0:,}) |" if multiplier else (" - |" if scaled else "")
+        lines.append(f"| {r['variant']} | {r['steps']} |{data} {len(r['seeds'])} | {r['tau_mean']:.3f} +- {r['tau_sd']:.3f} "
                      f"| {r['gain_mean']:.3f} +- {r['gain_sd']:.3f} | {accept} | {ratios} | {split} | "
                      f"{r['train_tau']:.2f} | {r['steps_per_s']:.1f} | {seconds} | "
                      f"{'yes' if r['all_match_target'] else 'NO'} | {mask} | {r['target_layer_ids']} | {reproduce} |")
@@ -104,14 +112,15 @@ def wall_estimate(rows: list[dict], *, steps: int) -> str:
                 or r["steps"] < MIN_STEPS_TO_ESTIMATE:
             continue
         overhead = r["wall_s_mean"] - r["train_s_mean"]  # setup + evaluation
-        lines.append(f"- {r['variant']} (measured at {r['steps']} steps): ~{overhead + steps / r['steps_per_s']:.0f} s "
+        size = f" {r['data_multiplier']}x data" if r.get("data_multiplier") else ""
+        lines.append(f"- {r['variant']}{size} (measured at {r['steps']} steps): ~{overhead + steps / r['steps_per_s']:.0f} s "
                      f"a job at {steps} steps ({overhead:.0f} s setup + evaluation, {r['steps_per_s']:.1f} steps/s)")
     return "\n".join(lines)
 
 
 # Flags a table row's own command sets (or that only say where output goes).
 _ROW_FLAGS = {"--variants", "--suite", "--seeds", "--steps", "--long-multiplier", "--long-variants", "--long-seeds",
-              "--out", "--work", "--deadline-s", "--workers", "--devices", "--results"}
+              "--out", "--work", "--deadline-s", "--workers", "--devices", "--results", "--data-multipliers"}
 
 
 def row_command(argv: list[str]) -> str:
@@ -133,6 +142,10 @@ def write_report(out: Path, results: list[dict], *, header: str, variant_order: 
     text = table(rows, command=row_command(sys.argv[1:]))
     estimates = {s: wall_estimate([r for r in rows if r["steps"] < s], steps=s) for s in (2000,)}
     plan = "".join(f"\n\nEstimated wall per job at {s} steps, same sharing:\n{e}" for s, e in estimates.items() if e)
+    if any(r.get("data_multiplier") for r in rows):
+        from acceptance_scaling import write_scaling
+
+        plan += "\n\n" + write_scaling(out, rows)
     (out / "table.md").write_text(header + "\n\n" + text + plan + "\n")
     (out / "summary.json").write_text(json.dumps({**(extra or {}), "rows": rows, "argv": sys.argv[1:]}, indent=1))
     return header + "\n\n" + text + plan

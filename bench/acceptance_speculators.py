@@ -159,7 +159,7 @@ def run_speculators(job: Job, variant: Variant) -> dict:
 
     config = train_config(job, variant, Path(WORKER["work"]) / "runs")
     device = torch.device(WORKER["device"])
-    corpus = corpus_for_worker()
+    corpus = corpus_for_worker(getattr(job, "data_multiplier", None))
     torch.manual_seed(job.seed)
     target = load_target_model("embedded", device=device, models_dir=Path(WORKER["models_dir"]), seed=job.seed)
     if device.type == "cuda":  # as the Trainer: packed documents masked from position ids

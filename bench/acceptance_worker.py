@@ -47,10 +47,18 @@ def eval_target():
     return WORKER["eval_target"]
 
 
-def corpus_for_worker():
-    if "corpus" not in WORKER:
-        WORKER["corpus"] = training_corpus(json.loads(Path(WORKER["data_path"]).read_text()))
-    return WORKER["corpus"]
+def corpus_for_worker(data_multiplier: int | None = None):
+    """The training corpus: every completion, or with a data multiplier m its first m x train_prompts
+    (nested: a bigger set holds the smaller ones)."""
+    corpora = WORKER.setdefault("corpora", {})
+    if data_multiplier not in corpora:
+        if "records" not in WORKER:
+            WORKER["records"] = json.loads(Path(WORKER["data_path"]).read_text())
+        records = WORKER["records"]
+        if data_multiplier is not None:
+            records = records[: data_multiplier * WORKER["shape"]["train_prompts"]]
+        corpora[data_multiplier] = training_corpus(records)
+    return corpora[data_multiplier]
 
 
 def evaluate_drafter(drafter) -> dict:

@@ -44,6 +44,17 @@ reassembles the GGUF, checks its sha256 and converts it):
          2>&1 | tee $OUT/log.txt
     3. the same, `--suite core --steps 2000 --seeds 0 1 --workers 6` (table.md of call 2 ends with each
        row's estimated wall per job at 2,000 steps); seed 2 in a further call, merged by `report`.
+    4. carry [".carry/acceptance/b"]: the data-scaling curve (issue #31 item 3, acceptance_scaling.py): the
+       core rows at 200 steps on 1x, 2x, 4x and 8x the 1,024 completions, seed 0 (12 jobs, one wave of 12).
+       The pool (8,738 prompts: all the shipped ShareGPT file holds) gives 7,762 training prompts of <= 256
+       tokens, so 8x runs as 7x (7,168; logged "DATA POOL TOO SMALL"). The install line of call 2, then
+       python3 bench/bench_acceptance.py --assets .carry/acceptance --out $OUT --work /tmp/acceptance \
+         --suite core --steps 200 --long-multiplier 0 --seeds 0 --data-multipliers 1 2 4 8 --eval-prompts 16 \
+         --eval-new-tokens 96 --workers 12 --deadline-s 420 2>&1 | tee $OUT/log.txt
+       Estimated ~6 of the 10 minutes: ~1 min generating 7,168 completions (7 batches of 1,024 x 256 steps,
+       not yet measured), ~0.5 min baselines, one wave of 12 jobs of ~3.5 min (as a wave of call 2).
+       $OUT also gets scaling.md (tau, tau - 1 per size, the first size reaching tau 1.5 and 2) and
+       scaling.png (tau - 1 vs completions, log2 axis); without matplotlib on the image, `report` draws it here.
 
 $OUT gets table.md, results.jsonl (one line per run), summary.json and log.txt. Calls' results merge
 into one table: `python3 bench/bench_acceptance.py report A/results.jsonl B/results.jsonl --out DIR`.
@@ -77,10 +88,11 @@ sys.path.insert(0, str(ROOT))  # run from a bare checkout, no install
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also when loaded by file path
 
 from acceptance_data import (  # noqa: E402
-    greedy_completions, install_gguf_from_assets, load_pool, prepare_assets, split_prompts, training_corpus,
+    greedy_completions, install_gguf_from_assets, load_pool, prepare_assets, training_corpus,
 )
 from acceptance_ours import check_recipe_applied, run_ours  # noqa: E402,F401  (check_recipe_applied: tests)
 from acceptance_report import row_command, run_header, write_report  # noqa: E402
+from acceptance_scaling import plan_scaled_jobs, scaled_prompts  # noqa: E402
 from acceptance_speculators import run_speculators  # noqa: E402
 from acceptance_variants import (  # noqa: E402,F401  (Shape, Variant: tests and callers)
     DEFAULT_VARIANTS, FULL, LONG_VARIANTS, SUITES, TINY, Job, Shape, Variant, variants,
@@ -95,8 +107,11 @@ def run_job(job: Job) -> dict | None:
     variant = variants()[job.variant]
     began = time.perf_counter()
     out = (run_ours if variant.kind == "ours" else run_speculators)(job, variant)
-    return {"variant": job.variant, "seed": job.seed, "steps": job.steps, "wall_s": time.perf_counter() - began,
-            "device": WORKER["device"], **out}
+    multiplier = getattr(job, "data_multiplier", None)
+    data = {} if multiplier is None else {"data_multiplier": multiplier,
+                                          "train_completions": multiplier * WORKER["shape"]["train_prompts"]}
+    return {"variant": job.variant, "seed": job.seed, "steps": job.steps, **data,
+            "wall_s": time.perf_counter() - began, "device": WORKER["device"], **out}
 
 
 # ---- arguments ----------------------------------------------------------------------------------
@@ -121,6 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--long-multiplier", type=int, default=None, help="0: no long runs")
     parser.add_argument("--train-prompts", type=int, default=None)
+    parser.add_argument("--data-multipliers", type=int, nargs="+", default=None,
+                        help="data-scaling curve: every row and seed at each multiple of --train-prompts "
+                        "(nested subsets of the completions), e.g. 1 2 4 8")
     parser.add_argument("--token-budget", type=int, default=None, help="tokens per packed row")
     parser.add_argument("--anchors", type=int, default=None, help="anchors per row")
     parser.add_argument("--eval-new-tokens", type=int, default=None)
@@ -168,6 +186,10 @@ def plan_jobs(args: argparse.Namespace, shape: Shape, names: list[str]) -> list[
     """Long jobs first (they set the call's length), then seed-major: if the deadline cuts the call
     short, every row still has its first seeds."""
     seeds = args.seeds or ([0] if args.tiny else [0, 1, 2])
+    if args.data_multipliers:
+        long_jobs = [(name, seed, shape.steps * shape.long_multiplier) for name in args.long_variants.split(",")
+                     for seed in args.long_seeds] if shape.long_multiplier else []
+        return plan_scaled_jobs(names, seeds, shape.steps, args.data_multipliers, long_jobs=long_jobs)
     jobs = [Job(name, seed, shape.steps) for seed in seeds for name in names]
     if shape.long_multiplier:
         jobs = [Job(name, seed, shape.steps * shape.long_multiplier) for name in args.long_variants.split(",")
@@ -193,16 +215,20 @@ def prepare_data(args: argparse.Namespace, shape: Shape, work: Path, log) -> dic
     # A tokenizer converted from the GGUF may carry no pad token; padding is masked out anyway.
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     log(f"target at {model_dir}")
-    pool = load_pool(args.assets, limit=8000)
-    train_prompts, eval_prompts = split_prompts(pool, tokenizer, shape)
-    log(f"prompts: {len(train_prompts)} training, {len(eval_prompts)} held out")
+    pool = load_pool(args.assets)
+    train_prompts, eval_prompts, args.data_multipliers = scaled_prompts(pool, tokenizer, shape, args.data_multipliers,
+                                                                        log=log)
+    log(f"prompts: {len(pool)} in the pool; {len(train_prompts)} training, {len(eval_prompts)} held out"
+        + (f"; data sizes {args.data_multipliers} x {shape.train_prompts}" if args.data_multipliers else ""))
     target = load_target(str(model_dir), device=args.device, dtype=getattr(torch, args.eval_dtype))
     key = hashlib.sha256(json.dumps([train_prompts, shape.train_new_tokens, args.eval_dtype]).encode()).hexdigest()
     data_path = work / f"completions-{key[:16]}.json"
     if not data_path.is_file():
+        started = time.perf_counter()
         records = greedy_completions(target, train_prompts, max_new_tokens=shape.train_new_tokens, eos_id=eos_id,
-                                     pad_id=pad_id, batch_size=256 if args.device.startswith("cuda") else 16)
+                                     pad_id=pad_id, batch_size=1024 if args.device.startswith("cuda") else 16)
         data_path.write_text(json.dumps(records))
+        log(f"generated {len(records)} completions in {time.perf_counter() - started:.0f} s")
     records = json.loads(data_path.read_text())
     corpus = training_corpus(records)
     log(f"{len(records)} training completions, {corpus.tokens.size:,} tokens "
@@ -213,6 +239,8 @@ def prepare_data(args: argparse.Namespace, shape: Shape, work: Path, log) -> dic
         eval_set.append({"id": prompt_id, "prompt": prompt, "baseline": decoded.tokens,
                          "baseline_wall_s": decoded.wall_s})
     del target
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the batched KV caches' memory, back for the workers
     return {"shape": dataclasses.asdict(shape), "work": str(work), "models_dir": str(args.models_dir),
             "model_dir": str(model_dir), "data_path": str(data_path), "eval_dtype": args.eval_dtype,
             "eval_set": eval_set, "eval_new_tokens": shape.eval_new_tokens, "eos_id": eos_id,
@@ -274,7 +302,8 @@ def main(argv: list[str] | None = None) -> None:
         args.threads = max(1, (os.cpu_count() or 2) // workers) if cuda else 1
     torch.set_num_threads(args.threads)
     shape = resolve_shape(args)
-    jobs = plan_jobs(args, shape, resolve_rows(args))
+    names = resolve_rows(args)
+    jobs = plan_jobs(args, shape, names)
     work = args.work or out / "work"
     work.mkdir(parents=True, exist_ok=True)
     began, began_epoch = time.perf_counter(), time.time()  # workers are other processes: they read the epoch
@@ -283,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{time.perf_counter() - began:6.1f}s] {message}", flush=True)
 
     context = prepare_data(args, shape, work, log)
+    if args.data_multipliers:  # the pool may allow fewer sizes than asked
+        jobs = plan_jobs(args, shape, names)
     context.update(devices=devices, threads=args.threads,
                    deadline_at=None if args.deadline_s is None else began_epoch + args.deadline_s)
     log(f"baselines decoded; {len(jobs)} jobs on {workers} workers over {devices}")
@@ -303,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
         results.append(result)
         with open(results_path, "a") as handle:
             handle.write(json.dumps(result) + "\n")
-        log(f"{result['variant']} seed {result['seed']} {result['steps']} steps: tau {result['tau']:.3f} "
+        size = f" {result['data_multiplier']}x data" if "data_multiplier" in result else ""
+        log(f"{result['variant']} seed {result['seed']} {result['steps']} steps{size}: tau {result['tau']:.3f} "
             f"(acc@1 {result['acceptance_per_position'][0]:.2f}), {result['steps_per_s']:.1f} steps/s, "
             f"exact {result['all_match_target']}; {result['wall_s']:.0f} s (train {result['train_s']:.0f}, "
             f"eval {result['eval_s']:.0f}) on {result['device']}")

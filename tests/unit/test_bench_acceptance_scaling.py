@@ -1,0 +1,162 @@
+"""The acceptance bench's data-scaling curve: jobs per data multiplier, nested training subsets, the
+report grouped by (variant, steps, multiplier) with the first size reaching a tau, the PNG; and batched
+greedy generation equal to one prompt at a time.
+
+Run: .venv/bin/python -m pytest tests/unit/test_bench_acceptance_scaling.py -q
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "bench_acceptance.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_acceptance", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_acceptance"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("bench_acceptance", None)
+
+
+def test_jobs_are_planned_per_multiplier_and_say_it(bench):
+    args = bench.parse_args(["--suite", "core", "--seeds", "0", "--long-multiplier", "0",
+                             "--data-multipliers", "1", "2", "4", "8"])
+    jobs = bench.plan_jobs(args, bench.resolve_shape(args), bench.resolve_rows(args))
+    assert len(jobs) == 3 * 4
+    assert {(j.variant, j.data_multiplier) for j in jobs} == {(v, m) for v in ["speculators", "speculators-dflash2",
+                                                                               "default"] for m in (1, 2, 4, 8)}
+    assert [j.data_multiplier for j in jobs[:3]] == [8, 8, 8]  # the curve's far end first
+    assert jobs[0].label == "speculators@200s0x8data" and len({j.run_name for j in jobs}) == len(jobs)
+    from dflash_core.train.config import TrainConfig
+
+    TrainConfig(run_name=jobs[0].run_name, target="embedded", data=["x"])  # a valid run name
+    legacy = bench.plan_jobs(bench.parse_args(["--suite", "core", "--seeds", "0", "--long-multiplier", "0"]),
+                             bench.resolve_shape(args), ["default"])
+    assert legacy == [bench.Job("default", 0, 200)] and not hasattr(legacy[0], "data_multiplier")
+
+
+def test_the_pool_caps_the_largest_multiplier(bench):
+    import acceptance_scaling as scaling
+
+    lines = []
+    assert scaling.cap_multipliers([1, 2, 4, 8], available=7762, base=1024, log=lines.append) == [1, 2, 4, 7]
+    assert "DATA POOL TOO SMALL" in lines[0] and "7x (7,168 completions)" in lines[0]
+    assert scaling.cap_multipliers([4, 1, 2], available=9000, base=1024, log=lines.append) == [1, 2, 4]
+    assert len(lines) == 1
+
+
+class _Tokenizer:
+    def apply_chat_template(self, messages, **kwargs):
+        return list(range(len(messages[0]["content"].split())))
+
+
+def test_training_subsets_are_nested_and_the_worker_takes_its_multiple(bench, tmp_path):
+    import acceptance_scaling as scaling
+    import acceptance_worker as worker
+
+    pool = [(f"sharegpt:{i}", f"prompt {i} " + "word " * (i % 5)) for i in range(400)]
+    shape = bench.Shape(train_prompts=50, eval_prompts=2, max_prompt_tokens=8)
+    one_x, held, _ = scaling.scaled_prompts(pool, _Tokenizer(), shape, None)
+    train, held_too, sizes = scaling.scaled_prompts(pool, _Tokenizer(), shape, [1, 2, 4, 8], log=lambda _: None)
+    assert train[:50] == one_x and held_too == held  # 1x is today's set; the held-out prompts are unchanged
+    assert sizes == [1, 2, 4, 7] and len(train) == 7 * 50  # the pool holds 391 training prompts
+    records = [{"id": i, "prompt": ids, "completion": [1, 2]} for i, ids in train]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    worker.WORKER.update(data_path=str(tmp_path / "data.json"), shape={"train_prompts": 50})
+    try:
+        corpora = {m: worker.corpus_for_worker(m) for m in sizes}
+        assert [len(corpora[m].names) for m in sizes] == [50, 100, 200, 350]
+        for small, big in zip(sizes, sizes[1:]):
+            assert corpora[big].names[: len(corpora[small].names)] == corpora[small].names
+        assert len(worker.corpus_for_worker().names) == 350  # no multiplier: every completion
+    finally:
+        worker.WORKER.clear()
+
+
+def _result(variant, seed, tau, multiplier, *, steps=200):
+    return {"variant": variant, "seed": seed, "steps": steps, "tau": tau, "acceptance_per_position": [0.5, 0.25],
+            "tau_by_source": {"sharegpt": tau, "own": None}, "train_tau": 1.5, "steps_per_s": 10.0,
+            "wall_s": 60.0, "train_s": 20.0, "eval_s": 30.0, "all_match_target": True, "mask_token_id": 16,
+            "target_layer_ids": [1, 27], "data_multiplier": multiplier, "train_completions": 1024 * multiplier}
+
+
+def test_report_groups_by_multiplier_finds_thresholds_and_draws_the_png(bench, tmp_path):
+    import acceptance_report as report
+    import acceptance_scaling as scaling
+
+    results = [_result("default", 0, 1.3, 1), _result("default", 1, 1.4, 1), _result("default", 0, 1.6, 2),
+               _result("default", 0, 1.9, 4), _result("default", 0, 2.1, 8),
+               _result("speculators", 0, 1.2, 1), _result("speculators", 0, 1.5, 8)]
+    rows = report.aggregate(results, variant_order=list(bench.variants()))
+    assert [(r["variant"], r["data_multiplier"]) for r in rows] == [
+        ("default", 1), ("default", 2), ("default", 4), ("default", 8), ("speculators", 1), ("speculators", 8)]
+    assert rows[0]["tau_mean"] == pytest.approx(1.35) and rows[0]["seeds"] == [0, 1]
+    assert rows[3]["gain_vs_speculators"] == pytest.approx(1.1 / 0.5)  # against speculators at the same size
+    curves = scaling.curves(rows)
+    assert scaling.first_reaching(curves[("default", 200)], 1.5)["data_multiplier"] == 2
+    assert scaling.first_reaching(curves[("default", 200)], 2.0)["data_multiplier"] == 8
+    assert scaling.first_reaching(curves[("speculators", 200)], 1.5)["train_completions"] == 8192
+    assert scaling.first_reaching(curves[("speculators", 200)], 2.0) is None
+    text = report.write_report(tmp_path, results, header="h", variant_order=list(bench.variants()))
+    assert "| default | 200 | 1.350 / 0.350 (n 2) | 1.600 / 0.600 (n 1) | 1.900 / 0.900 (n 1) | " \
+           "2.100 / 1.100 (n 1) | 2x (2,048) | 8x (8,192) |" in text
+    assert "| speculators | 200 | 1.200 / 0.200 (n 1) | - | - | 1.500 / 0.500 (n 1) | 8x (8,192) | not reached |" in text
+    assert "| default | 200 | 4x (4,096) | 1 | 1.900 +- 0.000 |" in text and "--data-multipliers 4`" in text
+    assert (tmp_path / "scaling.md").read_text().startswith("Data scaling")
+    png = (tmp_path / "scaling.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    assert "scaling.png" in (tmp_path / "table.md").read_text()
+
+
+def test_a_table_without_multipliers_has_no_data_column(bench, tmp_path):
+    import acceptance_report as report
+
+    results = [{k: v for k, v in _result("default", 0, 1.3, 1).items()
+                if k not in ("data_multiplier", "train_completions")}]
+    rows = report.aggregate(results)
+    assert "data_multiplier" not in rows[0]
+    text = report.write_report(tmp_path, results, header="h", variant_order=[])
+    assert "| variant | steps | n | tau |" in text and "Data scaling" not in text
+    assert not (tmp_path / "scaling.png").exists()
+
+
+def _tiny_model():
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_batched_greedy_generation_equals_one_prompt_at_a_time(bench):
+    import random
+
+    import acceptance_data as data
+
+    from dflash_core.evaluate import greedy_decode
+
+    model = _tiny_model()
+    rng = random.Random(0)
+    prompts = [(f"p{i}", [rng.randrange(3, 64) for _ in range(rng.randrange(1, 12))]) for i in range(9)]
+    reference = [greedy_decode(model, ids, max_new_tokens=20).tokens for _, ids in prompts]
+    eos = reference[2][4]  # a token some rows reach early, so rows end at different steps
+    reference = [greedy_decode(model, ids, max_new_tokens=20, eos_token_id=eos).tokens for _, ids in prompts]
+    assert any(len(r) < 20 for r in reference) and any(len(r) == 20 for r in reference)
+    for batch_size in (1, 4, 16):
+        records = data.greedy_completions(model, prompts, max_new_tokens=20, eos_id=eos, pad_id=0,
+                                          batch_size=batch_size, check_every=3)
+        assert [r["id"] for r in records] == [i for i, _ in prompts]  # prompt order, whatever the batching
+        assert [r["completion"] for r in records] == reference
+    every_row_ends = [(i, ids) for (i, ids), r in zip(prompts, reference) if len(r) < 20]
+    records = data.greedy_completions(model, every_row_ends, max_new_tokens=20, eos_id=eos, pad_id=0, batch_size=8,
+                                      check_every=2)  # stops early once every row has its EOS
+    assert [r["completion"] for r in records] == [r for r in reference if len(r) < 20]
