@@ -18,11 +18,11 @@ DPACE_SOURCES = ("unary", "selector")
 class LossSpec:
     """loss_type "ce" learns the target's argmax (or the data tokens), "kl" its whole distribution at
     the block's positions; slot weights "exp_decay" (exp(-(k-1)/loss_gamma); None: the block size's
-    default) or "dpace" (speculators' D-PACE, smoothing dpace_alpha; dpace_source: whose probability of the label is a slot's
-confidence, the unary LM head's or, DFlash 2 only, the candidate selector's K-way one). Training only, 0 = off, never
-    when drafting: feature_noise (Gaussian noise on the tapped target states, std = feature_noise x
-    each state's RMS), dropout (on every sublayer's output before its residual add), label_smoothing
-    (of the LM-head cross-entropy)."""
+    default) or "dpace" (speculators' D-PACE, smoothing dpace_alpha; dpace_source: whose probability
+    of the label is a slot's confidence, the unary LM head's or, DFlash 2 only, the candidate
+    selector's K-way one). Training only, 0 = off, never when drafting: feature_noise (Gaussian noise
+    on the tapped target states, std = feature_noise x each state's RMS), dropout (on every sublayer's
+    output before its residual add), label_smoothing (of the LM-head cross-entropy)."""
 
     loss_type: str = "ce"
     loss_weighting: str = "exp_decay"
