@@ -5,6 +5,7 @@ its summary (stages, tau and speedup, artifacts, each artifact group linked to i
 from __future__ import annotations
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_markdown_artifact
 
 from dflash_core.layout import ArtifactKind
@@ -23,7 +24,8 @@ from tasks.store import png_artifact
 USAGE_KEY, USAGE_CHART_KEY, SUMMARY_KEY = "s3-usage", "s3-usage-by-kind", "pipeline-summary"
 
 
-@task(retries=2, retry_delay_seconds=[2, 5])
+# Never cached: a Retry of the pipeline asks again with the same inputs, and the stages have moved on since.
+@task(retries=2, retry_delay_seconds=[2, 5], cache_policy=NO_CACHE)
 def stage_runs(settings: Settings, *, flow_run_id: str) -> list[StageRun]:
     """The pipeline's flow run and every flow run it started, in start order."""
     return read_stage_runs(settings.prefect_api_url, flow_run_id)

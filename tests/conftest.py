@@ -149,6 +149,14 @@ def demo_prompt_sample():
 
 
 @pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer, deep enough to tap (>= 4 layers): the pipeline tests' target."""
+    from tests.tiny_models import build_tiny_chat_model
+
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-target"), num_layers=4)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with the SmolLM2 tokenizer that `transformers serve` can load."""
     from tests.tiny_models import build_tiny_chat_model

@@ -1,9 +1,9 @@
 """The pipeline is one DAG of results, on the real Prefect and S3 servers with a real tokenizer and a
-tiny real model: a run on a dataset of its own trains on exactly the shards its tokenize stage made
-(by sha256, in the checkpoint's manifest), never on the held-out split, and evaluates on the
-held-out split; every node it made has a lineage page in the UI and the run's page its S3 usage and
-summary; a training shard holding a held-out prompt id is refused; a stage started alone takes the URI of
-its upstream's result.json.
+tiny real model: a run (`whole_run`, the session's whole DAG from one form, shared with
+test_real_run.py) trains on exactly the shards its tokenize stage made (by sha256, in the checkpoint's
+manifest), never on the held-out split, and evaluates on the held-out split; every node it made has a
+lineage page in the UI and the run's page its S3 usage and summary; a training shard holding a held-out
+prompt id is refused; a stage started alone takes the URI of its upstream's result.json.
 
 Run: `.venv/bin/python -m pytest -q tests/integration/test_dag.py`
 """
@@ -11,21 +11,15 @@ Run: `.venv/bin/python -m pytest -q tests/integration/test_dag.py`
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 import pytest
 
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.lineage import read_manifest
+from tests.integration.shared_runs import TRAIN_STEPS, export_settings
 from tests.unit.conftest_tokenize import jsonl, make_record
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    """A tiny random Llama with the SmolLM2 tokenizer, deep enough to tap (>= 4 layers)."""
-    from tests.tiny_models import build_tiny_chat_model
-
-    return build_tiny_chat_model(tmp_path_factory.mktemp("dag-target"), num_layers=4)
 
 
 def _records(prefix: str, count: int) -> bytes:
@@ -41,50 +35,34 @@ def _put_completions(store, settings, dataset: str, shards: dict[str, bytes]) ->
     return store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, dataset, "r1")) + "/"
 
 
-def _stages(tiny_target, tmp_path, run_name: str) -> dict:
-    from flows.evaluate import EvaluateParams
-    from flows.export import ExportParams
-    from flows.tokenize import TokenizeParams
-    from flows.train import TrainFlowParams
-
-    config = {"run_name": run_name, "target": str(tiny_target), "output_dir": str(tmp_path / "runs"),
-              "token_budget": 96, "max_steps": 4, "checkpoint_every": 4, "log_every": 2,
-              "validate_capture_batches": 1,
-              "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0}}
-    return {"tokenization": TokenizeParams(tokenizer_dir=str(tiny_target), workers=1),
-            "training": TrainFlowParams(config=config),
-            "evaluation": EvaluateParams(num_prompts=2, max_new_tokens=6, modes=["block"]),
-            "export": ExportParams(formats=["native"])}
+def _names(shards) -> list[str]:
+    return [s.uri.rsplit("/", 1)[-1] for s in shards]
 
 
-def test_a_pipeline_on_its_own_dataset_trains_on_its_shards_and_evaluates_held_out(
-        prefect_server, store, env_settings, tiny_target, tmp_path):
-    from flows.pipeline import PipelineParams, pipeline
-
-    dataset = f"dag-{uuid.uuid4().hex[:8]}"
-    completions = _put_completions(store, env_settings, dataset, {
-        "shard-00000.jsonl": _records("a", 8), "shard-00001.jsonl": _records("b", 8),
-        "heldout-00000.jsonl": _records("h", 3)})
-    run_name = f"dag-{tmp_path.name}"[:50]
-    stages = _stages(tiny_target, tmp_path, run_name)
-    stages["tokenization"].completions = completions  # the first stage's input: from the form
-    state = pipeline(PipelineParams(**stages), return_state=True)
+def test_a_pipeline_trains_on_its_tokenize_stages_shards_and_evaluates_held_out(whole_run, store, settings,
+                                                                                 tiny_target):
+    state, result = whole_run.state, whole_run.result
     assert state.is_completed(), state
-    result = state.result()
-    tokenized, checkpoint, evaluation = result.tokenization, result.training, result.evaluation
+    generation, tokenized, checkpoint, evaluation = (result.generation, result.tokenization, result.training,
+                                                     result.evaluation)
 
     # tokenize made the dataset's own shards, split as the completions were
-    assert [s.uri.rsplit("/", 1)[-1] for s in tokenized.train_shards] == ["shard-00000.arrow", "shard-00001.arrow"]
-    assert [s.uri.rsplit("/", 1)[-1] for s in tokenized.heldout_shards] == ["heldout-00000.arrow"]
-    assert all(f"/tokenized/{dataset}/r1/" in s.uri for s in tokenized.train_shards + tokenized.heldout_shards)
-    assert sorted(tokenized.heldout_prompt_ids) == ["h0", "h1", "h2"]
+    by_split = {split: [n.removesuffix(".jsonl") + ".arrow" for n in _names(s for s in generation.shards
+                                                                          if s.split == split)]
+                for split in ("train", "heldout")}
+    assert _names(tokenized.train_shards) == by_split["train"] == ["shard-00000.arrow", "shard-00001.arrow"]
+    assert _names(tokenized.heldout_shards) == by_split["heldout"] == ["heldout-00000.arrow"]
+    assert all(f"/tokenized/{generation.dataset}/{generation.run}/" in s.uri
+               for s in tokenized.train_shards + tokenized.heldout_shards)
+    assert sorted(tokenized.heldout_prompt_ids) == sorted(generation.heldout_prompt_ids)
+    assert len(tokenized.heldout_prompt_ids) == 2
 
     # train read exactly those shards: the checkpoint's manifest lists their sha256, and nothing else
     expected = [(s.uri, s.sha256) for s in tokenized.train_shards]
     assert [(s.uri, s.sha256) for s in checkpoint.data] == expected
     weights = read_manifest(store, store.key_of(checkpoint.uri) + "/model.safetensors")
     assert [(ref.uri, ref.sha256) for ref in weights.inputs] == expected
-    assert checkpoint.dataset.result_uri == tokenized.result_uri and checkpoint.step == 4
+    assert checkpoint.dataset.result_uri == tokenized.result_uri and checkpoint.step == TRAIN_STEPS
     assert checkpoint.run_yaml and checkpoint.provenance and checkpoint.metrics
 
     # evaluate measured the held-out split, and says so in its report
@@ -97,12 +75,12 @@ def test_a_pipeline_on_its_own_dataset_trains_on_its_shards_and_evaluates_held_o
 
     # export took the checkpoint it was handed
     assert result.export.checkpoint == checkpoint.uri and set(result.export.exports) == {"native"}
-    assert read_manifest(store, f"exports/{run_name}/native/config.json").inputs[0].uri == \
+    assert read_manifest(store, f"exports/{whole_run.name}/native/config.json").inputs[0].uri == \
         f"{checkpoint.uri}/model.safetensors"
     # every stage's result is stored, so each can be started alone from its upstream's URI
-    for stage in (result.tokenization, result.training, result.evaluation, result.export):
+    for stage in (result.generation, result.tokenization, result.training, result.evaluation, result.export):
         assert store.exists(store.key_of(stage.result_uri)), stage.kind
-    _check_the_evidence(store, env_settings, state, result, tiny_target)
+    _check_the_evidence(store, settings, state, result, tiny_target)
 
 
 def _artifacts(flow_run_ids: list[str]) -> dict[str, object]:
@@ -118,6 +96,11 @@ def _artifacts(flow_run_ids: list[str]) -> dict[str, object]:
     for artifact in found:
         artifacts.setdefault(artifact.key, artifact)
     return artifacts
+
+
+def _names_completions(page: str) -> bool:
+    """A completions node among the page's parents, linked to its own lineage page or not."""
+    return re.search(r"completions (`|\[)completions/", page) is not None
 
 
 def _check_the_evidence(store, settings, state, result, tiny_target) -> None:
@@ -151,11 +134,11 @@ def _check_the_evidence(store, settings, state, result, tiny_target) -> None:
     assert f"({artifact_url(ui, str(page['evaluation'].id))})" in fed
     assert f"({artifact_url(ui, str(page['export'].id))})" in fed
     edges = ckpt.split("### Lineage graph", 1)[1].split("###", 1)[0]
-    assert "completions `completions/" in edges and "| → | checkpoint " in edges and "mermaid" not in ckpt
+    assert _names_completions(edges) and "| → | checkpoint " in edges and "mermaid" not in ckpt
 
     data = page["tokenized"].data
     assert all(f"`{s.uri.rsplit('/', 1)[-1]}`" in data for s in tokenized.train_shards + tokenized.heldout_shards)
-    assert f"`{sha256_file(tiny_target / 'tokenizer.json')}`" in data and "completions `completions/" in data
+    assert f"`{sha256_file(tiny_target / 'tokenizer.json')}`" in data and _names_completions(data)
     assert f"({artifact_url(ui, str(page['checkpoint'].id))})" in data.split("### Fed", 1)[1]
     for name in ("evaluation", "export"):
         assert f"`{sha256_file(tiny_target / 'model.safetensors')}`" in page[name].data
@@ -172,18 +155,12 @@ def _check_the_evidence(store, settings, state, result, tiny_target) -> None:
     assert any(r["uri"].endswith("/usage.json") for r in result.artifacts)
 
 
-def test_in_sample_evaluation_is_asked_for_and_labelled(prefect_server, store, env_settings, tiny_target,
-                                                        tmp_path):
+def test_in_sample_evaluation_is_asked_for_and_labelled(whole_run, store, settings, monkeypatch):
     """A stage alone from its form: evaluate takes the train result's URI and measures the training split."""
     from flows.evaluate import EvaluateParams, evaluate
-    from flows.pipeline import PipelineParams, pipeline
 
-    dataset = f"dag-{uuid.uuid4().hex[:8]}"
-    completions = _put_completions(store, env_settings, dataset, {"shard-00000.jsonl": _records("a", 8),
-                                                                  "heldout-00000.jsonl": _records("h", 2)})
-    stages = _stages(tiny_target, tmp_path, f"ins-{tmp_path.name}"[:50])
-    stages["tokenization"].completions = completions
-    trained = pipeline(PipelineParams(tokenization=stages["tokenization"], training=stages["training"])).training
+    export_settings(monkeypatch, settings)
+    trained = whole_run.result.training
     state = evaluate(EvaluateParams(checkpoint=trained.result_uri, split="train", num_prompts=2, max_new_tokens=4,
                                     modes=["block"]), return_state=True)
     assert state.is_completed(), state

@@ -27,16 +27,16 @@ def test_train_flow_trains_from_s3_uploads_checkpoints_and_resumes(prefect_serve
     write_artifact(store, shard_key, shard, kind=ArtifactKind.TOKENIZED)
     run_name = f"flow-{tmp_path.name}"[:60]
     config = {"run_name": run_name, "target": "tiny:llama", "data": [f"tokenized/flowtest/{tmp_path.name}/"],
-              "output_dir": str(tmp_path / "runs"), "token_budget": 96, "max_steps": 12, "checkpoint_every": 6,
-              "log_every": 3, "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0}}
+              "output_dir": str(tmp_path / "runs"), "token_budget": 96, "max_steps": 4, "checkpoint_every": 2,
+              "log_every": 2, "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0}}
     state = train(TrainFlowParams(config=config), return_state=True)
     assert state.is_completed(), state
     result = state.result()
-    assert result.uri == store.uri(f"checkpoints/{run_name}/step-000012") and result.step == 12
+    assert result.uri == store.uri(f"checkpoints/{run_name}/step-000004") and result.step == 4
     assert [(s.uri, s.sha256) for s in result.data] == [(store.uri(shard_key), store.head(shard_key).sha256)]
     assert result.dataset is None and result.target == "tiny:llama"
     assert store.get_bytes(store.key_of(result.run_yaml)).decode().startswith("run_name:")
-    weights_key = f"checkpoints/{run_name}/step-000012/model.safetensors"
+    weights_key = f"checkpoints/{run_name}/step-000004/model.safetensors"
     manifest = read_manifest(store, weights_key)
     assert [ref.uri for ref in manifest.inputs] == [store.uri(shard_key)]
     assert manifest.producer.flow_run_id == str(state.state_details.flow_run_id)
@@ -56,10 +56,10 @@ def test_train_flow_trains_from_s3_uploads_checkpoints_and_resumes(prefect_serve
     leaked = [a.key for a in ours.values() if access_key in str(a.data) or "X-Amz-" in str(a.data)]
     assert not leaked, f"key material (a presigned URL) in the Prefect database: {leaked}"
 
-    # A second run of the same config with more steps continues from step 12 instead of starting over.
-    config["max_steps"] = 18
+    # A second run of the same config with more steps continues from step 4 instead of starting over.
+    config["max_steps"] = 6
     again = train(TrainFlowParams(config=config), return_state=True)
     assert again.is_completed(), again
     steps = [r["step"] for r in read_metrics(tmp_path / "runs" / run_name / "metrics.jsonl")]
-    assert steps == [3, 6, 9, 12, 15, 18]
-    assert store.exists(f"checkpoints/{run_name}/step-000018/meta.json")
+    assert steps == [2, 4, 6]
+    assert store.exists(f"checkpoints/{run_name}/step-000006/meta.json")

@@ -2,9 +2,11 @@
 against the real Prefect server, S3 server and stage server: the deployments are listed, the
 tokenize deployment's form renders its descriptions (no text lost to markdown), a run started from
 the form fails for a fixable cause (no completions yet), the cause is fixed, Retry is pressed on the
-run's page, the run completes and its artifacts and task runs are listed. Then a pipeline run of two
-stages (tokenize -> train): its page draws the run graph, saved as a screenshot (path printed), and
-the graph the UI draws (the server's graph-v2) has the edge from tokenize to train. Then the evidence,
+run's page, the run completes and its artifacts and task runs are listed. Then the session's pipeline
+deployment run of two stages, tokenize -> train, retried to completion (`retried_pipeline`,
+tests/integration/shared_runs.py; test_stage_deployments.py checks its retries): its page draws the run
+graph, saved as a screenshot (path printed), and the graph the UI draws (the server's graph-v2) has the
+edge from tokenize to train. Then the evidence of its last attempt,
 followed by its links: the run's summary, the checkpoint's lineage page (producer flow run and task run
 linked, the target and tokenizer among its inputs), its parent the tokenized dataset's page with the
 completions it was made from, and the run's S3 usage and its chart (an image that must load). Screenshots
@@ -24,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_stage_deployments import stage_server, tiny_target  # noqa: F401 - module fixtures
 from tests.integration.test_tokenize_flow import shard
 from tests.unit.conftest_tokenize import MODEL_CACHE
 
@@ -125,38 +126,18 @@ def _new_run(base: str, deployment_id: str, known: set[str], *, timeout_s: float
     raise AssertionError("the form created no flow run")
 
 
-def _run_pipeline(base: str, store, target, tmp_path) -> str:
-    """A pipeline deployment run of two stages on the demo's completions: tokenize, then train on its result."""
-    from dflash_core.embedded import embedded_tokenizer_dir
-    from flows.pipeline import PipelineParams
-    from flows.tokenize import TokenizeParams
-    from flows.train import TrainFlowParams
-
-    training = TrainFlowParams(config={
-        "run_name": f"ui-{tmp_path.name}"[:40], "target": str(target), "output_dir": str(tmp_path / "runs"),
-        "token_budget": 96, "max_steps": 2, "checkpoint_every": 2, "log_every": 1, "validate_capture_batches": 1,
-        "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_gamma": 4.0}})
-    tokenization = TokenizeParams(completions=f"s3://{store.bucket}/completions/demo/smollm2/", workers=1,
-                                  tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)),
-                                  gate={"max_skipped_fraction": 0.1})
-    params = PipelineParams(tokenization=tokenization, training=training)
-    deployment = _api(base, "/deployments/name/dflash-pipeline/pipeline")
-    run = _api(base, f"/deployments/{deployment['id']}/create_flow_run",
-               {"parameters": {"params": params.model_dump(mode="json")}})
-    finished = _wait_state(base, run["id"], timeout_s=400)
-    assert finished["state_type"] == "COMPLETED", finished["state"]
-    return run["id"]
-
-
-def _follow_the_evidence(driver, base: str, pipeline_run: str, *, shots: Path) -> None:
+def _follow_the_evidence(driver, base: str, pipeline_run: str, *, dataset: str, shots: Path) -> None:
     """From the pipeline run's page to its summary, to the checkpoint's lineage page (who made it, linked), through
     its parent to the tokenized dataset's page and the completions it names; then the run's S3 usage and its chart,
     an image that loads."""
+    # A retried run has these of each attempt: follow the last attempt's.
+    last = {key: f"/artifacts/artifact/{_newest_artifact(base, pipeline_run, key)}"
+            for key in ("pipeline-summary", "s3-usage", "s3-usage-by-kind")}
     driver.get(f"{base}/runs/flow-run/{pipeline_run}")
     _wait_text(driver, "Completed")
     _click_tab(driver, "Artifacts")
     _wait_text(driver, "pipeline-summary", "s3-usage", "s3-usage-by-kind")
-    _open_link(driver, containing="pipeline-summary", href_part="/artifacts/artifact/")
+    _open_link(driver, containing="pipeline-summary", href_part=last["pipeline-summary"])
     _wait_text(driver, "dflash pipeline: stages", "tokenize", "train", "Artifacts (each with a .manifest.json")
     driver.save_screenshot(str(shots / "pipeline-summary.png"))
 
@@ -167,24 +148,30 @@ def _follow_the_evidence(driver, base: str, pipeline_run: str, *, shots: Path) -
     assert _links(driver, "/runs/flow-run/") and _links(driver, "/runs/task-run/"), "its producer is linked"
     driver.save_screenshot(str(shots / "checkpoint-lineage.png"))
 
-    _open_link(driver, containing="tokenized/demo/smollm2/", href_part="/artifacts/artifact/")
-    dataset = _wait_text(driver, "Lineage of tokenized", "shard-00000.arrow", "Fed (what was made from it)")
+    _open_link(driver, containing=f"tokenized/{dataset}/", href_part="/artifacts/artifact/")
+    page = _wait_text(driver, "Lineage of tokenized", "shard-00000.arrow", "Fed (what was made from it)")
     # Its inputs: the completion shards by sha256 (put there by hand: no manifest, so no page of their own).
-    assert "shard-00000.jsonl" in dataset and "shard-00001.jsonl" in dataset and "completions/demo/smollm2/" in dataset
-    assert "checkpoints/" in dataset.split("Fed (what was made from it)", 1)[1], "the checkpoint it fed"
+    assert "shard-00000.jsonl" in page and "shard-00001.jsonl" in page and f"completions/{dataset}/" in page
+    assert "checkpoints/" in page.split("Fed (what was made from it)", 1)[1], "the checkpoint it fed"
     driver.save_screenshot(str(shots / "dataset-lineage.png"))
 
     driver.get(f"{base}/runs/flow-run/{pipeline_run}")
     _click_tab(driver, "Artifacts")
-    _open_link(driver, containing="s3-usage", href_part="/artifacts/artifact/", whole_line=True)
+    _open_link(driver, containing="s3-usage", href_part=last["s3-usage"], whole_line=True)
     _wait_text(driver, "This run wrote", "A cleanup would reclaim", "Unmanifested", "by run prefix", "checkpoint")
     driver.get(f"{base}/runs/flow-run/{pipeline_run}")
     _click_tab(driver, "Artifacts")
-    _open_link(driver, containing="s3-usage-by-kind", href_part="/artifacts/artifact/")
+    _open_link(driver, containing="s3-usage-by-kind", href_part=last["s3-usage-by-kind"])
     _wait_image(driver)
     driver.save_screenshot(str(shots / "s3-usage-chart.png"))
     print(f"the evidence as the UI shows it: {shots}/{{pipeline-summary,checkpoint-lineage,dataset-lineage,"
           f"s3-usage-chart}}.png")
+
+
+def _newest_artifact(base: str, flow_run_id: str, key: str) -> str:
+    [artifact] = _api(base, "/artifacts/filter", {"artifacts": {"key": {"any_": [key]}, "flow_run_id": {"any_": [
+        flow_run_id]}}, "sort": "CREATED_DESC", "limit": 1})
+    return artifact["id"]
 
 
 def _links(driver, href_part: str) -> list[str]:
@@ -225,14 +212,20 @@ def _wait_image(driver, *, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"no loaded PNG on {driver.current_url}")
 
 
+def _park(driver) -> None:
+    """Leave the UI while a run works: a Prefect page polls and redraws, a core's worth of CPU in
+    headless Chromium, which the run's processes on a 2-core machine need."""
+    driver.get("about:blank")
+
+
 def _utc_iso(seconds: float) -> str:
     import datetime
 
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat()
 
 
-def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, store, settings, tmp_path,  # noqa: F811
-                                                       tiny_target):  # noqa: F811
+def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, retried_pipeline, store, settings,
+                                                       tmp_path):
     from dflash_core.embedded import TOKENIZER_DIR_NAME, embedded_tokenizer_dir
 
     base = settings.prefect_api_url.removesuffix("/api")
@@ -256,6 +249,7 @@ def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, st
             except AssertionError:
                 if attempt == 2:
                     raise
+        _park(browser)
         run = _wait_state(base, flow_run_id)
         assert run["state_type"] == "FAILED" and "no completion shards" in run["state"]["message"]
 
@@ -275,6 +269,7 @@ def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, st
         while _api(base, f"/flow_runs/{flow_run_id}")["state_type"] == "FAILED":
             assert time.monotonic() < deadline, "pressing Retry did not put the run back to AwaitingRetry"
             time.sleep(0.5)
+        _park(browser)
         run = _wait_state(base, flow_run_id)
         assert run["state_type"] == "COMPLETED", run["state"]
         assert run["run_count"] == 2  # the same flow run, retried in place
@@ -286,7 +281,9 @@ def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, st
         _click_tab(browser, "Task Runs")
         _wait_text(browser, "tokenize completions/demo/smollm2/shard-00000.jsonl")
 
-        pipeline_run = _run_pipeline(base, store, tiny_target, tmp_path)
+        # A pipeline deployment run of two stages (tokenize -> train), retried to completion.
+        assert retried_pipeline.completed.state.is_completed(), retried_pipeline.completed.state
+        pipeline_run = str(retried_pipeline.completed.id)
         browser.get(f"{base}/runs/flow-run/{pipeline_run}")
         _wait_text(browser, "Completed")
         time.sleep(3)  # the graph's canvas draws after the text
@@ -299,7 +296,7 @@ def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, st
                    if node["kind"] == "flow-run"}
         assert set(by_flow) == {"dflash-tokenize", "dflash-train"}, [n["label"] for n in nodes.values()]
         assert [edge["id"] for edge in nodes[by_flow["dflash-train"]]["parents"]] == [by_flow["dflash-tokenize"]]
-        _follow_the_evidence(browser, base, pipeline_run, shots=Path(tmp_path))
+        _follow_the_evidence(browser, base, pipeline_run, dataset=retried_pipeline.dataset, shots=Path(tmp_path))
     except Exception:
         shot = Path(tmp_path) / "ui-failure.png"
         browser.save_screenshot(str(shot))
