@@ -15,8 +15,6 @@ from __future__ import annotations
 import time
 import uuid
 
-import pytest
-
 from tests.integration.shared_runs import children, wait_final
 from tests.integration.test_tokenize_flow import put_shards, shard
 from tests.unit.conftest_tokenize import MODEL_CACHE
