@@ -4,23 +4,9 @@ compares tau - 1 with speculators' rows, rows and jobs are planned as asked, spe
 Run: .venv/bin/python -m pytest tests/unit/test_bench_acceptance.py -q
 """
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "bench_acceptance.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_acceptance", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_acceptance"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_acceptance", None)
 
 
 class _Tokenizer:

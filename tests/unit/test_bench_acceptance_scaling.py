@@ -5,24 +5,10 @@ greedy generation equal to one prompt at a time.
 Run: .venv/bin/python -m pytest tests/unit/test_bench_acceptance_scaling.py -q
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "bench_acceptance.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_acceptance", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_acceptance"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_acceptance", None)
 
 
 def test_jobs_are_planned_per_multiplier_and_say_it(bench):
