@@ -166,56 +166,28 @@ def split_prompts(pool, tokenizer, shape, *, at_least: int | None = None
 
 @torch.no_grad()
 def greedy_completions(model, prompts: list[tuple[str, list[int]]], *, max_new_tokens: int, eos_id: int,
-                       pad_id: int, batch_size: int, check_every: int = 16) -> list[dict]:
-    """Greedy decoding, `batch_size` prompts at a time (sorted by length, so little left padding) through
-    a KV cache; each completion cut after its first EOS. The same tokens as one prompt at a time, up to
-    near-ties that batched kernels round differently."""
+                       pad_id: int, batch_size: int) -> list[dict]:
+    """Batched greedy `generate` (left padding; sorted by length, so little of it); each completion cut
+    after its first EOS. The same tokens as one prompt at a time, up to near-ties that batched kernels
+    round differently."""
+    device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
     out: dict[int, list[int]] = {}
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        generated = _greedy_batch(model, [prompts[i][1] for i in chunk], max_new_tokens=max_new_tokens,
-                                  eos_id=eos_id, pad_id=pad_id, check_every=check_every)
-        for i, tokens in zip(chunk, generated.tolist()):
+        width = max(len(prompts[i][1]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, i in enumerate(chunk):
+            prompt = prompts[i][1]
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        generated = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                   max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
+        for row, i in enumerate(chunk):
+            tokens = generated[row, width:].tolist()
             out[i] = tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
     return [{"id": prompts[i][0], "prompt": prompts[i][1], "completion": out[i]} for i in range(len(prompts))]
-
-
-def _greedy_batch(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
-                  check_every: int) -> torch.Tensor:
-    """[len(prompts), <= max_new_tokens] greedy tokens (pad after a row's EOS). Left padding, masked,
-    positions counted from each row's first real token as `generate` does. The tokens stay on the
-    device: the host looks at them only every `check_every` steps, to stop once every row has ended."""
-    import inspect
-
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    rows, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    feed, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    # transformers 5.2x renamed `past_key_values` to `cache` (as TargetRunner handles it).
-    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cache = DynamicCache(config=model.config)
-    generated = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    ended = torch.zeros(rows, dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
-        output = model(input_ids=feed, attention_mask=mask, position_ids=positions, use_cache=True,
-                       logits_to_keep=1, **{cache_kwarg: cache})
-        cache = output.cache if getattr(output, "cache", None) is not None else output.past_key_values
-        token = output.logits[:, -1].argmax(-1)
-        generated[:, step] = token.masked_fill(ended, pad_id)
-        ended |= token == eos_id
-        if step + 1 == max_new_tokens or ((step + 1) % check_every == 0 and bool(ended.all())):
-            break
-        feed, positions = token[:, None], positions[:, -1:] + 1
-        mask = torch.cat((mask, mask.new_ones(rows, 1)), dim=1)
-    return generated[:, :step + 1]
 
 
 def training_corpus(records: list[dict]):
