@@ -51,8 +51,9 @@ reassembles the GGUF, checks its sha256 and converts it):
        python3 bench/bench_acceptance.py --assets .carry/acceptance --out $OUT --work /tmp/acceptance \
          --suite core --steps 200 --long-multiplier 0 --seeds 0 --data-multipliers 1 2 4 8 --eval-prompts 16 \
          --eval-new-tokens 96 --workers 12 --deadline-s 420 2>&1 | tee $OUT/log.txt
-       Estimated ~6 of the 10 minutes: ~1 min generating 7,168 completions (7 batches of 1,024 x 256 steps,
-       not yet measured), ~0.5 min baselines, one wave of 12 jobs of ~3.5 min (as a wave of call 2).
+       Not yet measured: one wave of 12 jobs takes ~3.5 min (as a wave of call 2) plus the baselines
+       (~0.5 min); generating 7,168 completions (7 `generate` batches of 1,024 x 256 tokens) is the unknown,
+       printed as "generated N completions in S s". If it runs long, drop to --data-multipliers 1 2 4.
        $OUT also gets scaling.md (tau, tau - 1 per size, the first size reaching tau 1.5 and 2) and
        scaling.png (tau - 1 vs completions, log2 axis); without matplotlib on the image, `report` draws it here.
 
