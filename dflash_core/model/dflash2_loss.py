@@ -24,7 +24,7 @@ import functools
 import torch
 from torch import nn
 
-from dflash_core.model.loss import cross_entropy_logit_grad, cross_entropy_terms, dpace_weights
+from dflash_core.model.loss import cross_entropy_logit_grad, cross_entropy_terms, dpace_weights, even_chunk_size
 from dflash_core.model.topk import grouped_topk
 from dflash_core.model.loss_spec import DPACE_SOURCES
 from dflash_core.model.metrics import block_metrics
@@ -133,6 +133,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
         candidate_logits = torch.empty(num_rows, top_k, dtype=torch.float32, device=device)
         needs_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty_like(hidden_NH) if needs_grad else hidden_NH.new_empty(0)
+        chunk_size = even_chunk_size(num_rows, chunk_size)
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
             raw = hidden_NH[rows].to(compute_dtype) @ weight_VH.T

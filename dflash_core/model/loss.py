@@ -178,6 +178,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         labels_out = labels_N.clone() if teacher_NH is None else torch.empty(num_rows, dtype=torch.long, device=device)
         needs_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty_like(hidden_NH) if needs_grad else None
+        chunk_size = even_chunk_size(num_rows, chunk_size)
         for start in range(0, num_rows, chunk_size):
             end = start + chunk_size
             logits = hidden_NH[start:end].to(compute_dtype) @ weight_VH.T
@@ -278,6 +279,18 @@ def chunked_lm_head_cross_entropy(
     out = chunked_lm_head_loss(hidden_NH, lm_head_weight=lm_head_weight, valid_N=torch.ones_like(labels_N),
                                labels_N=labels_N, token_weights_N=token_weights_N, chunk_size=chunk_size)
     return out.loss, out.correct
+
+
+def even_chunk_size(num_rows: int, chunk_size: int, *, multiple: int = 16) -> int:
+    """Rows per chunk when `num_rows` run in as few chunks of at most `chunk_size` as possible, all of
+    about one size (rounded up to `multiple`, never above `chunk_size`): 7,680 rows at 2,048 run as
+    4 x 1,920, not 3 x 2,048 + 1,536, so the compiled per-chunk kernels see one shape and no GEMM runs
+    a short ragged chunk."""
+    if num_rows <= 0:
+        return chunk_size
+    chunks = -(-num_rows // chunk_size)
+    size = -(-num_rows // chunks)
+    return min(chunk_size, -(-size // multiple) * multiple)
 
 
 def default_chunk_size(*, vocab_size: int, budget_bytes: int = 4 << 30) -> int:
