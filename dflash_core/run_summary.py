@@ -119,11 +119,23 @@ SPLIT_LABELS = {"heldout": "on held-out prompts", "train": "IN-SAMPLE: on traini
                 "file": "on a prompt file"}
 
 
+def generalization_line(evaluation: dict) -> str | None:
+    """Held-out tau against the training tau (the evaluation's `generalization`), with the advice when the
+    drafter memorized its data; None without one."""
+    fit = evaluation.get("generalization")
+    if not fit:
+        return None
+    passes = f" after {fit['data_passes']:.0f} passes over the data" if fit.get("data_passes") is not None else ""
+    line = (f"training tau {fit['train_tau']:.3f} vs held-out {fit['heldout_tau']:.3f}{passes} "
+            f"(accepted drafts per round {fit['gap']:.1f}x the held-out)")
+    return f"{line}: OVERFIT: {fit['advice']}" if fit.get("overfit") else line
+
+
 def drafter_table(result: dict) -> Table:
     evaluation = _stage_result(result, "evaluate")
     on = SPLIT_LABELS.get(evaluation.get("split"), "")
     table = Table(title="drafter: speculative decoding against the target" + (f", {on}" if on else ""),
-                  title_justify="left")
+                  title_justify="left", caption=generalization_line(evaluation), caption_justify="left")
     for column in ("mode", "responses", "tau (acceptance length)", "speedup", "tokens/s", "matches target"):
         table.add_column(column, justify="left" if column in ("mode", "matches target") else "right")
     for s in evaluation.get("summaries", []):
@@ -175,6 +187,8 @@ def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: di
               f"{_number(s.get('speedup'), '{:.2f}x')} | {_number(s.get('tokens_per_s'), '{:.1f}')} | "
               f"{s.get('all_match_target', '-')} |" for s in summaries] \
         or ["| - | - | - | - | - | no evaluation in this run |"]
+    fit = generalization_line(evaluation)
+    lines += ["", fit] if fit else []
     lines += ["", "## Artifacts (each with a .manifest.json beside it)", "", "| kind | where | files | lineage |",
               "|---|---|---:|---|"]
     groups: dict[tuple[str, str], int] = defaultdict(int)

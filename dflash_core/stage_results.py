@@ -108,6 +108,9 @@ class EvaluationReport(StageResult):
     prompts: list[str] = Field(description="URIs of the prompt shards or file read.")
     checkpoint: str
     summaries: list[dict[str, Any]] = Field(default_factory=list)
+    generalization: dict[str, Any] | None = Field(
+        None, description="Held-out tau against the training tau (dflash_core.evaluate.generalization); "
+        "measured on held-out prompts only.")
 
 
 class ExportResult(StageResult):

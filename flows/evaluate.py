@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
+from dflash_core.evaluate.generalization import generalization
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.lineage import read_manifest
 from dflash_core.settings import load_settings
@@ -124,6 +125,17 @@ def _modes_for(drafter, modes: list[str], *, logger) -> tuple[str, ...]:
     return kept
 
 
+def _generalization(checkpoint: Checkpoint, summaries: list[dict]) -> dict | None:
+    """The first mode's held-out tau against the training tau the checkpoint's final metrics hold (the
+    last window's mean of the training batches' acceptance length)."""
+    metrics = checkpoint.final_metrics
+    train_tau = metrics.get("window_acceptance_length_empirical", metrics.get("acceptance_length_empirical"))
+    if not summaries or train_tau is None:
+        return None
+    return generalization(train_tau=float(train_tau), heldout_tau=summaries[0]["tau"],
+                          data_passes=metrics.get("data_passes"))
+
+
 @flow(name="dflash-evaluate", log_prints=True, version=flow_version())
 def evaluate(params: EvaluateParams) -> EvaluationReport:
     """checkpoint + prompts -> speculative decoding rounds -> report with lineage."""
@@ -165,9 +177,12 @@ def evaluate(params: EvaluateParams) -> EvaluationReport:
     from dflash_core.storage import ObjectStore
 
     plot = read_manifest(ObjectStore.from_settings(settings), f"{key_prefix}/acceptance.png")
+    fit = _generalization(checkpoint, report["summaries"]) if split == "heldout" else None
+    if fit is not None and fit["overfit"]:
+        logger.warning("overfit: %s", fit["advice"])
     result = EvaluationReport(
         report=manifest.uri, split=split, prompts=[ref.uri for ref in prompt_refs], checkpoint=checkpoint.uri,
-        summaries=[{k: v for k, v in s.items() if k != "responses"} for s in report["summaries"]],
+        summaries=[{k: v for k, v in s.items() if k != "responses"} for s in report["summaries"]], generalization=fit,
         flow_run=str(flow_run.id or ""), artifacts=[artifact_record(manifest), artifact_record(plot)])
     return store_result(settings, result, key=f"{key_prefix}/{RESULT_FILE}", inputs=inputs)
 

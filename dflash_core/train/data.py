@@ -246,6 +246,12 @@ class PackedBatchSampler:
         self.batch_in_epoch = state["batch_in_epoch"]
 
 
+def data_passes(sampler_state: dict[str, int], *, batches_per_epoch: int) -> float:
+    """How many times a run has gone over its data at a sampler position (`PackedBatchSampler.state_dict()`):
+    whole epochs, plus the share of the next epoch's batches (epochs pack to about the same count)."""
+    return sampler_state["epoch"] + sampler_state["batch_in_epoch"] / max(batches_per_epoch, 1)
+
+
 @dataclass
 class PackedBatch:
     input_ids: np.ndarray     # int64 [T]

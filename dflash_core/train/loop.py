@@ -29,7 +29,7 @@ from dflash_core.model.dflash2 import config_from_dict, variant_of
 from dflash_core.provenance import current_producer
 from dflash_core.target import validate_capture
 from dflash_core.train import checkpoint as ckpt
-from dflash_core.train.data import collate
+from dflash_core.train.data import collate, data_passes
 from dflash_core.train.devices import Distributed
 from dflash_core.train.metrics_window import MetricsWindow, to_host
 from dflash_core.train.report import end_torn_line
@@ -97,6 +97,7 @@ class Trainer:
         else:
             self.steps = PlainSteps(context)
         self.stop_check_every = config.stop_check_every
+        self.batches_per_epoch = len(parts.sampler)  # before the prefetch thread draws from the sampler
         self.step = 0
         self._stop_requested = False
 
@@ -285,7 +286,9 @@ class Trainer:
                     window: dict[str, torch.Tensor] | None = None) -> dict:
         """The last step's metrics at the top level; `window`: their means over the steps since the last
         record (`window.steps` of them), which is what to read: one step's accuracy is noisy."""
-        record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": round(tokens_per_s, 1)}
+        passes = data_passes(self.steps.sampler_state(), batches_per_epoch=self.batches_per_epoch)
+        record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": round(tokens_per_s, 1),
+                  "data_passes": round(passes, 3)}
         record.update(to_host(metrics))
         if window:
             record["window"] = to_host(window)
