@@ -51,9 +51,8 @@ reassembles the GGUF, checks its sha256 and converts it):
        python3 bench/bench_acceptance.py --assets .carry/acceptance --out $OUT --work /tmp/acceptance \
          --suite core --steps 200 --long-multiplier 0 --seeds 0 --data-multipliers 1 2 4 8 --eval-prompts 16 \
          --eval-new-tokens 96 --workers 12 --deadline-s 420 2>&1 | tee $OUT/log.txt
-       Not yet measured: one wave of 12 jobs takes ~3.5 min (as a wave of call 2) plus the baselines
-       (~0.5 min); generating 7,168 completions (7 `generate` batches of 1,024 x 256 tokens) is the unknown,
-       printed as "generated N completions in S s". If it runs long, drop to --data-multipliers 1 2 4.
+       One call took 572 s (2026-12-02: generating the 7,168 completions 143 s, baselines 70 s, the wave
+       ~300 s). At 2,000 steps use `--data-multipliers 1 4 --workers 6 --deadline-s 300` (568 s).
        $OUT also gets scaling.md (tau, tau - 1 per size, the first size reaching tau 1.5 and 2) and
        scaling.png (tau - 1 vs completions, log2 axis); without matplotlib on the image, `report` draws it here.
 
