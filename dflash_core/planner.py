@@ -152,6 +152,10 @@ class PlanInputs(BaseModel):
     conv_kernel_size: int = Field(2, gt=0, le=MAX_SIZE, description="DFlash 2: conv taps.")
     conv_group_size: int = Field(16, gt=0, le=MAX_SIZE, description="DFlash 2: channels per dynamic-kernel group.")
     selector_rank: int = Field(256, gt=0, le=MAX_SIZE, description="DFlash 2: rank of the selector's codebooks.")
+    max_steps: int | None = Field(None, gt=0, le=MAX_SAMPLES, description="Optimizer steps of the training run "
+                                  "(with tokens_per_step: how many times it goes over the data).")
+    tokens_per_step: int | None = Field(None, gt=0, le=MAX_TOKENS, description="Batch tokens per optimizer step, "
+                                        "all ranks: token_budget x grad_accum x data-parallel ranks.")
 
     @model_validator(mode="after")
     def _tapped_fit(self) -> PlanInputs:
@@ -189,6 +193,9 @@ class Plan(BaseModel):
     transfer_bytes_per_batch: int
     transfer_ms_per_batch: float
     generation_hours: float
+    data_passes: float | None = Field(None, description="max_steps x tokens_per_step / total_tokens: passes "
+                                      "over the training data (None without max_steps).")
+    data_note: str = ""
 
 
 def drafter_params(shape: ModelShape, *, drafter_layers: int, tapped_layers: int, variant: str = "dflash",
@@ -274,7 +281,23 @@ def plan(inputs: PlanInputs) -> Plan:
         transfer_bytes_per_batch=transfer_bytes,
         transfer_ms_per_batch=transfer_bytes / (inputs.interconnect_gb_s * 1e9) * 1e3,
         generation_hours=generation_s / 3600,
+        **_data_passes(inputs, total_tokens),
     )
+
+
+MANY_DATA_PASSES = 20  # the acceptance bench: at 28 passes the training tau - 1 was 2x the held-out's, at 11 equal
+
+
+def _data_passes(inputs: PlanInputs, total_tokens: int) -> dict:
+    """How many times the run goes over its data, and a warning when that is enough to memorize it."""
+    if inputs.max_steps is None or inputs.tokens_per_step is None:
+        return {}
+    passes = inputs.max_steps * inputs.tokens_per_step / max(total_tokens, 1)
+    note = (f"{inputs.max_steps} steps go over the {inputs.samples:,} samples about {passes:.0f} times: a drafter "
+            "memorizes data it sees this often (training tau far above held-out, docs/benchmarks.md 'Acceptance "
+            f"against training data'); generate about {max(2, math.ceil(passes / MANY_DATA_PASSES))}x the samples, or train "
+            "fewer steps") if passes > MANY_DATA_PASSES else ""
+    return {"data_passes": passes, "data_note": note}
 
 
 def _suggest_fp8(verdict: LayoutVerdict, with_fp8: LayoutVerdict) -> LayoutVerdict:

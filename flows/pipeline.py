@@ -99,9 +99,13 @@ class PipelineParams(BaseModel):
         return self
 
     def plan_inputs(self) -> PlanInputs:
+        training = self.training.config if self.training is not None else None
+        steps = {} if training is None else {
+            "max_steps": training.max_steps,
+            "tokens_per_step": training.token_budget * training.optim.grad_accum * self.num_gpus}
         return PlanInputs(target=PRESETS[self.target_preset], samples=self.samples, mean_tokens=self.mean_tokens,
                           gpu_memory_gib=self.gpu_memory_gib, num_gpus=self.num_gpus,
-                          generation_tokens_per_s=self.generation_tokens_per_s)
+                          generation_tokens_per_s=self.generation_tokens_per_s, **steps)
 
 
 def demo_pipeline() -> PipelineParams:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from dflash_core.planner import Plan, PlanInputs, plan
@@ -26,13 +26,16 @@ def plan_capacity(inputs: PlanInputs, *, require_fit: bool = True, name: str = "
         {"quantity": "online hidden states", "value": binary_bytes(0), "decimal": "0 B"},
         {"quantity": "drafter parameters", "value": f"{result.drafter_params / 1e9:.3f} B", "decimal": ""},
         {"quantity": "generation wall time", "value": f"{result.generation_hours:.2f} h", "decimal": ""},
-    ] + [
+    ] + ([{"quantity": "passes over the training data", "value": f"{result.data_passes:.1f}",
+           "decimal": result.data_note or "ok"}] if result.data_passes is not None else []) + [
         {"quantity": f"layout {v.layout} x{v.replicas}", "value": binary_bytes(v.peak_bytes_per_gpu),
          "decimal": f"{'fits' if v.fits else 'does not fit' if v.fits is False else 'unknown'}: {v.note}"}
         for v in result.layouts
     ]
     create_table_artifact(rows, key=ui_key("capacity-plan", name),
                           description=f"dflash plan {name} (binary units; TB = 10^12)")
+    if result.data_note:
+        get_run_logger().warning(result.data_note)
     if require_fit and not any(v.fits for v in result.layouts):
         notes = "; ".join(f"{v.layout}: {v.note}" for v in result.layouts)
         raise NoLayoutFits(f"no GPU layout fits this run ({notes})")
