@@ -22,7 +22,7 @@ from dflash_core.nodes import Node
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import RESULT_FILE, Checkpoint, TokenizedDataset
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.entry import Rendezvous
+from dflash_core.train.launch_argv import Rendezvous
 from flows.command_line import run_from_command_line
 from flows.nodes import preserve_on_failure
 from tasks.artifacts import artifact_record, publish_stored, target_inputs, ui_key

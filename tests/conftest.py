@@ -56,10 +56,28 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test on the Prefect server is `slow`: the server takes ~15 s to start and each flow run
     starts processes of seconds each (training, inference servers, deployment runs). `-m "not slow"`
-    then never starts it."""
+    then never starts it.
+
+    Order: unit tests, other tests, then the modules with a test on the Prefect server, so that the setups
+    tests/early.py starts at the first test run beside the tests that need none of them. A module's tests stay
+    together (its module-scoped fixtures are made once)."""
+    on_prefect = {getattr(item, "module", None) for item in items if "prefect_server" in item.fixturenames}
     for item in items:
         if "prefect_server" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
+    unit = f"{os.sep}tests{os.sep}unit{os.sep}"
+    items.sort(key=lambda item: 2 if getattr(item, "module", None) in on_prefect else 0 if unit in str(item.path) else 1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early(request: pytest.FixtureRequest):
+    """The session's slowest setups, started now in the background if a selected test needs them (tests/early.py)."""
+    from tests.early import Early, submit_session_setups
+
+    setups = Early()
+    submit_session_setups(setups, request, {name for item in request.session.items for name in item.fixturenames})
+    yield setups
+    setups.close()
 
 
 @pytest.fixture
@@ -119,12 +137,17 @@ def prefix() -> str:
 
 
 @pytest.fixture(scope="session")
-def prefect_server(settings: Settings):
-    """A real Prefect server (SQLite) for the session; tests that use it talk to it via PREFECT_API_URL."""
+def prefect_server(settings: Settings, early):
+    """A real Prefect server (SQLite) for the session, started early (tests/early.py); tests that use it talk to it
+    via PREFECT_API_URL."""
     from dflash_core.services import local
 
-    service = local.prefect_service(settings)
-    local.start(service)
+    def start_now():
+        service = local.prefect_service(settings)
+        local.start(service)
+        return service
+
+    service = early.get("prefect_server", start_now)
     saved = {key: os.environ.get(key) for key in local.prefect_client_env(settings)}
     os.environ.update(local.prefect_client_env(settings))
     # Prefect snapshots its settings when first imported; override them too in case it already was.

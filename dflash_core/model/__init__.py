@@ -1,23 +1,22 @@
-"""The DFlash drafter, its block plan, masks, loss and metrics. Needs torch only (no pydantic)."""
+"""The DFlash drafter, its block plan, masks, loss and metrics. Needs torch only (no pydantic).
 
-from dflash_core.model.anchors import BlockPlan, plan_blocks, sample_anchors
-from dflash_core.model.config import DFlashConfig, tapped_layer_ids
-from dflash_core.model.drafter import ContextCache, DFlashDraftModel, DraftOutput, TargetHeads
-from dflash_core.model.loss import chunked_lm_head_cross_entropy, position_weights, teacher_token_ids
-from dflash_core.model.metrics import block_metrics
+The names below load on first use, so that importing a torch-free submodule (`dflash_core.model.config`,
+`loss_spec`, `dflash2_config`: what TrainConfig reads) does not import torch."""
 
-__all__ = [
-    "BlockPlan",
-    "ContextCache",
-    "DFlashConfig",
-    "DFlashDraftModel",
-    "DraftOutput",
-    "TargetHeads",
-    "block_metrics",
-    "chunked_lm_head_cross_entropy",
-    "plan_blocks",
-    "position_weights",
-    "sample_anchors",
-    "tapped_layer_ids",
-    "teacher_token_ids",
-]
+from importlib import import_module
+
+_HOMES = {
+    "BlockPlan": "anchors", "plan_blocks": "anchors", "sample_anchors": "anchors",
+    "DFlashConfig": "config", "tapped_layer_ids": "config",
+    "ContextCache": "drafter", "DFlashDraftModel": "drafter", "DraftOutput": "drafter", "TargetHeads": "drafter",
+    "chunked_lm_head_cross_entropy": "loss", "position_weights": "loss", "teacher_token_ids": "loss",
+    "block_metrics": "metrics",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)

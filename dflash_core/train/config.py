@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, model_validator
 from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 from dflash_core.model.config import tapped_layer_ids
 from dflash_core.model.loss_spec import LossSpec
-from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
+from dflash_core.model.dflash2_config import DFLASH2_FIELDS, DFlash2Config
 from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS, default_num_anchors
 
 _DFLASH2 = {field.name: field.default for field in dataclasses.fields(DFlash2Config) if field.name in DFLASH2_FIELDS}

@@ -1,12 +1,17 @@
 """The runs that tests/integration/conftest.py makes once per session for several modules to check:
 `run_whole_dag` (test_real_run, test_dag) and `retry_a_failed_pipeline` (test_stage_deployments,
 test_ui_browser). Each returns what its readers assert on; the runs themselves assert nothing beyond
-what they need to go on.
+what they need to go on. Both start early, beside other tests (tests/early.py): the whole DAG in a process
+of its own (`run_whole_dag_in_a_process`), the retried pipeline, whose work the stage server does, from a
+thread (`retry_a_failed_pipeline_here`).
 """
 
 from __future__ import annotations
 
 import json
+import pickle
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -53,7 +58,38 @@ def _prompt_file(out: Path) -> str:
     return str(path)
 
 
-def run_whole_dag(store, settings, target: Path, out: Path, *, sshd) -> WholeRun:
+def run_whole_dag_in_a_process(settings, target: Path, out: Path, sshd_home: Path, base_env: dict[str, str]) -> WholeRun:
+    """`run_whole_dag` in a child process, over the SSH test node where sshd is installed (else on this host,
+    without the provision and preserve stages); its flows run in that process as a notebook's would. What it
+    returns comes back pickled."""
+    from dflash_core.services.local import prefect_client_env
+    from dflash_core.services.stages import settings_env
+    from tests.sshd_fixture import SSHD, start_sshd
+
+    name = f"real-{uuid.uuid4().hex[:6]}"
+    sshd = start_sshd(sshd_home) if SSHD.exists() else None
+    try:
+        node = None
+        if sshd is not None:
+            handle = next(sshd)
+            node = handle.node(name=name, work_dir=f"{handle.home}/{name}")
+        request, answer, log = out / "whole-run-request.pkl", out / "whole-run.pkl", out / "whole-run.log"
+        request.write_bytes(pickle.dumps((str(target), str(out), name, node)))
+        env = {**base_env, **settings_env(settings), **prefect_client_env(settings)}
+        with open(log, "wb") as output:
+            code = subprocess.run([sys.executable, "-m", "tests.integration.shared_runs", str(request), str(answer)],
+                                  env=env, stdout=output, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
+                                  timeout=600).returncode
+        if code != 0:
+            raise RuntimeError(f"the whole DAG's process exited {code}; its output ({log}):\n"
+                               f"{log.read_text(errors='replace')[-6000:]}")
+        return pickle.loads(answer.read_bytes())
+    finally:
+        if sshd is not None:
+            sshd.close()
+
+
+def run_whole_dag(store, settings, target: Path, out: Path, *, name: str, node) -> WholeRun:
     """One form: provision -> generate (a real `transformers serve`) -> tokenize -> train -> evaluate (held-out
     split) -> export -> preserve -> S3 audit; provision and preserve only with an SSH node."""
     from dflash_core.nodes import ProvisionConfig
@@ -66,8 +102,6 @@ def run_whole_dag(store, settings, target: Path, out: Path, *, sshd) -> WholeRun
     from flows.tokenize import TokenizeParams
     from flows.train import TrainFlowParams
 
-    name = f"real-{uuid.uuid4().hex[:6]}"
-    node = sshd.node(name=name, work_dir=f"{sshd.home}/{name}") if sshd is not None else None
     lenient = {"max_short_fraction": 1.0, "max_degenerate_fraction": 1.0, "max_truncated_fraction": 1.0,
                "max_boilerplate_fraction": 1.0}
     params = PipelineParams(
@@ -118,6 +152,21 @@ def children(client, parent_id):
         parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
 
 
+def retry_a_failed_pipeline_here(store, settings, target: Path, out: Path) -> RetriedPipeline:
+    """`retry_a_failed_pipeline` from a thread of its own: Prefect's settings context is per thread. Its `result`
+    is left to `with_result`, which needs the result store's settings exported."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: settings.prefect_api_url}):
+        return retry_a_failed_pipeline(store, settings, target, out)
+
+
+def with_result(run: RetriedPipeline) -> RetriedPipeline:
+    """`run` with its PipelineResult, read from the result store."""
+    run.result = run.completed.state.result() if run.completed.state.is_completed() else None
+    return run
+
+
 def retry_a_failed_pipeline(store, settings, target: Path, out: Path) -> RetriedPipeline:
     """The pipeline as `dflash demo` starts it (a run of its deployment, on the stage server) before its
     completions exist; then the fix, a Retry of the failed stage alone, and a Retry of the pipeline."""
@@ -151,4 +200,17 @@ def retry_a_failed_pipeline(store, settings, target: Path, out: Path) -> Retried
         stages = sorted(children(client, first.id), key=lambda stage: stage.start_time)
     return RetriedPipeline(dataset=dataset, tokenization=tokenization, first=first, first_stage=first_stage,
                            retried_stage=retried_stage, after_stage_retry=after_stage_retry, completed=completed,
-                           children=stages, result=completed.state.result() if completed.state.is_completed() else None)
+                           children=stages, result=None)
+
+
+if __name__ == "__main__":  # run_whole_dag_in_a_process's child: settings and the Prefect server from the environment
+    from dflash_core.settings import load_settings
+    from dflash_core.storage import ObjectStore
+    from tests.integration import shared_runs  # this module by its name: what it returns unpickles in the parent
+
+    request_file, answer_file = sys.argv[1:3]
+    target_dir, out_dir, run_name, run_node = pickle.loads(Path(request_file).read_bytes())
+    session_settings = load_settings()
+    whole = shared_runs.run_whole_dag(ObjectStore.from_settings(session_settings), session_settings, Path(target_dir),
+                          Path(out_dir), name=run_name, node=run_node)
+    Path(answer_file).write_bytes(pickle.dumps(whole))
