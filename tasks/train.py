@@ -19,9 +19,8 @@ from dflash_core.provenance import producer_env
 from dflash_core.settings import Settings
 from dflash_core.stage_results import Checkpoint, StoredShard
 from dflash_core.storage import ObjectStore
-from dflash_core.train.checkpoint import latest_checkpoint
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.entry import Rendezvous, training_argv
+from dflash_core.train.launch_argv import Rendezvous, training_argv
 from dflash_core.train.report import curves_png, load_metrics, summary_rows
 from dflash_core.train.supervise import die_with_parent
 from tasks.plan import NoLayoutFits
@@ -58,6 +57,7 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
     shape = PRESETS["smollm2-135m"] if config.target == "embedded" else \
         shape_from_config(Path(config.target) / "config.json")
     drafter = config.drafter
+    ranks = max(1, num_gpus // (2 if config.placement == "pair" else 1))  # data-parallel ranks
     result = plan(PlanInputs(target=shape, samples=samples, mean_tokens=mean_tokens,
                              tapped_layers=drafter.tapped_layer_count,
                              drafter_layers=drafter.num_layers, block_size=drafter.block_size,
@@ -65,7 +65,10 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
                              token_budget=config.token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,
                              target_fp8=config.target_fp8, variant=drafter.variant,
                              conv_kernel_size=drafter.conv_kernel_size, conv_group_size=drafter.conv_group_size,
-                             selector_rank=drafter.selector_rank))
+                             selector_rank=drafter.selector_rank, max_steps=config.max_steps,
+                             tokens_per_step=config.token_budget * config.optim.grad_accum * ranks))
+    if result.data_note:
+        get_run_logger().warning(result.data_note)
     chosen = next(v for v in result.layouts if v.layout == config.placement)
     if chosen.fits is False:
         others = [f"{v.layout} would fit ({v.note})" for v in result.layouts if v.fits and v is not chosen]
@@ -113,6 +116,8 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
     if rendezvous.nnodes > 1 and not hosted_rank_0:
         logger.info("global rank 0 ran on another node: its flow run reports, evaluates and exports")
         return None
+    from dflash_core.train.checkpoint import latest_checkpoint  # imports torch, which this process needs only here
+
     checkpoint = latest_checkpoint(config.run_dir / "checkpoints")
     if checkpoint is None:
         raise TrainingFailed(f"training finished but left no checkpoint under {config.run_dir / 'checkpoints'}")
@@ -160,6 +165,9 @@ def report_training(settings: Settings, config: TrainConfig, *, checkpoint: str)
                           description=f"{config.run_name}: loss, expected acceptance length, accuracy at slot 1")
     png_artifact(png, key="training-curves", description=f"{config.run_name}: loss and acceptance length")
     last = {k: v for k, v in (records[-1] if records else {}).items() if isinstance(v, (int, float, str))}
+    # The means over the last log window, which is what to read: one step's accuracy is noisy.
+    window = (records[-1].get("window") or {}) if records else {}
+    last |= {f"window_{k}": v for k, v in window.items() if isinstance(v, (int, float))}
     return TrainingReport(manifests=manifests, metrics=manifests[1].uri, run_yaml=stored.get("run.yaml"),
                           provenance=stored.get("provenance.json"), final_metrics=last)
 

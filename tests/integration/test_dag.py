@@ -68,6 +68,11 @@ def test_a_pipeline_trains_on_its_tokenize_stages_shards_and_evaluates_held_out(
     # evaluate measured the held-out split, and says so in its report
     assert evaluation.split == "heldout" and evaluation.checkpoint == checkpoint.uri
     assert evaluation.prompts == [s.uri for s in tokenized.heldout_shards]
+    # ... and set it beside the training tau, with how many times training went over its data
+    fit, trained = evaluation.generalization, checkpoint.final_metrics
+    assert trained["data_passes"] > 0 and fit["data_passes"] == trained["data_passes"]
+    assert fit["train_tau"] == trained["window_acceptance_length_empirical"]
+    assert fit["heldout_tau"] == evaluation.summaries[0]["tau"] and isinstance(fit["overfit"], bool)
     report = json.loads(store.get_bytes(store.key_of(evaluation.report)))
     assert report["measured_on"].startswith("held-out prompts") and report["config"]["split"] == "heldout"
     assert {ref.uri for ref in read_manifest(store, store.key_of(evaluation.report)).inputs} >= \
