@@ -239,7 +239,8 @@ def run_speculators(job: Job, variant: Variant) -> dict:
 def ours_from_speculators(model, *, target_config, native_ids, mask, config, device):
     """Its weights in our drafter class (DFlash 2 with its conv and selector settings)."""
     from dflash_core.model import DFlashConfig, DFlashDraftModel
-    from dflash_core.model.dflash2 import DFLASH2_FIELDS, DFlash2Config
+    from dflash_core.model.build import build_drafter
+    from dflash_core.model.dflash2_config import DFLASH2_FIELDS, DFlash2Config
 
     ours = DFlashConfig.from_target(target_config, num_layers=config.drafter.num_layers,
                                     block_size=config.drafter.block_size, num_tapped_layers=len(native_ids),
@@ -247,7 +248,7 @@ def ours_from_speculators(model, *, target_config, native_ids, mask, config, dev
     ours = dataclasses.replace(ours, target_layer_ids=native_ids)
     if hasattr(model, "candidate_selector"):
         theirs = {name: getattr(model.config, name) for name in DFLASH2_FIELDS if hasattr(model.config, name)}
-        drafter = DFlash2Config.from_dflash(ours, **theirs).build(device=device)
+        drafter = build_drafter(DFlash2Config.from_dflash(ours, **theirs), device=device)
     else:
         drafter = DFlashDraftModel(ours, device=device)
     body = {k: v for k, v in model.state_dict().items() if k.split(".")[0] in _BODY}

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.model import DFlashConfig  # noqa: E402
+from dflash_core.model.build import build_drafter  # noqa: E402
 from dflash_core.model.dflash2 import drafter_config, draft_tokens  # noqa: E402
 from dflash_core.model.drafter import TargetHeads  # noqa: E402
 from dflash_core.target import real_shape_config  # noqa: E402
@@ -55,7 +56,7 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()
 def time_variant(variant: str, base: DFlashConfig, target_config, args, device, dtype) -> float:
     torch.manual_seed(0)
-    drafter = drafter_config(variant, base).build(device=device).to(dtype).eval()
+    drafter = build_drafter(drafter_config(variant, base), device=device).to(dtype).eval()
     drafter.attach_target(_heads(target_config, device=device, dtype=dtype))
     cache = drafter.new_cache()
     width = base.num_tapped_layers * base.hidden_size

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.evaluate import evaluate_prompts  # noqa: E402
 from dflash_core.model import DFlashConfig  # noqa: E402
+from dflash_core.model.build import build_drafter  # noqa: E402
 from dflash_core.target import build_target, build_target_on_device, target_heads, tiny_target_config  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(target_config, num_layers=args.drafter_layers, block_size=args.block_size)
-    drafter = config.build(device=device).to(dtype)
+    drafter = build_drafter(config, device=device).to(dtype)
     drafter.attach_target(target_heads(target))
     build_s = time.perf_counter() - start
     vocab = getattr(target_config, "vocab_size")

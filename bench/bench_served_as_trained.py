@@ -135,6 +135,7 @@ def main() -> int:
     from dflash_core.evaluate import SpeculativeDecoder, greedy_decode
     from dflash_core.export import export_drafter
     from dflash_core.model import DFlashConfig
+    from dflash_core.model.build import build_drafter
     from dflash_core.target import target_heads
 
     try:
@@ -168,7 +169,7 @@ def main() -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(target.config, num_layers=args.layers, block_size=args.block_size)
-    drafter = config.build(device=device)
+    drafter = build_drafter(config, device=device)
     drafter.attach_target(target_heads(target))
     seconds = _train(target, drafter, sequences, steps=args.steps, rows=args.rows, lr=args.lr, seed=args.seed)
     drafter.eval()

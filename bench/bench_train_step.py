@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, no install
 
 from dflash_core.model import DFlashConfig, plan_blocks  # noqa: E402
+from dflash_core.model.build import build_drafter  # noqa: E402
 from dflash_core.target import (  # noqa: E402
     HiddenStateCapture,
     build_target,
@@ -143,11 +144,11 @@ def run_variant(args, *, name, teacher_mode, target, target_config, anchors_per_
     config = DFlashConfig.from_target(target_config, num_layers=args.drafter_layers, block_size=args.block_size)
     if cuda:
         with torch.device("meta"):
-            drafter = config.build(device="meta")
+            drafter = build_drafter(config, device="meta")
         drafter.to_empty(device=device)
         drafter.init_weights()
     else:
-        drafter = config.build()
+        drafter = build_drafter(config)
     drafter.attach_target(target_heads(target))
     if compile_drafter:
         drafter.compile_layers()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from dflash_core.model.build import build_drafter
 from dflash_core.model.dflash2 import config_from_dict
 from dflash_core.model.loss_spec import LossSpec
 
@@ -91,6 +92,6 @@ def load_drafter_checkpoint(path: Path, *, device: str | torch.device = "cpu") -
         raise ValueError(f"{meta_path} has no drafter_config")
     # The loss it trained with rides along into exports; checkpoints before the LossSpec kept it in the config.
     loss = LossSpec.from_dict(meta.get("loss") or meta["drafter_config"])
-    drafter = config_from_dict(meta["drafter_config"]).build(device=device, loss=loss)
+    drafter = build_drafter(config_from_dict(meta["drafter_config"]), device=device, loss=loss)
     drafter.load_state_dict(load_file(model_path, device=str(device)), strict=True)
     return drafter

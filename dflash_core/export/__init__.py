@@ -30,6 +30,7 @@ from dflash_core.export.checks import (
 )
 from dflash_core.export.native import config_from_native, exported_loss, loss_from_extras, native_config
 from dflash_core.export.speculators import config_from_speculators, speculators_config
+from dflash_core.model.build import build_drafter
 from dflash_core.model.config import DFlashConfig, _text_config
 from dflash_core.model.loss_spec import LossSpec
 
@@ -142,6 +143,6 @@ def load_drafter(path: Path, *, device: str | torch.device = "cpu") -> torch.nn.
     # speculators' own save_pretrained may also hold verifier-owned tensors: not drafter weights.
     state = {name: t.float() for name, t in state.items() if name.startswith(DRAFTER_PREFIXES)}
     check_state_dict(config, state)
-    drafter = config.build(device=device, loss=loss)
+    drafter = build_drafter(config, device=device, loss=loss)
     drafter.load_state_dict(state, strict=True)
     return drafter

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_core.model.build import build_drafter
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig, _rope_settings, _text_config
 from dflash_core.model.dflash2 import DFlash2Config
 
@@ -76,7 +77,7 @@ def check_state_dict(config: DFlashConfig, state: dict[str, Any]) -> None:
     foreign = sorted(k for k in state if not k.startswith(DRAFTER_PREFIXES))
     if foreign:
         raise ValueError(f"refusing to export non-drafter weights (target weights?): {foreign[:5]}")
-    expected = config.build(device="meta").state_dict()
+    expected = build_drafter(config, device="meta").state_dict()
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     if missing or extra:

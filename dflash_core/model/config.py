@@ -169,13 +169,6 @@ class DFlashConfig:
             target_num_layers=num_target_layers,
         )
 
-    def build(self, *, device: Any = None, loss: Any = None) -> Any:
-        """The drafter module (fp32 parameters; run it under bf16 autocast on GPU) that trains with `loss`
-        (a LossSpec; None: the defaults)."""
-        from dflash_core.model.drafter import DFlashDraftModel
-
-        return DFlashDraftModel(self, device=device, loss=loss)
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -2,7 +2,7 @@
 low-rank candidate selector over the unary (LM-head) top-K.
 
     config = DFlash2Config.from_target(target_config, num_layers=5, block_size=8, conv_kernel_size=2)
-    drafter = config.build()                      # a DFlash2DraftModel, a DFlashDraftModel subclass
+    drafter = build_drafter(config)   # dflash_core.model.build: a DFlash2DraftModel, a DFlashDraftModel subclass
     _, loss, metrics = drafter(input_ids=..., target_hidden=..., plan=..., teacher_hidden=...)
     tokens = drafter.draft_tokens(cache, last_token_ids=..., position_ids=...)   # the selector path
 

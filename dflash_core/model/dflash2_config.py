@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from dflash_core.model.config import DFlashConfig
-from dflash_core.model.loss_spec import LOSS_SPEC_FIELDS, LossSpec
+from dflash_core.model.loss_spec import LOSS_SPEC_FIELDS
 
 VARIANTS = ("dflash", "dflash2")
 DFLASH2_FIELDS = (
@@ -77,11 +77,6 @@ class DFlash2Config(DFlashConfig):
         """`DFlashConfig.from_target(target_config, ...)` plus DFlash 2 fields, in one keyword set."""
         extra = {name: kwargs.pop(name) for name in DFLASH2_FIELDS if name in kwargs}
         return cls.from_dflash(DFlashConfig.from_target(target_config, **kwargs), **extra)
-
-    def build(self, *, device: Any = None, loss: LossSpec | None = None) -> Any:
-        from dflash_core.model.dflash2 import DFlash2DraftModel
-
-        return DFlash2DraftModel(self, device=device, loss=loss)
 
 
 def drafter_config(variant: str, base: DFlashConfig, **dflash2_fields: Any) -> DFlashConfig:

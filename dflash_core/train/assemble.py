@@ -15,6 +15,7 @@ import torch
 
 from dflash_core.hybrid import GDNKernels, install_packed_gdn
 from dflash_core.model import DFlashConfig
+from dflash_core.model.build import build_drafter
 from dflash_core.model.init_from_target import init_from_target_layers, init_selector_codebooks
 from dflash_core.target import HiddenStateCapture, has_recurrent_layers, language_model, target_heads
 from dflash_core.target_runtime import use_flex_attention
@@ -122,7 +123,7 @@ def _build_drafter(drafter_config: DFlashConfig, target: torch.nn.Module, *, con
     selector's codebooks from the target embedding with selector_codebook_init=embedding), with the target's
     embedding, final norm and LM head attached (own frozen copies in the pair layout)."""
     torch.manual_seed(config.seed)
-    drafter = drafter_config.build(device=devices.drafter, loss=config.drafter.loss_spec())
+    drafter = build_drafter(drafter_config, device=devices.drafter, loss=config.drafter.loss_spec())
     drafter.init_weights()
     if config.drafter.init == "target":
         init_from_target_layers(drafter, language_model(target).layers)

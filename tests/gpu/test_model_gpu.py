@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dflash_core.model import DFlashConfig, plan_blocks
+from dflash_core.model.build import build_drafter
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -46,7 +47,7 @@ def setup():
 def _loss_and_grads(setup, *, backend: str, bf16: bool, compiled: bool = False):
     target, config, input_ids, captured, plan = setup
     torch.manual_seed(1)
-    drafter = config.build(device="cuda")
+    drafter = build_drafter(config, device="cuda")
     drafter.attach_target(target_heads(target))
     if compiled:
         drafter.compile_layers()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dflash_core.lineage import read_manifest
+from dflash_core.model.build import build_drafter
 
 
 def _checkpoint_in_s3(store, prefix, tmp_path, *, variant="dflash"):
@@ -28,7 +29,7 @@ def _checkpoint_in_s3(store, prefix, tmp_path, *, variant="dflash"):
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(target.config, num_layers=1, block_size=4, num_tapped_layers=2)
     config = drafter_config(variant, config, **({"selector_rank": 8} if variant == "dflash2" else {}))
-    drafter = config.build()  # evaluation reads the architecture only
+    drafter = build_drafter(config)  # evaluation reads the architecture only
     path = save_checkpoint(tmp_path / "ckpt", step=7, model_state=drafter.state_dict(), train_state={},
                            meta={"drafter_config": config.to_dict()}, keep_last=1)
     upload_checkpoint(store, path, key_prefix=f"{prefix}/checkpoints", inputs=[], config={})

@@ -16,6 +16,7 @@ pytest.importorskip("speculators.models.dflash", reason="speculators==0.9.0 is n
 
 from dflash_core.export import export_drafter  # noqa: E402
 from dflash_core.model import DFlashConfig  # noqa: E402
+from dflash_core.model.build import build_drafter  # noqa: E402
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.anchors import BlockPlan  # noqa: E402
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config  # noqa: E402
@@ -34,7 +35,7 @@ def _drafter_and_target(tmp_path, *, layer_types=None, sliding_window=None, fami
         target_config, num_layers=2, block_size=_BLOCK, num_tapped_layers=2,
         layer_types=layer_types, sliding_window=sliding_window,
     )
-    drafter = config.build(loss=LossSpec(loss_gamma=2.0))
+    drafter = build_drafter(config, loss=LossSpec(loss_gamma=2.0))
     with torch.no_grad():  # norms start at 1: perturb them so a skipped norm would show
         for name, parameter in drafter.named_parameters():
             if "norm" in name:

@@ -19,6 +19,7 @@ zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 is not 
 
 from dflash_core.evaluate.speculative import SpeculativeDecoder, greedy_decode  # noqa: E402
 from dflash_core.model import plan_blocks  # noqa: E402
+from dflash_core.model.build import build_drafter  # noqa: E402
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.anchors import BlockPlan  # noqa: E402
 from dflash_core.model.dflash2 import DFlash2Config  # noqa: E402
@@ -53,7 +54,7 @@ def _pair(tmp_path, *, output_multiplier, softcap, prompt=None):
         output_multiplier=output_multiplier,
         final_logit_softcapping=softcap,
     )
-    drafter = config.build(loss=LossSpec(loss_gamma=2.0))
+    drafter = build_drafter(config, loss=LossSpec(loss_gamma=2.0))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, parameter in drafter.named_parameters():
@@ -257,7 +258,7 @@ def test_speculators_dflash2_loads_our_weights_and_scores_the_same(tmp_path):
             selector.context(hidden, predecessors), candidates
         )
     torch.testing.assert_close(their_scores, our_scores)
-    softcapped = dataclasses.replace(drafter.config, final_logit_softcapping=4.0).build()
+    softcapped = build_drafter(dataclasses.replace(drafter.config, final_logit_softcapping=4.0))
     softcapped.load_state_dict(drafter.state_dict())
     with pytest.raises(ValueError, match="softcapping"):
         export_drafter(softcapped, target_config=target.config, out_dir=tmp_path / "refused",

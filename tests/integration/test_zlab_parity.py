@@ -21,6 +21,7 @@ zlab = pytest.importorskip("dflash.model", reason="dflash==0.1.0 (z-lab's refere
 from dflash_core.evaluate import SpeculativeDecoder, greedy_decode  # noqa: E402
 from dflash_core.export import export_drafter  # noqa: E402
 from dflash_core.model import DFlashConfig, plan_blocks  # noqa: E402
+from dflash_core.model.build import build_drafter  # noqa: E402
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config  # noqa: E402
 
@@ -34,7 +35,7 @@ def _trained_drafter(family, *, layer_types=None, sliding_window=None, steps=100
     target = build_target(target_config).eval()
     config = DFlashConfig.from_target(target_config, num_layers=2, block_size=_BLOCK, num_tapped_layers=2,
                                       layer_types=layer_types, sliding_window=sliding_window)
-    drafter = config.build(loss=LossSpec(loss_gamma=2.0))
+    drafter = build_drafter(config, loss=LossSpec(loss_gamma=2.0))
     drafter.attach_target(target_heads(target))
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, target_config.vocab_size, (n,), generator=generator).tolist() for n in (7, 11)]

@@ -9,6 +9,7 @@ Run: `.venv/bin/python -m pytest tests/unit/test_compiled_loss_kernels.py -q`
 import pytest
 import torch
 
+from dflash_core.model.build import build_drafter
 from dflash_core.model.dflash2 import CandidateSelector
 from dflash_core.model.dflash2_loss import dflash2_objective
 from dflash_core.model.loss import chunked_lm_head_loss
@@ -84,7 +85,7 @@ def test_compile_layers_compiles_only_its_own_drafters_loss():
     config = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=8, vocab_size=128, target_layer_ids=[1], mask_token_id=5, block_size=8,
                           num_layers=1)
-    compiled, eager = config.build(), config.build()
+    compiled, eager = build_drafter(config), build_drafter(config)
     compiled.compile_layers()  # torch.compile is lazy: nothing compiles until a call
     assert compiled._layers_compiled and not eager._layers_compiled
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_core.model import DFlashConfig, plan_blocks
+from dflash_core.model.build import build_drafter
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.model.dflash2 import (
@@ -42,7 +43,7 @@ def _setup(*, seed: int = 0, num_anchors: int = 8, **dflash2_fields):
         num_tapped_layers=2,
         **{**_DFLASH2, **dflash2_fields},
     )
-    drafter = config.build(loss=LossSpec(loss_gamma=2.0))
+    drafter = build_drafter(config, loss=LossSpec(loss_gamma=2.0))
     drafter.attach_target(target_heads(target))
     input_ids = torch.randint(1, _VOCAB, (2, _SEQ))
     captured = HiddenStateCapture(target, layer_ids=config.target_layer_ids, capture_final=True)(input_ids)
@@ -75,9 +76,9 @@ def _run(drafter, input_ids, captured, plan, **kwargs):
 
 def test_fresh_dflash2_computes_what_dflash_computes():
     target, drafter, input_ids, captured, plan = _setup()
-    base = DFlashConfig(
+    base = build_drafter(DFlashConfig(
         **{f.name: getattr(drafter.config, f.name) for f in dataclasses.fields(DFlashConfig)}
-    ).build(loss=drafter.loss)
+    ), loss=drafter.loss)
     shared = {k: v for k, v in drafter.state_dict().items() if k in base.state_dict()}
     base.load_state_dict(shared, strict=True)
     base.attach_target(target_heads(target))
@@ -318,9 +319,9 @@ def test_draft_tokens_walk_the_selector_from_the_anchor():
         )
         predecessor = candidates.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
         assert torch.equal(tokens[:, slot], predecessor)
-    base = DFlashConfig.from_target(
+    base = build_drafter(DFlashConfig.from_target(
         tiny_target_config("qwen3"), num_layers=2, block_size=_BLOCK, num_tapped_layers=2
-    ).build()
+    ))
     base.attach_target(drafter.target_heads)
     base_cache = base.new_cache()
     base.extend_context(
@@ -342,7 +343,7 @@ def test_config_validation_variants_and_round_trips():
     assert isinstance(config, DFlash2Config) and config.selector_top_k == 8 and config.conv_kernel_size == 2
     assert drafter_config("dflash", base) is base
     assert config_from_dict(config.to_dict()) == config and config_from_dict(base.to_dict()) == base
-    assert isinstance(config.build(device="meta"), DFlash2DraftModel)
+    assert isinstance(build_drafter(config, device="meta"), DFlash2DraftModel)
     bad = [
         dict(conv_group_size=24),
         dict(conv_kernel_size=_BLOCK + 1),
@@ -354,8 +355,8 @@ def test_config_validation_variants_and_round_trips():
     for fields in bad:
         with pytest.raises(ValueError):
             DFlash2Config.from_dflash(base, **fields)
-    assert config.build(device="meta", loss=LossSpec(loss_type="kl")).loss.loss_type == "kl"  # KL unary loss
-    assert config.build(device="meta", loss=LossSpec(loss_weighting="dpace")).loss.loss_weighting == "dpace"
+    assert build_drafter(config, device="meta", loss=LossSpec(loss_type="kl")).loss.loss_type == "kl"  # KL unary loss
+    assert build_drafter(config, device="meta", loss=LossSpec(loss_weighting="dpace")).loss.loss_weighting == "dpace"
     legacy = {**config.to_dict(), "loss_type": "ce", "loss_gamma": 2.0, "dropout": 0.0}  # older checkpoints
     assert config_from_dict(legacy) == config and LossSpec.from_dict(legacy) == LossSpec(loss_gamma=2.0)
     with pytest.raises(ValueError, match="variant"):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_core.model import DFlashConfig, plan_blocks
+from dflash_core.model.build import build_drafter
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config
 
@@ -34,7 +35,7 @@ def _setup():
 
 
 def _drafter(config, target, state=None, **loss):
-    drafter = config.build(loss=LossSpec(loss_gamma=2.0, **loss))
+    drafter = build_drafter(config, loss=LossSpec(loss_gamma=2.0, **loss))
     if state is not None:
         drafter.load_state_dict(state)
     drafter.attach_target(target_heads(target))

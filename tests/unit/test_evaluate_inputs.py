@@ -16,6 +16,7 @@ from dflash_core.evaluate.inputs import (
 from dflash_core.evaluate.report import ResponseResult, plot_acceptance, summarize
 from dflash_core.evaluate.speculative import Decoded
 from dflash_core.model import DFlashConfig
+from dflash_core.model.build import build_drafter
 from dflash_core.target import tiny_target_config
 from dflash_core.tokenize.io import arrow_bytes
 
@@ -49,7 +50,7 @@ def test_drafter_loads_from_a_training_checkpoint(tmp_path):
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(tiny_target_config("qwen3"), num_layers=1, block_size=4,
                                           num_tapped_layers=2)
-    drafter = config.build()
+    drafter = build_drafter(config)
     path = save_checkpoint(tmp_path, step=3, model_state=drafter.state_dict(), train_state={},
                            meta={"drafter_config": config.to_dict()}, keep_last=1)
     loaded = load_drafter_checkpoint(path)

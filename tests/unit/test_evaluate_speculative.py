@@ -21,6 +21,7 @@ import torch
 
 from dflash_core.evaluate import SpeculativeDecoder, evaluate_prompts, greedy_decode
 from dflash_core.model import DFlashConfig, plan_blocks
+from dflash_core.model.build import build_drafter
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config
 
@@ -38,7 +39,7 @@ def _setup(family, *, num_drafter_layers=1, seed=0):
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(target_config, num_layers=num_drafter_layers, block_size=_BLOCK,
                                           num_tapped_layers=2)
-    drafter = config.build(loss=LossSpec(loss_gamma=2.0))
+    drafter = build_drafter(config, loss=LossSpec(loss_gamma=2.0))
     drafter.attach_target(target_heads(target))
     generator = torch.Generator().manual_seed(seed + 1)
     prompts = [torch.randint(1, target_config.vocab_size, (n,), generator=generator).tolist() for n in (7, 11)]
@@ -179,8 +180,8 @@ def test_a_dflash2_drafter_decodes_on_its_selector_path_in_block_mode_only():
 
     target, base, prompts = _setup("qwen3", num_drafter_layers=2)
     torch.manual_seed(0)
-    drafter = DFlash2Config.from_dflash(base.config, conv_group_size=16, selector_rank=8, selector_top_k=4).build(
-        loss=base.loss)
+    config = DFlash2Config.from_dflash(base.config, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    drafter = build_drafter(config, loss=base.loss)
     drafter.attach_target(base.target_heads)
     _overfit(target, drafter, prompts, steps=120)
     proposals = []

@@ -12,6 +12,7 @@ import torch
 
 from dflash_core.export import build_export_configs, export_drafter, load_drafter, read_export_config
 from dflash_core.model import DFlashConfig
+from dflash_core.model.build import build_drafter
 from dflash_core.model.dflash2 import DFlash2Config, DFlash2DraftModel
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.target import tiny_target_config
@@ -31,7 +32,7 @@ def _drafter(family="qwen3", *, dflash2: dict | None = None, loss: dict | None =
     if dflash2 is not None:
         config = DFlash2Config.from_dflash(config, **dflash2)
     torch.manual_seed(0)
-    drafter = config.build(loss=LossSpec(loss_gamma=2.0, **(loss or {})))
+    drafter = build_drafter(config, loss=LossSpec(loss_gamma=2.0, **(loss or {})))
     with torch.no_grad():  # off the identity init, so equal weights mean something
         for parameter in drafter.parameters():
             parameter.add_(0.01 * torch.randn(parameter.shape))
@@ -154,7 +155,7 @@ def test_drafters_no_runtime_would_serve_as_trained_are_refused(tmp_path, change
     """Old checkpoints (Llama drafters without q/k norm, hybrid drafters with the target's partial
     rotary) load, but are never written: every runtime would run them with different attention."""
     drafter, target_config = _drafter(dflash2=dflash2)
-    legacy = dataclasses.replace(drafter.config, **change).build()
+    legacy = build_drafter(dataclasses.replace(drafter.config, **change))
     for formats in (("native",), ("native", "speculators")):
         with pytest.raises(ValueError, match=match):
             export_drafter(legacy, target_config=target_config, out_dir=tmp_path, verifier_name_or_path="/t",

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_core.model import DFlashConfig
+from dflash_core.model.build import build_drafter
 from dflash_core.model.init_from_target import init_from_target_layers
 from dflash_core.target import build_target, language_model, tiny_target_config
 
@@ -20,7 +21,7 @@ def _drafter_and_layers(family: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(target_config, num_layers=2, block_size=8, num_tapped_layers=2)
-    drafter = config.build()
+    drafter = build_drafter(config)
     return drafter, language_model(target).layers
 
 

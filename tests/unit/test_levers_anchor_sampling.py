@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dflash_core.model.anchors import document_ids_from_positions, eligible_anchor_positions, plan_blocks, sample_anchors
+from dflash_core.model.build import build_drafter
 
 _BUDGET, _ANCHORS = 2048, 512
 
@@ -145,8 +146,8 @@ def test_refuses_an_unknown_sampling_and_a_step_trains_on_stratified_plans():
     target_config = tiny_target_config("qwen3")
     target = build_target(target_config)
     base = DFlashConfig.from_target(target_config, num_layers=1, block_size=4, num_tapped_layers=1)
-    drafter = DFlash2Config.from_dflash(base, conv_group_size=16, selector_rank=8, selector_top_k=4).build(
-        loss=LossSpec(loss_weighting="dpace"))
+    config = DFlash2Config.from_dflash(base, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    drafter = build_drafter(config, loss=LossSpec(loss_weighting="dpace"))
     drafter.attach_target(target_heads(target))
     loss_mask, positions = packed_row(0, budget=64)
     input_ids = torch.randint(1, 200, (1, 64))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from dflash_core.export import export_drafter, load_drafter
 from dflash_core.model import plan_blocks
+from dflash_core.model.build import build_drafter
 from dflash_core.model.dflash2 import CandidateSelector, DFlash2Config
 from dflash_core.model import dflash2_loss
 from dflash_core.model.dflash2_loss import compiled_unary_kl_kernel, dflash2_objective, transform_logits
@@ -137,7 +138,7 @@ def _model_case(loss: LossSpec, **dflash2_fields):
     config = DFlash2Config.from_target(target_config, num_layers=1, block_size=4, num_tapped_layers=1,
                                        conv_group_size=16, selector_rank=8, selector_top_k=4,
                                        **dflash2_fields)
-    drafter = config.build(loss=loss)
+    drafter = build_drafter(config, loss=loss)
     drafter.attach_target(target_heads(target))
     input_ids = torch.randint(1, _VOCAB, (2, 32))
     captured = HiddenStateCapture(target, layer_ids=config.target_layer_ids, capture_final=True)(input_ids)

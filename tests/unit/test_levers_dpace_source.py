@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_core.model import DFlashConfig, plan_blocks
+from dflash_core.model.build import build_drafter
 from dflash_core.model.dflash2 import CandidateSelector, DFlash2Config
 from dflash_core.model.dflash2_loss import dflash2_objective
 from dflash_core.model.loss import dpace_weights
@@ -112,7 +113,7 @@ def test_refused_without_a_selector_or_without_dpace():
     target_config = tiny_target_config("qwen3")
     base = DFlashConfig.from_target(target_config, num_layers=1, block_size=4, num_tapped_layers=1)
     with pytest.raises(ValueError, match="DFlash 2 only"):
-        base.build(loss=LossSpec(loss_weighting="dpace", dpace_source="selector"))
+        build_drafter(base, loss=LossSpec(loss_weighting="dpace", dpace_source="selector"))
     with pytest.raises(ValueError, match="variant=dflash2"):
         DrafterSettings(variant="dflash", dpace_source="selector")
     with pytest.raises(ValueError, match="loss_weighting=dpace"):
@@ -138,7 +139,7 @@ def test_a_dflash2_training_step_with_selector_confidences_has_a_finite_gradient
     losses = {}
     for source in ("unary", "selector"):
         torch.manual_seed(0)
-        drafter = config.build(loss=LossSpec(loss_weighting="dpace", dpace_source=source))
+        drafter = build_drafter(config, loss=LossSpec(loss_weighting="dpace", dpace_source=source))
         drafter.attach_target(target_heads(target))
         _, loss, _ = drafter(input_ids=input_ids, target_hidden=captured.tapped_hidden, plan=plan,
                              teacher_hidden=captured.final_hidden)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_core.model import DFlashConfig, plan_blocks
+from dflash_core.model.build import build_drafter
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config
 from dflash_core.train.config import DrafterSettings
@@ -62,7 +63,7 @@ def test_prompt_positions_anchor_and_their_slots_carry_loss(world, sampling):
 def test_prompt_slots_learn_the_targets_argmax_not_the_prompt(world):
     target, config, input_ids, _, _, captured, target_argmax = world
     torch.manual_seed(0)
-    drafter = config.build(loss=LossSpec(loss_weighting="dpace"))
+    drafter = build_drafter(config, loss=LossSpec(loss_weighting="dpace"))
     drafter.attach_target(target_heads(target))
     plan = _plan(world, prompt_anchors=True)
     with torch.no_grad():
@@ -83,7 +84,7 @@ def test_refused_without_teacher_labels_and_a_step_trains(world):
     assert DrafterSettings().prompt_anchors is False
     target, config, input_ids, positions, loss_mask, captured, _ = world
     tensors = {"input_ids": input_ids, "position_ids": positions, "loss_mask": loss_mask}
-    drafter = config.build(loss=LossSpec(loss_weighting="dpace"))
+    drafter = build_drafter(config, loss=LossSpec(loss_weighting="dpace"))
     drafter.attach_target(target_heads(target))
     common = dict(tensors=tensors, captured=captured, num_anchors=12, block_size=_BLOCK,
                   generator=torch.Generator().manual_seed(0), device=torch.device("cpu"), attention_backend="sdpa",

@@ -11,6 +11,7 @@ import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from dflash_core.model.attention import RotaryEmbedding, apply_rope
+from dflash_core.model.build import build_drafter
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.config import DFlashConfig, tapped_layer_ids
 from dflash_core.target import tiny_target_config
@@ -48,7 +49,7 @@ def test_qwen3_8b_shape_derives_the_released_drafter_shape():
         4096, 32, 8, 128,
     )
     assert config.qk_norm and LossSpec().gamma(config.block_size) == 7.0 and config.rotary_dim == 128
-    drafter = _from_target(target, num_layers=5, block_size=16).build(device="meta")
+    drafter = build_drafter(_from_target(target, num_layers=5, block_size=16), device="meta")
     assert drafter.fc.in_features == 5 * 4096 and drafter.fc.bias is None
     assert LossSpec().gamma(_from_target(target, num_layers=5, block_size=8).block_size) == 4.0
 
@@ -62,7 +63,7 @@ def test_every_family_gets_the_runtime_attention_conventions():
     for config in (llama, qwen3, hybrid):
         assert config.qk_norm and not config.attention_bias
         assert config.partial_rotary_factor == 1.0 and config.rotary_dim == config.head_dim
-    assert llama.build(device="meta").layers[0].self_attn.q_norm is not None
+    assert build_drafter(llama, device="meta").layers[0].self_attn.q_norm is not None
 
 
 def test_composite_qwen3_5_config_uses_its_text_config():
@@ -97,7 +98,7 @@ def test_bad_settings_raise_value_errors():
     target = tiny_target_config("qwen3")
     with pytest.raises(ValueError, match="loss_gamma"):
         LossSpec().gamma(5)  # a block size the DFlash paper gives no decay for
-    _from_target(target, num_layers=2, block_size=5).build(device="meta")  # drafting needs none
+    build_drafter(_from_target(target, num_layers=2, block_size=5), device="meta")  # drafting needs none
     with pytest.raises(ValueError, match="sliding_window"):
         _from_target(target, num_layers=2, block_size=8, layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ValueError, match="layer_types"):

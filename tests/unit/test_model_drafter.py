@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_core.model import DFlashConfig, plan_blocks
+from dflash_core.model.build import build_drafter
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.target import HiddenStateCapture, build_target, target_heads, tiny_target_config
@@ -26,7 +27,7 @@ def _setup(family: str, *, block_size: int = 4, layer_types=None, sliding_window
             target_config, num_layers=2, block_size=block_size, num_tapped_layers=2,
             layer_types=layer_types, sliding_window=sliding_window,
         )
-    drafter = config.build(loss=LossSpec(loss_gamma=2.0))
+    drafter = build_drafter(config, loss=LossSpec(loss_gamma=2.0))
     drafter.attach_target(target_heads(target))
     input_ids = torch.randint(1, target_config.vocab_size, (2, _SEQ))
     captured = HiddenStateCapture(target, layer_ids=config.target_layer_ids, capture_final=True)(input_ids)

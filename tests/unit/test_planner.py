@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from dflash_core.cli import app
 from dflash_core import planner
+from dflash_core.model.build import build_drafter
 from dflash_core.planner import GiB, PRESETS, TB, ModelShape, PlanInputs, plan
 
 runner = CliRunner()
@@ -194,7 +195,7 @@ def test_drafter_params_count_what_the_model_builds():
         base = DFlashConfig.from_target(real_shape_config("qwen3-8b"), num_layers=5, block_size=16,
                                         num_tapped_layers=5)
     for variant in ("dflash", "dflash2"):
-        built = sum(p.numel() for p in drafter_config(variant, base).build(device="meta").parameters())
+        built = sum(p.numel() for p in build_drafter(drafter_config(variant, base), device="meta").parameters())
         estimate = planner.drafter_params(planner.PRESETS["qwen3-8b"], drafter_layers=5, tapped_layers=5,
                                           variant=variant)
         assert abs(estimate - built) < 2_000, (variant, estimate, built)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from dflash_core.export import build_export_configs
 from dflash_core.model import DFlashConfig
+from dflash_core.model.build import build_drafter
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.dflash2 import DFlash2Config, draft_tokens
 from dflash_core.model.dflash2_loss import dflash2_objective
@@ -48,7 +49,7 @@ def _config(base: DFlashConfig, variant: str) -> DFlashConfig:
 def _drafter(world, variant: str, **levers):
     target, _, base, _, _ = world
     torch.manual_seed(3)
-    drafter = _config(base, variant).build(loss=LossSpec(loss_weighting="dpace", loss_gamma=2.0, **levers))
+    drafter = build_drafter(_config(base, variant), loss=LossSpec(loss_weighting="dpace", loss_gamma=2.0, **levers))
     with torch.no_grad():  # off the identity init, so every module's gradient is exercised
         for parameter in drafter.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(7)))
