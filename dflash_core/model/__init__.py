@@ -11,6 +11,7 @@ _HOMES = {
     "ContextCache": "drafter", "DFlashDraftModel": "drafter", "DraftOutput": "drafter", "TargetHeads": "drafter",
     "chunked_lm_head_cross_entropy": "loss", "position_weights": "loss", "teacher_token_ids": "loss",
     "block_metrics": "metrics",
+    "build_drafter": "build",
 }
 
 __all__ = sorted(_HOMES)
