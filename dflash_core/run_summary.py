@@ -126,8 +126,10 @@ def generalization_line(evaluation: dict) -> str | None:
     if not fit:
         return None
     passes = f" after {fit['data_passes']:.0f} passes over the data" if fit.get("data_passes") is not None else ""
+    gap = fit.get("gap")
+    ratio = f"{gap:.1f}x the held-out's" if gap is not None else "none accepted held out"
     line = (f"training tau {fit['train_tau']:.3f} vs held-out {fit['heldout_tau']:.3f}{passes} "
-            f"(accepted drafts per round {fit['gap']:.1f}x the held-out)")
+            f"(accepted drafts per round: {ratio})")
     return f"{line}: OVERFIT: {fit['advice']}" if fit.get("overfit") else line
 
 

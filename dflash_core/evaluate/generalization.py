@@ -15,19 +15,20 @@ from __future__ import annotations
 from typing import Any
 
 OVERFIT_GAP = 2.0  # training tau - 1 at least this many times held-out tau - 1: memorizing, not drafting
+MIN_TRAIN_GAIN = 0.1  # below this many accepted drafts per round on training data, a gap is noise at the floor
 
 
 def generalization(*, train_tau: float | None, heldout_tau: float, data_passes: float | None) -> dict[str, Any] | None:
     """The comparison for the evaluation's result and summary; None without a training tau to compare.
 
     {"train_tau", "heldout_tau", "data_passes", "gap", "overfit", "advice"}: `gap` is (train_tau - 1) /
-    (heldout_tau - 1) (inf when nothing held out is accepted), `advice` what to do (empty when not overfit).
+    (heldout_tau - 1) (None when nothing held out is accepted), `advice` what to do (empty when not overfit).
     """
     if train_tau is None:
         return None
     train_gain, heldout_gain = max(train_tau - 1.0, 0.0), max(heldout_tau - 1.0, 0.0)
-    gap = train_gain / heldout_gain if heldout_gain > 0 else (float("inf") if train_gain > 0 else 1.0)
-    overfit = gap >= OVERFIT_GAP
+    gap = train_gain / heldout_gain if heldout_gain > 0 else None
+    overfit = train_gain >= max(OVERFIT_GAP * heldout_gain, MIN_TRAIN_GAIN)
     passes = f" after {data_passes:.0f} passes over its data" if data_passes is not None else ""
     advice = (
         f"the drafter drafts its training data far better than held-out prompts (training tau {train_tau:.2f}, "

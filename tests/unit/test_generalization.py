@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from dflash_core.evaluate.generalization import OVERFIT_GAP, generalization
+from dflash_core.evaluate.generalization import MIN_TRAIN_GAIN, OVERFIT_GAP, generalization
 from dflash_core.run_summary import drafter_table, summary_markdown
 from dflash_core.train.data import PackedBatchSampler, data_passes
 
@@ -19,18 +19,22 @@ from dflash_core.train.data import PackedBatchSampler, data_passes
     (2.39, 1.668, 28.0, True),    # 2,000 steps over 4,096: still a gap of 2.1
     (1.30, 1.281, 11.0, False),   # 200 steps over 1,024
     (1.0, 1.0, 1.0, False),       # nothing accepted anywhere: no gap
+    (1.06, 1.02, 3.0, False),     # a gap of 3 at the floor (a short demo run) is noise
 ])
 def test_the_rule_on_the_measured_runs(train_tau, heldout_tau, passes, overfit):
     fit = generalization(train_tau=train_tau, heldout_tau=heldout_tau, data_passes=passes)
     assert fit["overfit"] is overfit
-    assert (fit["gap"] >= OVERFIT_GAP) is overfit
+    if fit["gap"] is not None and train_tau - 1 >= MIN_TRAIN_GAIN:
+        assert (fit["gap"] >= OVERFIT_GAP) is overfit
     assert bool(fit["advice"]) is overfit
     if overfit:
         assert f"{passes:.0f} passes" in fit["advice"] and "more completions" in fit["advice"]
 
 
-def test_nothing_held_out_accepted_is_an_infinite_gap_and_no_training_tau_is_no_verdict():
-    assert generalization(train_tau=1.5, heldout_tau=1.0, data_passes=None)["gap"] == float("inf")
+def test_nothing_held_out_accepted_has_no_ratio_and_no_training_tau_is_no_verdict():
+    fit = generalization(train_tau=1.5, heldout_tau=1.0, data_passes=None)
+    assert fit["gap"] is None and fit["overfit"]  # half a draft a round on training data, none held out
+    assert "none accepted held out" in summary_markdown(_result(fit), [])
     assert generalization(train_tau=None, heldout_tau=1.4, data_passes=3.0) is None
 
 
