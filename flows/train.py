@@ -47,8 +47,9 @@ class TrainFlowParams(BaseModel):
         "How long checkpoint uploads may keep failing (S3 down) before the run fails; training goes on with "
         "local checkpoints meanwhile. Keep it below the process-group timeout (600 s) on several GPUs."))
     gpu_memory_gib: float = Field(139.0, gt=0, description="For the capacity check.")
-    expected_samples: int = Field(100_000, gt=0, description="For the capacity check's storage figures.")
-    expected_mean_tokens: float = Field(2_000, gt=0)
+    expected_samples: int = Field(100_000, gt=0, description="For the capacity check, without a dataset (with one, "
+                                  "its tokenize stage's counts are used).")
+    expected_mean_tokens: float = Field(2_000, gt=0, description="As expected_samples, mean tokens per sample.")
     node: Node | None = Field(None, description=(
         "The node this runs on (from the inventory): preserved (logs, configs, inventory to S3; nothing deleted) "
         "when the flow fails, crashes or is cancelled."))
@@ -71,6 +72,16 @@ def training_config(settings, params: TrainFlowParams) -> tuple[TrainConfig, Tok
     return config.model_copy(update={"data": [s.uri for s in dataset.train_shards]}), dataset
 
 
+def data_size(params: TrainFlowParams, dataset: TokenizedDataset | None) -> tuple[int, float]:
+    """(samples, mean tokens) the fit check plans with: the tokenize stage's counts when it made the data
+    (so the plan's passes over the data are the run's), else the form's estimates."""
+    overall = dataset.overall if dataset is not None else {}
+    samples, tokens = overall.get("samples") or 0, overall.get("total_tokens") or 0
+    if samples > 0 and tokens > 0:
+        return int(samples), tokens / samples
+    return params.expected_samples, params.expected_mean_tokens
+
+
 @flow(name="dflash-train", log_prints=True, persist_result=True, version=flow_version(),
       on_failure=[preserve_on_failure], on_cancellation=[preserve_on_failure], on_crashed=[preserve_on_failure])
 def train(params: TrainFlowParams) -> Checkpoint | dict:
@@ -80,8 +91,9 @@ def train(params: TrainFlowParams) -> Checkpoint | dict:
         verify_shards(settings, dataset.train_shards)  # the bytes the tokenize stage made, not a later re-tokenization
     gpus_per_process = 2 if config.placement == "pair" else 1
     check_training_data(settings, config)  # refuses data whose quality gate failed, before torchrun starts
+    samples, mean_tokens = data_size(params, dataset)
     plan_training(config, gpu_memory_gib=params.gpu_memory_gib, num_gpus=params.nproc_per_node * gpus_per_process,
-                  samples=params.expected_samples, mean_tokens=params.expected_mean_tokens)
+                  samples=samples, mean_tokens=mean_tokens)
     checkpoint = run_training(config, nproc_per_node=params.nproc_per_node, flow_run_id=str(flow_run.id or ""),
                               rendezvous=params.rendezvous, s3_outage_limit_s=params.s3_outage_limit_s)
     if checkpoint is None:  # another node hosted global rank 0; its flow run carries on from here

@@ -38,3 +38,17 @@ def test_the_pipeline_plans_with_its_training_stage_steps():
     assert inputs.max_steps == config.max_steps
     assert inputs.tokens_per_step == config.token_budget * config.optim.grad_accum * params.num_gpus
     assert plan(inputs).data_passes is not None
+
+
+def test_the_train_stage_plans_with_its_datasets_own_counts():
+    from dflash_core.stage_results import TokenizedDataset
+    from dflash_core.train.config import TrainConfig
+    from flows.train import TrainFlowParams, data_size
+
+    params = TrainFlowParams(config=TrainConfig(run_name="r", target="embedded"), expected_samples=7,
+                             expected_mean_tokens=3.0)
+    dataset = TokenizedDataset(dataset="d", run="r", train_shards=[], dataset_manifest="s3://b/m",
+                               quality_gate="passed", overall={"samples": 1024, "total_tokens": 290_816})
+    assert data_size(params, dataset) == (1024, 284.0)
+    assert data_size(params, None) == (7, 3.0)  # no dataset: the form's estimates
+    assert data_size(params, dataset.model_copy(update={"overall": {}})) == (7, 3.0)
