@@ -86,6 +86,8 @@ def run_lease_key(prefixes: dict[ArtifactKind, str], run_name: str) -> str:
 # A training run's record, written in its run dir: the resolved config, the code and versions that ran, the
 # metrics log. Uploaded beside its checkpoints so a run stays auditable from the bucket after its node is gone.
 TRAIN_RUN_FILES = ("run.yaml", "provenance.json", "metrics.jsonl")
+CHECKPOINT_MODEL_FILE = "model.safetensors"  # a checkpoint step dir's weights; meta.json has drafter_config
+CHECKPOINT_META_FILE = "meta.json"
 
 
 def train_report_key(prefixes: dict[ArtifactKind, str], run_name: str, name: str) -> str:

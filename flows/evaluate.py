@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
@@ -79,6 +78,8 @@ def prompt_sources(settings, params: EvaluateParams, checkpoint: Checkpoint) -> 
 
 
 def _load_models(params: EvaluateParams, *, checkpoint_dir, settings, target_name: str, target_seed: int):
+    import torch  # here, not at the top: the pipeline's process imports this module for the stage's form only
+
     from dflash_core.evaluate.inputs import load_drafter_checkpoint
     from dflash_core.target import target_heads
     from dflash_core.train.inputs import load_target_model

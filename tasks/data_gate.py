@@ -10,7 +10,6 @@ from dflash_core.settings import Settings
 from dflash_core.stage_results import StoredShard
 from dflash_core.storage import ObjectStore
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.inputs import fetch_shards
 from tasks.retry import retry_store_outage
 
 
@@ -19,6 +18,8 @@ def check_training_data(settings: Settings, config: TrainConfig) -> int:
     """Every shard's verdict (downloading into the cache the trainer reads); the number of shards.
 
     Not retried: a verdict does not change by waiting. The trainer checks again in every process."""
+    from dflash_core.train.inputs import fetch_shards  # imports torch, which the pipeline's process does not need
+
     store = ObjectStore.from_settings(settings)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -10,8 +10,7 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from dflash_core.evaluate.inputs import CHECKPOINT_META_FILE, CHECKPOINT_MODEL_FILE
-from dflash_core.layout import ArtifactKind
+from dflash_core.layout import CHECKPOINT_META_FILE, CHECKPOINT_MODEL_FILE, ArtifactKind
 from dflash_core.lineage import InputRef, Manifest, input_ref, write_artifact
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore, sha256_file

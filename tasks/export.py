@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from prefect import get_run_logger, task
 
-from dflash_core.evaluate.inputs import load_drafter_checkpoint
-from dflash_core.export import export_drafter
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.lineage import InputRef, write_artifact
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
-from dflash_core.train.inputs import load_target_model
 from tasks.provenance import run_producer
 
 
@@ -22,6 +18,12 @@ def export_checkpoint(settings: Settings, *, checkpoint_dir: Path, inputs: list[
                       target: str, target_seed: int, formats: list[str]) -> dict[str, str]:
     """format -> S3 prefix of the export (exports/<run>/<format>/, whose manifests name `inputs`: the
     checkpoint's files); a format the drafter cannot be expressed in is skipped and logged."""
+    import torch  # here: the pipeline's process imports this module for the export stage's form only
+
+    from dflash_core.evaluate.inputs import load_drafter_checkpoint
+    from dflash_core.export import export_drafter
+    from dflash_core.train.inputs import load_target_model
+
     logger = get_run_logger()
     store = ObjectStore.from_settings(settings)
     drafter = load_drafter_checkpoint(checkpoint_dir)

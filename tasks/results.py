@@ -71,7 +71,7 @@ def resolve_checkpoint(settings: Settings, value: Checkpoint | str | None, *, ta
 
 def _checkpoint_meta(settings: Settings, checkpoint: str) -> dict:
     """meta.json of a step dir, local or in S3 (its presence marks a complete checkpoint)."""
-    from dflash_core.evaluate.inputs import CHECKPOINT_META_FILE
+    from dflash_core.layout import CHECKPOINT_META_FILE
 
     local = Path(checkpoint) / CHECKPOINT_META_FILE
     if local.is_file():

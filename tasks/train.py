@@ -181,7 +181,7 @@ def checkpoint_prefix(settings: Settings, config: TrainConfig, checkpoint: str) 
 def stored_checkpoint(settings: Settings, config: TrainConfig, checkpoint: str) -> Checkpoint:
     """The checkpoint record: its S3 step dir when uploaded (so evaluation's inputs are the stored files and
     any host can run it), else the local dir; the shards it was trained on from its manifest's inputs."""
-    from dflash_core.evaluate.inputs import CHECKPOINT_META_FILE, CHECKPOINT_MODEL_FILE
+    from dflash_core.layout import CHECKPOINT_META_FILE, CHECKPOINT_MODEL_FILE
 
     store = ObjectStore.from_settings(settings)
     key = checkpoint_prefix(settings, config, checkpoint)

@@ -4,63 +4,24 @@ with the target's own greedy decoding.
 
     report = evaluate_prompts(target=t, drafter=d, prompts=[[...], ...], modes=("block", "tree"),
                               max_new_tokens=128)
+
+The names below load on first use, so that a torch-free submodule (`generalization`) imports no torch.
 """
 
-from __future__ import annotations
+from importlib import import_module
 
-from typing import Any
+_HOMES = {
+    "MODES": "speculative", "Decoded": "speculative", "SpeculativeDecoder": "speculative",
+    "greedy_decode": "speculative", "supported_modes": "speculative",
+    "DraftTree": "tree", "accepted_path": "tree", "build_draft_tree": "tree",
+    "markdown_table": "report", "plot_acceptance": "report", "summarize": "report",
+    "evaluate_prompts": "run",
+}
 
-import torch
-
-from dflash_core.evaluate.report import ResponseResult, markdown_table, plot_acceptance, summarize
-from dflash_core.evaluate.speculative import MODES, Decoded, SpeculativeDecoder, greedy_decode, supported_modes
-from dflash_core.evaluate.tree import DraftTree, accepted_path, build_draft_tree
-
-__all__ = [
-    "MODES",
-    "Decoded",
-    "DraftTree",
-    "SpeculativeDecoder",
-    "accepted_path",
-    "build_draft_tree",
-    "evaluate_prompts",
-    "greedy_decode",
-    "markdown_table",
-    "plot_acceptance",
-    "summarize",
-    "supported_modes",
-]
+__all__ = sorted(_HOMES)
 
 
-def evaluate_prompts(
-    *, target: torch.nn.Module, drafter: torch.nn.Module, prompts: list[list[int]], modes: tuple[str, ...] = ("block",),
-    max_new_tokens: int, eos_token_id: int | None = None, tree_budget: int | None = None, warmup: bool = True,
-) -> dict[str, Any]:
-    """Decode every prompt target-only and in each mode; returns {"summaries": [...], "table": md}.
-
-    A response whose speculative output differs from the target's greedy output is reported, not
-    raised: in bf16 a batched verify pass and one-token steps can round differently.
-    """
-    if not prompts:
-        raise ValueError("prompts is empty")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown or not modes:
-        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {modes}")
-    decoders = {mode: SpeculativeDecoder(target=target, drafter=drafter, mode=mode, tree_budget=tree_budget)
-                for mode in modes}
-    if warmup:  # first calls pay for allocator and kernel setup; keep them out of the timings
-        greedy_decode(target, prompts[0], max_new_tokens=2)
-        for decoder in decoders.values():
-            decoder.generate(prompts[0], max_new_tokens=2)
-    # Per prompt: baseline, then every mode, so drifting machine load hits all of them alike.
-    results: dict[str, list[ResponseResult]] = {mode: [] for mode in modes}
-    for index, prompt in enumerate(prompts):
-        baseline = greedy_decode(target, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-        for mode, decoder in decoders.items():
-            decoded = decoder.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-            results[mode].append(ResponseResult(
-                prompt_index=index, prompt_tokens=len(prompt), decoded=decoded, baseline_wall_s=baseline.wall_s,
-                matches_target=decoded.tokens == baseline.tokens,
-            ))
-    summaries = [summarize(results[mode], block_size=drafter.config.block_size, mode=mode) for mode in modes]
-    return {"summaries": summaries, "table": markdown_table(summaries)}
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
