@@ -141,7 +141,7 @@ def wait_final(client, flow_run_id, timeout_s: float = 240.0):
         run = client.read_flow_run(flow_run_id)
         if run.state is not None and run.state.is_final():
             return run
-        time.sleep(1)
+        time.sleep(0.25)
     raise TimeoutError(f"flow run {flow_run_id} did not finish in {timeout_s} s")
 
 

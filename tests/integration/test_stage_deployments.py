@@ -173,7 +173,7 @@ def test_a_gate_failure_in_the_pipeline_logs_one_error_and_no_traceback(stage_se
         errors = [log for log in logs if log.level >= 40]
         if errors or time.monotonic() > deadline:
             break
-        time.sleep(1)
+        time.sleep(0.25)
     assert len(errors) == 1 and errors[0].flow_run_id == stage.id, [(e.name, e.flow_run_id, e.message[:80]) for e in errors]
     assert f"dataset {dataset}/run-a" in errors[0].message and "max_short_fraction" in errors[0].message
     assert not any("Traceback" in log.message for log in logs)

@@ -105,7 +105,7 @@ def _wait_state(base: str, flow_run_id: str, *, timeout_s: float = 240.0) -> dic
         run = _api(base, f"/flow_runs/{flow_run_id}")
         if run["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             return run
-        time.sleep(1)
+        time.sleep(0.5)
     raise TimeoutError(f"flow run {flow_run_id} did not finish in {timeout_s} s")
 
 
@@ -174,21 +174,25 @@ def _newest_artifact(base: str, flow_run_id: str, key: str) -> str:
     return artifact["id"]
 
 
-def _links(driver, href_part: str) -> list[str]:
-    from selenium.webdriver.common.by import By
+# Every link on the page as (href, text) in one round trip: asking each anchor for its href and text costs two
+# WebDriver calls an anchor, seconds a pass on a page of artifact cards on a busy 2-core machine.
+_ANCHORS_JS = ("return Array.from(document.getElementsByTagName('a'), a => [typeof a.href === 'string' ? a.href"
+               " : (a.getAttribute('href') || ''), a.innerText || ''])")
 
-    return [a.get_attribute("href") for a in driver.find_elements(By.TAG_NAME, "a")
-            if href_part in (a.get_attribute("href") or "")]
+
+def _anchors(driver) -> list[tuple[str, str]]:
+    return [(href or "", text or "") for href, text in driver.execute_script(_ANCHORS_JS)]
+
+
+def _links(driver, href_part: str) -> list[str]:
+    return [href for href, _ in _anchors(driver) if href_part in href]
 
 
 def _open_link(driver, *, containing: str, href_part: str, whole_line: bool = False, timeout_s: float = 30.0) -> None:
     """Go where the link points whose text contains `containing` (as one whole line of it: an artifact card's key)."""
-    from selenium.webdriver.common.by import By
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for anchor in driver.find_elements(By.TAG_NAME, "a"):
-            href, text = anchor.get_attribute("href") or "", anchor.text
+        for href, text in _anchors(driver):
             found = containing in [line.strip() for line in text.splitlines()] if whole_line else containing in text
             if href_part in href and found:
                 driver.get(href)
@@ -210,6 +214,24 @@ def _wait_image(driver, *, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"no loaded PNG on {driver.current_url}")
+
+
+def _wait_graph_drawn(driver, *, timeout_s: float = 30.0) -> None:
+    """The run graph's canvas on the page, drawn: its pixels (as the browser shows them) not one blank colour."""
+    import io
+
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for canvas in driver.find_elements(By.CSS_SELECTOR, ".run-graph__stage canvas"):
+            if canvas.size["width"] and canvas.size["height"] and canvas.is_displayed():
+                colours = Image.open(io.BytesIO(canvas.screenshot_as_png)).getcolors(maxcolors=4)
+                if colours is None:  # more than 4 colours: something drawn
+                    return
+        time.sleep(0.25)
+    raise AssertionError(f"no run graph drawn on {driver.current_url}")
 
 
 def _park(driver) -> None:
@@ -286,7 +308,7 @@ def test_deploy_form_run_fail_fix_retry_in_the_browser(browser, stage_server, re
         pipeline_run = str(retried_pipeline.completed.id)
         browser.get(f"{base}/runs/flow-run/{pipeline_run}")
         _wait_text(browser, "Completed")
-        time.sleep(3)  # the graph's canvas draws after the text
+        _wait_graph_drawn(browser)  # the graph's canvas draws after the text
         shot = Path(tmp_path) / "pipeline-run-graph.png"
         browser.save_screenshot(str(shot))
         print(f"run graph of pipeline flow run {pipeline_run}: {shot}")
