@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from flows.deployment_table import DEPLOYMENTS, STAGE_MODULES, WORK_POOL, DeploymentSpec, spec_for, spec_named
 
 REPO_DIR = Path(__file__).resolve().parent.parent
-STAGE_POLL_S = 1.0
+STAGE_POLL_S = 0.5  # how often a pipeline checks its running stage: one query to the local server
 REPO_DIR_VARIABLE = "DFLASH_REPO_DIR"
 PULL_STEPS = [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $" + REPO_DIR_VARIABLE + " }}"}}]
 # Persist results so a Retry from the UI resumes at the failed task (finished ones come back Cached).

@@ -20,7 +20,7 @@ from dflash_core.settings import Settings
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 STAGES_READY_TIMEOUT_S = 180.0  # imports every flow (torch, transformers) on a busy 2-core machine
-WORKER_POLL_S = 2  # how soon a new or retried run starts (Prefect's default is 10 s)
+WORKER_POLL_S = 1  # how soon a new or retried run starts (Prefect's default: 10 s); one query a poll
 WORK_POOL = "dflash"
 READY_FILE_ENV = "DFLASH_STAGES_READY_FILE"
 RESULTS_BLOCK = "s3-bucket/dflash-results"  # saved by flows/results.py when the stage server starts
