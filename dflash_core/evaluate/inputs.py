@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from dflash_core.layout import CHECKPOINT_META_FILE, CHECKPOINT_MODEL_FILE  # noqa: F401 - re-exported
+from dflash_core.layout import CHECKPOINT_META_FILE, CHECKPOINT_MODEL_FILE
 from dflash_core.model.build import build_drafter
 from dflash_core.model.dflash2 import config_from_dict
 from dflash_core.model.loss_spec import LossSpec
