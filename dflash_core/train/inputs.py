@@ -9,15 +9,15 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
 from dflash_core.data.verdict import (
     DATASET_MANIFEST_NAME, DatasetManifest, check_usable, read_dataset_manifest, shard_verdict,
 )
 from dflash_core.layout import is_heldout_key
 
-if TYPE_CHECKING:  # storage needs boto3, which a bare GPU image may lack: imported when used
+if TYPE_CHECKING:  # storage needs boto3, which a bare GPU image may lack; torch only the target needs
+    import torch
+    from torch import nn
+
     from dflash_core.lineage import InputRef
     from dflash_core.storage import ObjectStore
 
@@ -109,6 +109,8 @@ def _s3_manifest(store: ObjectStore, prefix: str, cache: dict[str, DatasetManife
 def load_target_model(spec: str, *, device: torch.device, models_dir: Path, seed: int) -> nn.Module:
     """The frozen target: `embedded` (SmolLM2, converted once), `tiny:<family>` (random, seeded),
     `random:<shape>` (random weights at a real shape, e.g. random:qwen3-8b, for benchmarks) or a path."""
+    import torch
+
     from dflash_core.target import build_target, build_target_on_device, load_target, real_shape_config
     from dflash_core.target import tiny_target_config
 
