@@ -8,7 +8,7 @@ with the target's own greedy decoding.
 The names below load on first use, so that a torch-free submodule (`generalization`) imports no torch.
 """
 
-from importlib import import_module
+from dflash_core.lazy_names import lazy_getattr
 
 _HOMES = {
     "MODES": "speculative", "Decoded": "speculative", "SpeculativeDecoder": "speculative",
@@ -20,8 +20,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _HOMES)

@@ -3,7 +3,7 @@
 The names below load on first use, so that importing a torch-free submodule (`dflash_core.model.config`,
 `loss_spec`, `dflash2_config`: what TrainConfig reads) does not import torch."""
 
-from importlib import import_module
+from dflash_core.lazy_names import lazy_getattr
 
 _HOMES = {
     "BlockPlan": "anchors", "plan_blocks": "anchors", "sample_anchors": "anchors",
@@ -16,8 +16,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _HOMES)
