@@ -55,10 +55,9 @@ reassembles the GGUF, checks its sha256 and converts it):
        ~300 s). At 2,000 steps use `--data-multipliers 1 4 --workers 6 --deadline-s 300` (568 s).
        $OUT also gets scaling.md (tau, tau - 1 per size, the first size reaching tau 1.5 and 2) and
        scaling.png (tau - 1 vs completions, log2 axis); without matplotlib on the image, `report` draws it here.
-    5. (not run yet) the levers against memorizing where the default memorizes, 2,000 steps over 1,024
-       completions: the install line of call 2, then `... --suite overfit --steps 2000 --long-multiplier 0
-       --seeds 0 --eval-prompts 16 --eval-new-tokens 96 --workers 6 --deadline-s 300` (6 jobs, about as long
-       as call 4 at 2,000 steps: ~570 s).
+    5. the levers against memorizing where the default memorizes, 2,000 steps over 1,024 completions: the
+       install line of call 2, then `... --suite overfit --steps 2000 --long-multiplier 0 --seeds 0
+       --eval-prompts 16 --eval-new-tokens 96 --workers 6 --deadline-s 300` (6 jobs; 573 s on 2026-12-03).
 
 $OUT gets table.md, results.jsonl (one line per run), summary.json and log.txt. Calls' results merge
 into one table: `python3 bench/bench_acceptance.py report A/results.jsonl B/results.jsonl --out DIR`.
