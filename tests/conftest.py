@@ -42,6 +42,14 @@ def free_port(*, grpc_offset: bool = False) -> int:
             return port
 
 
+PREFECT_LANE = "prefect"  # the xdist group of the modules on the Prefect server
+SHARED_SETUPS = {"stage_server", "whole_run", "retried_pipeline"}  # tests/early.py makes them after the server
+
+
+def _xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """One thread per process for the whole session, children included (training entries, servers): the
     tiny matmuls here run up to 10x slower on two threads of a busy 2-core machine, and module- and
@@ -53,29 +61,57 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the group markers into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test on the Prefect server is `slow`: the server takes ~15 s to start and each flow run
     starts processes of seconds each (training, inference servers, deployment runs). `-m "not slow"`
     then never starts it.
 
-    Order: unit tests, other tests, then the modules with a test on the Prefect server, so that the setups
-    tests/early.py starts at the first test run beside the tests that need none of them. A module's tests stay
-    together (its module-scoped fixtures are made once)."""
+    Order: unit tests, other tests, then the modules with a test on the Prefect server, those reading the
+    stage server or a shared run last, so that the setups tests/early.py starts run beside the tests that need
+    none of them. A module's tests stay together (its module-scoped fixtures are made once).
+
+    Under pytest-xdist (`--dist loadgroup`, pyproject's addopts) the modules on the Prefect server are one
+    group, the Prefect lane: one worker runs all of them on one Prefect server, stage server and pair of shared
+    runs, while the other workers take every other test one at a time."""
     on_prefect = {getattr(item, "module", None) for item in items if "prefect_server" in item.fixturenames}
     for item in items:
         if "prefect_server" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
+        if getattr(item, "module", None) in on_prefect:
+            item.add_marker(pytest.mark.xdist_group(PREFECT_LANE))
+    on_shared = {getattr(item, "module", None) for item in items if SHARED_SETUPS & set(item.fixturenames)}
     unit = f"{os.sep}tests{os.sep}unit{os.sep}"
-    items.sort(key=lambda item: 2 if getattr(item, "module", None) in on_prefect else 0 if unit in str(item.path) else 1)
+
+    def lane_order(item: pytest.Item) -> int:
+        module = getattr(item, "module", None)
+        if module in on_prefect:
+            return 3 if module in on_shared else 2
+        return 0 if unit in str(item.path) else 1
+
+    items.sort(key=lane_order)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under xdist the Prefect lane must reach the scheduler as one group (its node ids end in @prefect); where a
+    pytest/xdist pair drops the group, each worker would start its own Prefect server and shared runs."""
+    if not (_xdist_worker(session.config) and session.config.getoption("loadgroup", False)):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"xdist did not group {len(lost)} tests of the Prefect lane (e.g. {lost[0]}): "
+                                "pytest and pytest-xdist disagree on node ids; use the pins in pyproject.toml")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def early(request: pytest.FixtureRequest):
     """The session's slowest setups, started now in the background if a selected test needs them (tests/early.py)."""
-    from tests.early import Early, submit_session_setups
+    from tests.early import Early
 
     setups = Early()
-    submit_session_setups(setups, request, {name for item in request.session.items for name in item.fixturenames})
+    if not _xdist_worker(request.config):
+        setups.start(request)  # in an xdist worker, the first test on the Prefect server starts them (prefect_server)
     yield setups
     setups.close()
 
@@ -137,10 +173,12 @@ def prefix() -> str:
 
 
 @pytest.fixture(scope="session")
-def prefect_server(settings: Settings, early):
+def prefect_server(settings: Settings, early, request: pytest.FixtureRequest):
     """A real Prefect server (SQLite) for the session, started early (tests/early.py); tests that use it talk to it
     via PREFECT_API_URL."""
     from dflash_core.services import local
+
+    early.start(request)
 
     def start_now():
         service = local.prefect_service(settings)

@@ -1,6 +1,7 @@
-"""The session's slowest setups, started at its first test in one background thread so that they run beside the
-tests that need none of them (tests/conftest.py runs those first): the Prefect server, the stage server and the
-two shared runs of tests/integration/shared_runs.py. Each job starts only if a selected test needs its fixture;
+"""The session's slowest setups, started in one background thread so that they run beside tests that need none of
+them: the Prefect server, the stage server and the two shared runs of tests/integration/shared_runs.py. In one
+process they start at the session's first test (tests/conftest.py runs the unit tests first); in an xdist worker at
+the Prefect lane's first test, since only the worker that runs that lane needs them. Each job starts only if a selected test needs its fixture;
 that fixture then waits for the job (`Early.get`) instead of doing the work itself. The machine has two cores and
 a test mostly keeps one busy: these setups are mostly waits on processes, which the other core runs.
 """
@@ -19,7 +20,15 @@ class Early:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="early-setup")
         self._jobs: dict[str, Future] = {}
+        self._started = False
         self.services: list[local.LocalService] = []
+
+    def start(self, request) -> None:
+        """Queue the setups the session's tests need (submit_session_setups), once."""
+        if not self._started:
+            self._started = True
+            needed = {name for item in request.session.items for name in item.fixturenames}
+            submit_session_setups(self, request, needed)
 
     def submit(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
         self._jobs[name] = self._pool.submit(fn, *args)
