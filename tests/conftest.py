@@ -43,7 +43,7 @@ def free_port(*, grpc_offset: bool = False) -> int:
 
 
 PREFECT_LANE = "prefect"  # the xdist group of the modules on the Prefect server
-SHARED_SETUPS = {"stage_server", "whole_run", "retried_pipeline"}  # tests/early.py makes them after the server
+SHARED_SETUPS = {"stage_server", "whole_run", "retried_pipeline"}  # made after the Prefect server
 
 
 def _xdist_worker(config: pytest.Config) -> bool:
@@ -72,8 +72,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     none of them. A module's tests stay together (its module-scoped fixtures are made once).
 
     Under pytest-xdist (`--dist loadgroup`, pyproject's addopts) the modules on the Prefect server are one
-    group, the Prefect lane: one worker runs all of them on one Prefect server, stage server and pair of shared
-    runs, while the other workers take every other test one at a time."""
+    group, the Prefect lane: one worker runs all of them on one Prefect server, stage server and pair of
+    shared runs, while the other workers take every other test one at a time."""
     on_prefect = {getattr(item, "module", None) for item in items if "prefect_server" in item.fixturenames}
     for item in items:
         if "prefect_server" in item.fixturenames:
@@ -92,18 +92,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lane_order)
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Under xdist the Prefect lane must reach the scheduler as one group (its node ids end in @prefect); where a
-    pytest/xdist pair drops the group, each worker would start its own Prefect server and shared runs."""
-    if not (_xdist_worker(session.config) and session.config.getoption("loadgroup", False)):
-        return
-    lost = [item.nodeid for item in session.items
-            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
-    if lost:
-        raise pytest.UsageError(f"xdist did not group {len(lost)} tests of the Prefect lane (e.g. {lost[0]}): "
-                                "pytest and pytest-xdist disagree on node ids; use the pins in pyproject.toml")
-
-
 @pytest.fixture(scope="session", autouse=True)
 def early(request: pytest.FixtureRequest):
     """The session's slowest setups, started now in the background if a selected test needs them (tests/early.py)."""
@@ -111,7 +99,7 @@ def early(request: pytest.FixtureRequest):
 
     setups = Early()
     if not _xdist_worker(request.config):
-        setups.start(request)  # in an xdist worker, the first test on the Prefect server starts them (prefect_server)
+        setups.start(request)  # in an xdist worker the lane's first test starts them (prefect_server)
     yield setups
     setups.close()
 

@@ -1,9 +1,10 @@
-"""The session's slowest setups, started in one background thread so that they run beside tests that need none of
-them: the Prefect server, the stage server and the two shared runs of tests/integration/shared_runs.py. In one
-process they start at the session's first test (tests/conftest.py runs the unit tests first); in an xdist worker at
-the Prefect lane's first test, since only the worker that runs that lane needs them. Each job starts only if a selected test needs its fixture;
-that fixture then waits for the job (`Early.get`) instead of doing the work itself. The machine has two cores and
-a test mostly keeps one busy: these setups are mostly waits on processes, which the other core runs.
+"""The session's slowest setups, started in one background thread so that they run beside tests that need
+none of them: the Prefect server, the stage server and the two shared runs of
+tests/integration/shared_runs.py. In one process they start at the session's first test (tests/conftest.py
+runs the unit tests first); in an xdist worker at the Prefect lane's first test, since only the worker that
+runs that lane needs them. Each job starts only if a selected test needs its fixture; that fixture then
+waits for the job (`Early.get`) instead of doing the work itself. These setups are mostly waits on
+processes, which another core runs.
 """
 
 from __future__ import annotations
