@@ -183,7 +183,8 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     from dflash_core.train.optimizer import lr_factor
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, warmup=o.warmup_steps, total=job.steps, min_ratio=o.min_lr_ratio))
+        optimizer, lambda s: lr_factor(s, warmup=o.resolved_warmup_steps(job.steps), total=job.steps,
+                             min_ratio=o.min_lr_ratio))
     sampler = PackedBatchSampler(corpus.lengths, token_budget=config.token_budget, seed=job.seed,
                                  drop_samples_without_loss=~samples_with_loss(corpus), packing=config.packing)
     batches = iter(sampler)

@@ -37,6 +37,8 @@ TINY = Shape(num_layers=2, block_size=8, num_anchors=16, token_budget=256, steps
              own_prompts=2)
 
 SPECULATORS_KINDS = {"speculators": "dflash", "speculators-dflash2": "dflash2"}  # kind -> its algorithm
+# The schedule speculators rows can share with ours (their loop runs AdamW on our lr_factor schedule).
+SPECULATORS_OPTIM = {"lr", "warmup_steps", "warmup_fraction", "min_lr_ratio", "betas", "weight_decay"}
 MASK_CHOICES = (None, "eos")
 
 
@@ -44,7 +46,8 @@ MASK_CHOICES = (None, "eos")
 class Variant:
     """One recipe: the library default with some DrafterSettings / OptimSettings fields changed, or
     speculators' own model and loss (kind "speculators": its DFlash, "speculators-dflash2": its
-    experimental DFlash 2; `drafter` may then set num_anchors only).
+    experimental DFlash 2; `drafter` may then set num_anchors only, and `optim` the AdamW schedule they
+    share with ours, SPECULATORS_OPTIM, so a schedule lever runs on every recipe).
 
     `mask` (speculators rows): None, speculators' own choice (train.utils.resolve_mask_token_id: the
     tokenizer's mask token, else a new <|MASK|> in a spare embedding row) and, where that ends in its
@@ -63,8 +66,10 @@ class Variant:
     def __post_init__(self) -> None:
         if self.kind != "ours" and self.kind not in SPECULATORS_KINDS:
             raise ValueError(f"variant {self.name!r}: kind must be 'ours' or one of {sorted(SPECULATORS_KINDS)}")
-        if self.kind != "ours" and (set(self.drafter) - {"num_anchors"} or self.optim or self.train):
-            raise ValueError(f"variant {self.name!r}: speculators rows take num_anchors only (its own recipe)")
+        if self.kind != "ours" and (set(self.drafter) - {"num_anchors"} or set(self.optim) - SPECULATORS_OPTIM
+                                    or self.train):
+            raise ValueError(f"variant {self.name!r}: speculators rows take num_anchors and the AdamW schedule "
+                             f"({', '.join(sorted(SPECULATORS_OPTIM))}) only (its own recipe)")
         if self.mask not in MASK_CHOICES or (self.mask and self.kind == "ours"):
             raise ValueError(f"variant {self.name!r}: mask is for speculators rows, one of {MASK_CHOICES}")
 
@@ -181,6 +186,12 @@ def variants() -> dict[str, Variant]:
                 kind="speculators-dflash2"),
         Variant("speculators-dflash2+anchors=512", "speculators' DFlash 2 at our anchor density",
                 kind="speculators-dflash2", drafter={"num_anchors": 512}),
+        # The schedule on every recipe at once (the speculators rows run on our AdamW schedule).
+        *[Variant(f"{base}+lr={lr}", f"{what}, peak learning rate {lr} instead of 6e-4", kind=kind,
+                  drafter=_default() if kind == "ours" else {}, optim={"lr": float(lr)})
+          for lr in ("3e-4", "1.2e-3")
+          for base, kind, what in (("default", "ours", "the default"), ("speculators", "speculators", "speculators "
+                                   "DFlash"), ("speculators-dflash2", "speculators-dflash2", "speculators' DFlash 2"))],
     ]
     return {v.name: v for v in items}
 
@@ -202,6 +213,9 @@ SUITES = {
     "fp8": ["default", "default+target_fp8", "default+target_fp8+fast_accum"],
     # Where the default memorizes (2,000 steps over 1,024 completions: training tau 4.08, held out 1.556):
     # the levers against overfitting, six jobs for one call.
+    # The learning rate on all three recipes at once (the baselines at 6e-4 are the core rows).
+    "schedule": [f"{base}+lr={lr}" for lr in ("3e-4", "1.2e-3")
+                 for base in ("default", "speculators", "speculators-dflash2")],
     "overfit": ["default", "default+codebooks=embedding", "default+selector_rank=64", "default+kl",
                 "default+dropout=0.1", "default+noise=0.2"],
 }

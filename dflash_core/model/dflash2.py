@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.model.anchors import BlockPlan
@@ -86,14 +87,17 @@ class CandidateSelector(nn.Module):
         for weight in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
             nn.init.normal_(weight, mean=0.0, std=std)
 
+    # The codebook rows are read with F.embedding, not `codebook[ids]`: the values are the same, and
+    # the backward (embedding_dense_backward) was cheaper than advanced indexing's sort-and-accumulate
+    # at the 8B shape (bench/bench_train_e2e.py --variant dflash2; docs/benchmarks.md, session 14).
     def context(self, hidden_NH: torch.Tensor, predecessor_ids_N: torch.Tensor) -> torch.Tensor:
         """A[a] * P(h): [..., rank]."""
         projected = self.hidden_projection(hidden_NH)
-        return self.predecessor_codebook[predecessor_ids_N] * projected.to(self.predecessor_codebook.dtype)
+        return F.embedding(predecessor_ids_N, self.predecessor_codebook) * projected.to(self.predecessor_codebook.dtype)
 
     def transition_scores(self, context_NR: torch.Tensor, candidate_ids_NK: torch.Tensor) -> torch.Tensor:
         """<context, B[c]> for each candidate: [..., K]."""
-        successors = self.successor_codebook[candidate_ids_NK]
+        successors = F.embedding(candidate_ids_NK, self.successor_codebook)
         return (context_NR.unsqueeze(-2) * successors).sum(-1)
 
     @torch.no_grad()
@@ -107,7 +111,7 @@ class CandidateSelector(nn.Module):
         predecessor = anchor_ids_B
         path = []
         for slot in range(hidden_BSH.shape[1]):
-            context = self.predecessor_codebook[predecessor] * projected[:, slot]
+            context = F.embedding(predecessor, self.predecessor_codebook) * projected[:, slot]
             scores = unary[:, slot].float() + self.transition_scores(context, candidates[:, slot]).float()
             predecessor = candidates[:, slot].gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
             path.append(predecessor)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dflash_core.model.loss import cross_entropy_logit_grad, cross_entropy_terms, dpace_weights, even_chunk_size
-from dflash_core.model.topk import grouped_topk
+from dflash_core.model.topk import group_maxima, grouped_topk
 from dflash_core.model.loss_spec import DPACE_SOURCES
 from dflash_core.model.metrics import block_metrics
 
@@ -50,19 +50,22 @@ def _transform_slope(
 
 def _unary_rows(raw, labels, *, multiplier: float, softcap: float | None, smoothing: float, with_grad: bool):
     """Per row of one chunk of raw LM-head logits: the unary loss, the label's NLL, its (transformed)
-    logit, correctness and d(loss)/d(raw) in raw's dtype. One function, so torch.compile fuses the
-    upcast, transform, logsumexp, argmax and gradient into a few passes over the [chunk, vocab] logits
-    (`compiled_unary_kernel`); eager it is the same math. The transformed fp32 logits stay inside: the
-    top-K reads the raw chunk instead (see `_candidates`), which saves writing and reading a
-    [chunk, vocab] fp32 tensor per chunk (2 GiB at Qwen3.5's vocabulary and 2,048 rows)."""
+    logit, correctness, d(loss)/d(raw) in raw's dtype and the raw row's group maxima for the top-K
+    (`topk.group_maxima`). One function, so torch.compile fuses the upcast, transform, logsumexp,
+    argmax and gradient into a few passes over the [chunk, vocab] logits (`compiled_unary_kernel`) and
+    the maxima into a Triton reduction instead of a separate eager one; eager it is the same math.
+    The transformed fp32 logits stay inside: the top-K reads the raw chunk instead (see
+    `_candidates`), which saves writing and reading a [chunk, vocab] fp32 tensor per chunk (2 GiB at
+    Qwen3.5's vocabulary and 2,048 rows)."""
     logits = transform_logits(raw.float(), multiplier=multiplier, softcap=softcap)
     loss, nll, label_logit, log_norm, correct = cross_entropy_terms(logits, labels, smoothing=smoothing)
+    maxima = group_maxima(raw)
     if not with_grad:
-        return loss, nll, label_logit, correct, None
+        return loss, nll, label_logit, correct, None, maxima
     grad = cross_entropy_logit_grad(logits, log_norm, labels, smoothing=smoothing)
     if multiplier != 1.0 or softcap is not None:  # d(transformed)/d(raw); skipped when it is 1
         grad = grad * _transform_slope(logits, multiplier=multiplier, softcap=softcap)
-    return loss, nll, label_logit, correct, grad.to(raw.dtype)
+    return loss, nll, label_logit, correct, grad.to(raw.dtype), maxima
 
 
 def _unary_kl_rows(raw, labels, teacher_raw, *, multiplier: float, softcap: float | None, with_grad: bool):
@@ -77,20 +80,21 @@ def _unary_kl_rows(raw, labels, teacher_raw, *, multiplier: float, softcap: floa
     p = torch.exp(log_p)
     log_q = logits - log_norm[:, None]
     kl = (p * (log_p - log_q)).sum(dim=-1)
+    maxima = group_maxima(raw)
     if not with_grad:
-        return kl, nll, label_logit, correct, None
+        return kl, nll, label_logit, correct, None, maxima
     grad = torch.exp(log_q) - p
     if multiplier != 1.0 or softcap is not None:
         grad = grad * _transform_slope(logits, multiplier=multiplier, softcap=softcap)
-    return kl, nll, label_logit, correct, grad.to(raw.dtype)
+    return kl, nll, label_logit, correct, grad.to(raw.dtype), maxima
 
 
-def _candidates(raw, labels, label_logit, top_k: int, *, multiplier: float, softcap: float | None):
+def _candidates(raw, labels, label_logit, top_k: int, *, multiplier: float, softcap: float | None, maxima):
     """Training candidates of one chunk: the top-K of the raw logits with their transformed values,
     the label in place of the weakest when missing, and whether it was there. The transform
     (multiplier > 0, then tanh) is increasing, so the raw top-K is the transformed top-K; only the K
     values per row are transformed, in fp32, exactly as the full row would have been."""
-    raw_values, ids = grouped_topk(raw, top_k)  # sorted: the last is the weakest
+    raw_values, ids = grouped_topk(raw, top_k, maxima=maxima)  # sorted: the last is the weakest
     values = transform_logits(raw_values.float(), multiplier=multiplier, softcap=softcap)
     has_label = (ids == labels[:, None]).any(dim=-1)
     ids[:, -1] = torch.where(has_label, ids[:, -1], labels)
@@ -139,16 +143,16 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
             raw = hidden_NH[rows].to(compute_dtype) @ weight_VH.T
             labels = labels_N[rows]
             if teacher_NH is None:
-                loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad = unary_kernel(
+                loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad, maxima = unary_kernel(
                     raw, labels, multiplier=multiplier, softcap=softcap, smoothing=label_smoothing,
                     with_grad=needs_grad)
             else:
                 with torch.autocast(device.type, enabled=False):  # the teacher's logits in the target's dtype
                     teacher_raw = teacher_NH[rows].to(compute_dtype) @ weight_VH.T
-                loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad = unary_kernel(
+                loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad, maxima = unary_kernel(
                     raw, labels, teacher_raw, multiplier=multiplier, softcap=softcap, with_grad=needs_grad)
             candidate_ids[rows], candidate_logits[rows], contains[rows] = _candidates(
-                raw, labels, label_logit, top_k, multiplier=multiplier, softcap=softcap)
+                raw, labels, label_logit, top_k, multiplier=multiplier, softcap=softcap, maxima=maxima)
             if needs_grad:
                 grad_hidden[rows] = (grad @ weight_VH).to(hidden_NH.dtype)
         ctx.save_for_backward(grad_hidden, weight_VH, candidate_ids, candidate_logits)

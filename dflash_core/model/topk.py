@@ -15,21 +15,35 @@ import torch
 GROUP_SIZE = 256
 
 
-def grouped_topk(values_NV: torch.Tensor, k: int, *, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def group_maxima(values_NV: torch.Tensor, *, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """[rows, ceil(vocab / group_size)]: each group's maximum. The whole groups are a view and the
+    short last group (if any) is reduced on its own, so no row is padded (that would copy it). A
+    caller that already reads the rows in a compiled kernel computes this there (dflash2_loss)."""
+    rows, vocab = values_NV.shape
+    whole = vocab // group_size * group_size
+    maxima = values_NV[:, :whole].reshape(rows, whole // group_size, group_size).amax(dim=-1)
+    if whole < vocab:
+        maxima = torch.cat([maxima, values_NV[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    return maxima
+
+
+def grouped_topk(
+    values_NV: torch.Tensor, k: int, *, group_size: int = GROUP_SIZE, maxima: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest entries of each row, sorted descending, like
-    `values_NV.topk(k, dim=-1)`."""
+    `values_NV.topk(k, dim=-1)`. `maxima`: `group_maxima(values_NV, group_size=group_size)`, when the
+    caller has it already."""
     if values_NV.dim() != 2:
         raise ValueError(f"grouped_topk takes [rows, vocab], got shape {tuple(values_NV.shape)}")
     rows, vocab = values_NV.shape
     num_groups = -(-vocab // group_size)
     if k > group_size or num_groups <= k:  # nothing to skip
         return values_NV.topk(k, dim=-1)
-    # Group maxima without padding the row to whole groups (that would copy every row): the whole
-    # groups are a view, the short last group (if any) is reduced on its own.
+    if maxima is None:
+        maxima = group_maxima(values_NV, group_size=group_size)
+    elif maxima.shape != (rows, num_groups):
+        raise ValueError(f"maxima {tuple(maxima.shape)} is not [rows, groups] = [{rows}, {num_groups}]")
     whole = vocab // group_size * group_size
-    maxima = values_NV[:, :whole].reshape(rows, whole // group_size, group_size).amax(dim=-1)
-    if whole < vocab:
-        maxima = torch.cat([maxima, values_NV[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
     best_groups = maxima.topk(k, dim=-1).indices  # [N, k]
     offsets = torch.arange(group_size, device=values_NV.device)
     columns = (best_groups[:, :, None] * group_size + offsets).view(rows, k * group_size)

@@ -100,8 +100,14 @@ def test_speculators_mask_token_follows_its_trainer_and_says_which_rule(bench):
 
 
 def test_speculators_rows_take_their_own_recipe_only(bench):
-    with pytest.raises(ValueError, match="num_anchors only"):
-        bench.Variant("x", "x", kind="speculators", optim={"lr": 1e-3})
+    """Their model and loss stay speculators'; the AdamW schedule they run on is shared, so a schedule
+    lever can run on every recipe (the `schedule` suite), but not another optimizer."""
+    with pytest.raises(ValueError, match="AdamW schedule"):
+        bench.Variant("x", "x", kind="speculators", optim={"optimizer": "muon"})
+    with pytest.raises(ValueError, match="AdamW schedule"):
+        bench.Variant("x", "x", kind="speculators", drafter={"loss_type": "kl"})
+    shared = bench.variants()["speculators-dflash2+lr=1.2e-3"]
+    assert shared.kind == "speculators-dflash2" and shared.optim == {"lr": 1.2e-3}
     with pytest.raises(ValueError, match="kind"):
         bench.Variant("x", "x", kind="speculators-eagle")
     with pytest.raises(ValueError, match="mask"):

@@ -170,18 +170,19 @@ def _reference_objective(
     return dflash + alpha * (token_weights * selector_ce).sum() / token_weights.sum(), present
 
 
+@pytest.mark.parametrize("vocab", [_VOCAB, 5000])  # 5,000: the grouped top-K, on the loss kernel's maxima
 @pytest.mark.parametrize(("multiplier", "softcap"), [(1.0, None), (0.7, 3.0)])
-def test_selector_loss_and_gradients_match_a_direct_computation(multiplier, softcap):
+def test_selector_loss_and_gradients_match_a_direct_computation(multiplier, softcap, vocab):
     torch.manual_seed(0)
     num, hidden_size, top_k = 23, 16, 5
-    weight = torch.randn(_VOCAB, hidden_size)
-    selector = CandidateSelector(vocab_size=_VOCAB, hidden_size=hidden_size, rank=6, top_k=top_k)
+    weight = torch.randn(vocab, hidden_size)
+    selector = CandidateSelector(vocab_size=vocab, hidden_size=hidden_size, rank=6, top_k=top_k)
     selector.reset_parameters(std=0.5)
     hidden = torch.randn(num, hidden_size, requires_grad=True)
     logits = hidden.detach() @ weight.T
-    labels = torch.randint(0, _VOCAB, (num,))
+    labels = torch.randint(0, vocab, (num,))
     labels[:8] = logits[:8].topk(3, dim=-1).indices[:, 2]  # some labels among the top-K, others injected
-    predecessors = torch.randint(0, _VOCAB, (num,))
+    predecessors = torch.randint(0, vocab, (num,))
     token_weights = torch.rand(num)
     token_weights[3] = 0.0
     args = dict(multiplier=multiplier, softcap=softcap, alpha=0.6)

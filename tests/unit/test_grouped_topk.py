@@ -6,7 +6,7 @@ Run: .venv/bin/python -m pytest tests/unit/test_grouped_topk.py -q
 import pytest
 import torch
 
-from dflash_core.model.topk import grouped_topk
+from dflash_core.model.topk import group_maxima, grouped_topk
 
 
 @pytest.mark.parametrize("vocab,k,group", [(4096, 16, 256), (5000, 16, 256), (49152, 16, 256), (300, 8, 16),
@@ -49,3 +49,19 @@ def test_bfloat16_and_padding_keep_the_dtype():
 def test_rejects_other_ranks():
     with pytest.raises(ValueError, match=r"\[rows, vocab\]"):
         grouped_topk(torch.randn(2, 3, 4), 2)
+
+
+def test_maxima_from_the_caller_give_the_same_result():
+    """The DFlash 2 loss hands in the maxima its compiled kernel computed: same values and indices."""
+    rows = torch.randn(9, 5000, generator=torch.Generator().manual_seed(2)).bfloat16()
+    maxima = group_maxima(rows)
+    assert maxima.shape == (9, 20)
+    given = grouped_topk(rows, 16, maxima=maxima)
+    own = grouped_topk(rows, 16)
+    assert torch.equal(given[0], own[0]) and torch.equal(given[1], own[1])
+
+
+def test_maxima_of_another_shape_are_refused():
+    rows = torch.randn(3, 5000)
+    with pytest.raises(ValueError, match=r"not \[rows, groups\] = \[3, 20\]"):
+        grouped_topk(rows, 16, maxima=group_maxima(rows, group_size=128))
