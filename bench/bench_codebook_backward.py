@@ -2,7 +2,10 @@
 whose backward is a sort-and-accumulate index_put) against `F.embedding` (embedding_dense_backward),
 at the shapes of a training step: the successor codebook read at N slots x K candidates, the
 predecessor codebook at N slots. Prints ms per read (median of --repeats), whether both give the same
-gradient, and whether each gives the same gradient twice (deterministic).
+gradient, and whether each gives the same gradient twice (deterministic). Then the other gather of
+the DFlash 2 loss's backward: the candidate logits' input gradient, sum_k g[n, k] * W[c[n, k]] over the
+frozen LM head W, as `einsum` over gathered [N, K, H] rows (what dflash2_loss does) against
+`F.embedding_bag(..., per_sample_weights=g, mode="sum")` (no [N, K, H] tensor), per 1,920-row chunk.
 
     python3 bench/bench_codebook_backward.py                 (one GPU; Qwen3-8B's and Qwen3.5's vocabularies)
     .venv/bin/python bench/bench_codebook_backward.py --tiny (CPU smoke)
@@ -72,6 +75,22 @@ def main() -> None:
                 ms = _timed(lambda: torch.autograd.grad(read(table, ids), table, upstream), repeats=args.repeats,
                             device=device)
                 print(f"| {name} | {read_name} | {ids_name} | {ms:.3f} | {same} | {torch.equal(grad, again)} |")
+    print()
+    print("| shape | candidate-row gradient | ms per chunk | max abs diff vs einsum |")
+    print("|---|---|---:|---:|")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for name, vocab, _, _, top_k in TINY if args.tiny else SHAPES:
+        hidden = 64 if args.tiny else (4096 if name == "qwen3-8b" else 5120)
+        chunk = 30 if args.tiny else 1_920
+        head = torch.randn(vocab, hidden, device=device, generator=generator).to(dtype) * 0.02
+        ids = torch.randint(0, vocab, (chunk, top_k), device=device, generator=generator)
+        grad = torch.randn(chunk, top_k, device=device, generator=generator).to(dtype)
+        ways = {"einsum over gathered rows": lambda: torch.einsum("nk,nkh->nh", grad, head[ids]),
+                "embedding_bag": lambda: F.embedding_bag(ids, head, per_sample_weights=grad, mode="sum")}
+        reference = ways["einsum over gathered rows"]().float()
+        for way, fn in ways.items():
+            diff = (fn().float() - reference).abs().max().item()
+            print(f"| {name} | {way} | {_timed(fn, repeats=args.repeats, device=device):.3f} | {diff:.2e} |")
     print("command: python3 bench/bench_codebook_backward.py")
 
 
