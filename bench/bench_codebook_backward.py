@@ -1,5 +1,6 @@
 """The DFlash 2 selector's codebook reads, forward + backward: advanced indexing (`codebook[ids]`,
-whose backward is a sort-and-accumulate index_put) against `F.embedding` (embedding_dense_backward),
+whose backward sorts the ids and sums each id's rows one after another) against `F.embedding`
+(embedding_dense_backward, which splits long runs of one id into parallel partial sums),
 at the shapes of a training step: the successor codebook read at N slots x K candidates, the
 predecessor codebook at N slots. Prints ms per read (median of --repeats), whether both give the same
 gradient, and whether each gives the same gradient twice (deterministic). Then the other gather of
@@ -61,11 +62,14 @@ def main() -> None:
     generator = torch.Generator(device=device).manual_seed(0)
     for name, vocab, rank, slots, top_k in TINY if args.tiny else SHAPES:
         table = torch.randn(vocab, rank, device=device, generator=generator).requires_grad_()
-        # Candidates are the unary top-K: a few frequent tokens dominate, as in real text.
+        # Candidates are the unary top-K: frequent tokens dominate. "mixed": 70% from 2,000 frequent
+        # ids; "repeated": 16 distinct ids, what a random-weight target's top-K gives (bench_train_e2e).
         frequent = torch.randint(0, 2_000, (slots, top_k), device=device, generator=generator)
         rare = torch.randint(0, vocab, (slots, top_k), device=device, generator=generator)
         pick_rare = torch.rand(slots, top_k, device=device, generator=generator) < 0.3
-        for ids_name, ids in (("N x K", torch.where(pick_rare, rare, frequent)), ("N", frequent[:, 0])):
+        repeated = torch.randint(0, 16, (slots, top_k), device=device, generator=generator)
+        for ids_name, ids in (("N x K mixed", torch.where(pick_rare, rare, frequent)), ("N mixed", frequent[:, 0]),
+                              ("N x K repeated", repeated), ("N repeated", repeated[:, 0])):
             upstream = torch.randn(*ids.shape, rank, device=device, generator=generator)
             reference = _gradient(READS["index"], table, ids, upstream)
             for read_name, read in READS.items():

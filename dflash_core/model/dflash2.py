@@ -87,9 +87,10 @@ class CandidateSelector(nn.Module):
         for weight in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
             nn.init.normal_(weight, mean=0.0, std=std)
 
-    # The codebook rows are read with F.embedding, not `codebook[ids]`: the values are the same, and
-    # the backward (embedding_dense_backward) was cheaper than advanced indexing's sort-and-accumulate
-    # at the 8B shape (bench/bench_train_e2e.py --variant dflash2; docs/benchmarks.md, session 14).
+    # The codebook rows are read with F.embedding, not `codebook[ids]`: the same values, but indexing's
+    # backward sums each id's rows one after another, and the candidates repeat a few ids thousands of
+    # times (4.0 ms a step at the 8B shape); embedding's backward sums long runs in parallel pieces.
+    # docs/benchmarks.md, "DFlash 2's extra cost (session 14)".
     def context(self, hidden_NH: torch.Tensor, predecessor_ids_N: torch.Tensor) -> torch.Tensor:
         """A[a] * P(h): [..., rank]."""
         projected = self.hidden_projection(hidden_NH)

@@ -7,7 +7,7 @@ One chunked pass over the LM head gives, per drafted slot, the unary loss and it
 too, from its final-normed states) and the slot's training candidates: the unary top-K,
 with the label put in place of the weakest candidate when the top-K lacks it (so every slot has a
 K-way label; serving would not have it, and the metrics say so). The candidates' unary logits leave
-the pass as a differentiable [N, K] tensor whose backward sums K LM-head rows per slot, so the
+the pass as a differentiable [N, K] tensor whose backward gathers K LM-head rows per slot, so the
 selector loss trains the drafter's states through both the unary and the transition terms.
 
 Metrics keep serving apart from teacher forcing: `unary_topk_recall` (the label is among the
@@ -22,7 +22,6 @@ import dataclasses
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.model.loss import cross_entropy_logit_grad, cross_entropy_terms, dpace_weights, even_chunk_size
@@ -120,8 +119,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
     correctness, training candidates and their (differentiable) logits. The unary loss's input gradient
     is computed in the forward pass, chunk by chunk, unscaled: backward applies the per-row gradient of
     the loss rows (the slot scale, known only once the selector has scored the candidates when D-PACE
-    reads the selector). The candidate logits' gradient sums K LM-head rows per slot in backward (an
-    embedding bag)."""
+    reads the selector). The candidate logits' gradient gathers K LM-head rows per slot in backward."""
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, teacher_NH, top_k, multiplier, softcap, chunk_size,
@@ -159,6 +157,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
                 grad_hidden[rows] = (grad @ weight_VH).to(hidden_NH.dtype)
         ctx.save_for_backward(grad_hidden, weight_VH, candidate_ids, candidate_logits)
         ctx.transform = (multiplier, softcap)
+        ctx.chunk_size = chunk_size
         ctx.hidden_dtype = hidden_NH.dtype
         nll_out = nll_rows.clone() if loss_rows is nll_rows else nll_rows  # two outputs, two tensors
         ctx.mark_non_differentiable(nll_out, correct, candidate_ids, contains)
@@ -173,10 +172,11 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
             grad_raw = grad_candidate_logits * _transform_slope(
                 candidate_logits, multiplier=multiplier, softcap=softcap
             )
-            # sum_k grad[n, k] * W[c[n, k]] without gathering [N, K, H] rows: a weighted embedding bag.
-            grad_rows = F.embedding_bag(candidate_ids, weight_VH, per_sample_weights=grad_raw.to(weight_VH.dtype),
-                                        mode="sum")
-            grad_hidden += grad_rows.to(ctx.hidden_dtype)
+            for start in range(0, grad_raw.shape[0], ctx.chunk_size):
+                rows = slice(start, start + ctx.chunk_size)
+                rows_of_head = weight_VH[candidate_ids[rows]]  # [chunk, K, H]
+                grad_rows = torch.einsum("nk,nkh->nh", grad_raw[rows].to(weight_VH.dtype), rows_of_head)
+                grad_hidden[rows] += grad_rows.to(ctx.hidden_dtype)
         return grad_hidden, None, None, None, None, None, None, None, None, None
 
 
