@@ -5,7 +5,9 @@ table (`bench_acceptance.py report RESULTS...`).
 Per row: tau (acceptance length: accepted drafts + 1 per round), tau - 1 (accepted drafts per round,
 what a drafter adds over target-only decoding) and acc@1..4 (the fraction of rounds accepting at least
 k drafts), each as mean +- sd over seeds; the ratio of tau - 1 to speculators' DFlash row and to its
-DFlash 2 row at the same steps."""
+DFlash 2 row at the same steps and data, run on the same AdamW schedule: a row with a schedule lever
+(`default+lr=3e-4`) is compared with the speculators rows of that schedule (`speculators+lr=3e-4`)
+when they ran, else with the plain ones (the table says which, under "references")."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from acceptance_variants import SPECULATORS_OPTIM, variants
 
 NUM_ACC = 4  # acc@1..acc@4 in the table
 MIN_STEPS_TO_ESTIMATE = 100
@@ -61,10 +65,25 @@ def aggregate(results: list[dict], *, variant_order: list[str] | None = None) ->
             "target_layer_ids": runs[0]["target_layer_ids"], "command": runs[0].get("command")})
     for row in rows:
         for reference in REFERENCES:
-            ref = next((r for r in rows if r["variant"] == reference and r["steps"] == row["steps"]
-                        and r.get("data_multiplier") == row.get("data_multiplier")), None)
+            ref = None
+            for name in (_same_schedule_reference(row["variant"], reference), reference):
+                ref = ref or next((r for r in rows if r["variant"] == name and r["steps"] == row["steps"]
+                                   and r.get("data_multiplier") == row.get("data_multiplier")), None)
             row[f"gain_vs_{reference}"] = row["gain_mean"] / ref["gain_mean"] if ref and ref["gain_mean"] > 0 else None
+            row[f"reference_{reference}"] = ref["variant"] if ref else None
     return rows
+
+
+def _same_schedule_reference(variant: str, reference: str) -> str | None:
+    """The plain `reference` row's variant on `variant`'s AdamW schedule (e.g. speculators+lr=3e-4 for
+    default+lr=3e-4); None when `variant` keeps the default schedule, changes more than the shared
+    schedule, or no such reference variant exists."""
+    known = variants()
+    row_variant, base = known.get(variant), known.get(reference)
+    if row_variant is None or base is None or not row_variant.optim or set(row_variant.optim) - SPECULATORS_OPTIM:
+        return None
+    return next((v.name for v in known.values() if v.kind == base.kind and v.mask == base.mask
+                 and v.drafter == base.drafter and v.optim == row_variant.optim), None)
 
 
 def _mean(values) -> float | None:
@@ -99,6 +118,11 @@ def table(rows: list[dict], *, command: str) -> str:
                      f"| {r['gain_mean']:.3f} +- {r['gain_sd']:.3f} | {accept} | {ratios} | {split} | "
                      f"{r['train_tau']:.2f} | {r['steps_per_s']:.1f} | {seconds} | "
                      f"{'yes' if r['all_match_target'] else 'NO'} | {mask} | {r['target_layer_ids']} | {reproduce} |")
+    matched = sorted({r["variant"] for r in rows
+                      if any(r.get(f"reference_{ref}") not in (None, ref) for ref in REFERENCES)})
+    if matched:
+        lines += ["", "references: these rows' ratios are to the speculators rows of their own AdamW schedule, "
+                  "the others' to the plain speculators rows: " + ", ".join(matched)]
     return "\n".join(lines)
 
 

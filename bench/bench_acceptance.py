@@ -58,6 +58,10 @@ reassembles the GGUF, checks its sha256 and converts it):
     5. the levers against memorizing where the default memorizes, 2,000 steps over 1,024 completions: the
        install line of call 2, then `... --suite overfit --steps 2000 --long-multiplier 0 --seeds 0
        --eval-prompts 16 --eval-new-tokens 96 --workers 6 --deadline-s 300` (6 jobs; 573 s on 2026-12-03).
+    6. the learning rate on all three recipes (the speculators rows run on our AdamW schedule): the install
+       line of call 2, then `... --suite schedule --steps 2000 --long-multiplier 0 --seeds 0
+       --data-multipliers 4 --eval-prompts 16 --eval-new-tokens 96 --workers 6 --deadline-s 300` (6 jobs;
+       505 s on 2026-12-03, generating the 4,096 completions included).
 
 $OUT gets table.md, results.jsonl (one line per run), summary.json and log.txt. Calls' results merge
 into one table: `python3 bench/bench_acceptance.py report A/results.jsonl B/results.jsonl --out DIR`.

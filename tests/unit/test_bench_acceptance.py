@@ -60,6 +60,25 @@ def test_table_aggregates_seeds_and_compares_tau_minus_one_with_both_speculators
     assert "default (measured at 200 steps): ~240 s a job at 2000 steps (40 s setup + evaluation" in estimate
 
 
+def test_a_schedule_lever_is_compared_with_the_speculators_rows_of_its_own_schedule(bench):
+    """default+lr=3e-4 against speculators+lr=3e-4 when that ran; a lever the speculators rows cannot
+    share (dropout) and a schedule without its speculators rows fall back to the plain rows."""
+    import acceptance_report as report
+
+    results = [_result("speculators", 0, 1.5), _result("speculators-dflash2", 0, 1.6),
+               _result("speculators+lr=3e-4", 0, 1.4), _result("speculators-dflash2+lr=3e-4", 0, 1.8),
+               _result("default+lr=3e-4", 0, 2.0), _result("default+dropout=0.1", 0, 2.0),
+               _result("default+lr=1.2e-3", 0, 2.0)]
+    rows = {r["variant"]: r for r in report.aggregate(results, variant_order=list(bench.variants()))}
+    assert rows["default+lr=3e-4"]["gain_vs_speculators"] == pytest.approx(1.0 / 0.4)
+    assert rows["default+lr=3e-4"]["gain_vs_speculators-dflash2"] == pytest.approx(1.0 / 0.8)
+    assert rows["default+dropout=0.1"]["gain_vs_speculators"] == pytest.approx(1.0 / 0.5)
+    assert rows["default+lr=1.2e-3"]["reference_speculators"] == "speculators"  # its rows did not run
+    text = report.table(list(rows.values()), command="python bench/bench_acceptance.py")
+    assert "own AdamW schedule, the others' to the plain speculators rows: default+lr=3e-4, " in text
+    assert "default+dropout=0.1" not in text.split("references:")[1]
+
+
 def test_rows_come_from_the_suite_then_the_list_and_jobs_are_long_first_then_seed_major(bench):
     args = bench.parse_args(["--suite", "core", "--variants", "default,dflash", "--seeds", "0", "1",
                              "--long-variants", "default", "--long-seeds", "0"])
