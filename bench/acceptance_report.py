@@ -80,7 +80,9 @@ def _same_schedule_reference(variant: str, reference: str) -> str | None:
     schedule, or no such reference variant exists."""
     known = variants()
     row_variant, base = known.get(variant), known.get(reference)
-    if row_variant is None or base is None or not row_variant.optim or set(row_variant.optim) - SPECULATORS_OPTIM:
+    if row_variant is None or base is None or not row_variant.optim:
+        return None
+    if set(row_variant.optim) - SPECULATORS_OPTIM:
         return None
     return next((v.name for v in known.values() if v.kind == base.kind and v.mask == base.mask
                  and v.drafter == base.drafter and v.optim == row_variant.optim), None)
@@ -121,8 +123,8 @@ def table(rows: list[dict], *, command: str) -> str:
     matched = sorted({r["variant"] for r in rows
                       if any(r.get(f"reference_{ref}") not in (None, ref) for ref in REFERENCES)})
     if matched:
-        lines += ["", "references: these rows' ratios are to the speculators rows of their own AdamW schedule, "
-                  "the others' to the plain speculators rows: " + ", ".join(matched)]
+        lines += ["", "references: these rows' ratios are to the speculators rows of their own AdamW "
+                  "schedule, the others' to the plain speculators rows: " + ", ".join(matched)]
     return "\n".join(lines)
 
 

@@ -68,8 +68,8 @@ class Variant:
             raise ValueError(f"variant {self.name!r}: kind must be 'ours' or one of {sorted(SPECULATORS_KINDS)}")
         if self.kind != "ours" and (set(self.drafter) - {"num_anchors"} or set(self.optim) - SPECULATORS_OPTIM
                                     or self.train):
-            raise ValueError(f"variant {self.name!r}: speculators rows take num_anchors and the AdamW schedule "
-                             f"({', '.join(sorted(SPECULATORS_OPTIM))}) only (its own recipe)")
+            raise ValueError(f"variant {self.name!r}: speculators rows take num_anchors and the AdamW "
+                             f"schedule ({', '.join(sorted(SPECULATORS_OPTIM))}) only (its own recipe)")
         if self.mask not in MASK_CHOICES or (self.mask and self.kind == "ours"):
             raise ValueError(f"variant {self.name!r}: mask is for speculators rows, one of {MASK_CHOICES}")
 
@@ -190,8 +190,9 @@ def variants() -> dict[str, Variant]:
         *[Variant(f"{base}+lr={lr}", f"{what}, peak learning rate {lr} instead of 6e-4", kind=kind,
                   drafter=_default() if kind == "ours" else {}, optim={"lr": float(lr)})
           for lr in ("3e-4", "1.2e-3")
-          for base, kind, what in (("default", "ours", "the default"), ("speculators", "speculators", "speculators "
-                                   "DFlash"), ("speculators-dflash2", "speculators-dflash2", "speculators' DFlash 2"))],
+          for base, kind, what in (("default", "ours", "the default"),
+                                   ("speculators", "speculators", "speculators DFlash"),
+                                   ("speculators-dflash2", "speculators-dflash2", "speculators' DFlash 2"))],
     ]
     return {v.name: v for v in items}
 
@@ -211,11 +212,11 @@ SUITES = {
                "default+dpace=selector+codebooks=embedding",
                "default+dpace=selector+codebooks=embedding+anchors=stratified"],
     "fp8": ["default", "default+target_fp8", "default+target_fp8+fast_accum"],
-    # Where the default memorizes (2,000 steps over 1,024 completions: training tau 4.08, held out 1.556):
-    # the levers against overfitting, six jobs for one call.
     # The learning rate on all three recipes at once (the baselines at 6e-4 are the core rows).
     "schedule": [f"{base}+lr={lr}" for lr in ("3e-4", "1.2e-3")
                  for base in ("default", "speculators", "speculators-dflash2")],
+    # Where the default memorizes (2,000 steps over 1,024 completions: training tau 4.08, held out 1.556):
+    # the levers against overfitting, six jobs for one call.
     "overfit": ["default", "default+codebooks=embedding", "default+selector_rank=64", "default+kl",
                 "default+dropout=0.1", "default+noise=0.2"],
 }

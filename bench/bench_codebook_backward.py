@@ -51,12 +51,14 @@ def _gradient(read, table: torch.Tensor, ids: torch.Tensor, upstream: torch.Tens
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device: {device_name}, torch {torch.__version__}")
     print("| shape | read | ids | ms fwd+bwd | same grad as index | deterministic |")
     print("|---|---|---|---:|---|---|")
     generator = torch.Generator(device=device).manual_seed(0)
@@ -68,17 +70,20 @@ def main() -> None:
         rare = torch.randint(0, vocab, (slots, top_k), device=device, generator=generator)
         pick_rare = torch.rand(slots, top_k, device=device, generator=generator) < 0.3
         repeated = torch.randint(0, 16, (slots, top_k), device=device, generator=generator)
-        for ids_name, ids in (("N x K mixed", torch.where(pick_rare, rare, frequent)), ("N mixed", frequent[:, 0]),
-                              ("N x K repeated", repeated), ("N repeated", repeated[:, 0])):
+        mixed = torch.where(pick_rare, rare, frequent)
+        cases = (("N x K mixed", mixed), ("N mixed", frequent[:, 0]),
+                 ("N x K repeated", repeated), ("N repeated", repeated[:, 0]))
+        for ids_name, ids in cases:
             upstream = torch.randn(*ids.shape, rank, device=device, generator=generator)
             reference = _gradient(READS["index"], table, ids, upstream)
             for read_name, read in READS.items():
                 grad = _gradient(read, table, ids, upstream)
                 again = _gradient(read, table, ids, upstream)
                 same = torch.allclose(grad, reference, rtol=1e-5, atol=1e-5)
-                ms = _timed(lambda: torch.autograd.grad(read(table, ids), table, upstream), repeats=args.repeats,
-                            device=device)
-                print(f"| {name} | {read_name} | {ids_name} | {ms:.3f} | {same} | {torch.equal(grad, again)} |")
+                ms = _timed(lambda: torch.autograd.grad(read(table, ids), table, upstream),
+                            repeats=args.repeats, device=device)
+                deterministic = torch.equal(grad, again)
+                print(f"| {name} | {read_name} | {ids_name} | {ms:.3f} | {same} | {deterministic} |")
     print()
     print("| shape | candidate-row gradient | ms per chunk | max abs diff vs einsum |")
     print("|---|---|---:|---:|")

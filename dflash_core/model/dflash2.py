@@ -94,7 +94,8 @@ class CandidateSelector(nn.Module):
     def context(self, hidden_NH: torch.Tensor, predecessor_ids_N: torch.Tensor) -> torch.Tensor:
         """A[a] * P(h): [..., rank]."""
         projected = self.hidden_projection(hidden_NH)
-        return F.embedding(predecessor_ids_N, self.predecessor_codebook) * projected.to(self.predecessor_codebook.dtype)
+        codes = F.embedding(predecessor_ids_N, self.predecessor_codebook)
+        return codes * projected.to(self.predecessor_codebook.dtype)
 
     def transition_scores(self, context_NR: torch.Tensor, candidate_ids_NK: torch.Tensor) -> torch.Tensor:
         """<context, B[c]> for each candidate: [..., K]."""
