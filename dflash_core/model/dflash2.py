@@ -88,8 +88,8 @@ class CandidateSelector(nn.Module):
             nn.init.normal_(weight, mean=0.0, std=std)
 
     # The codebook rows are read with F.embedding, not `codebook[ids]`: the same values, but indexing's
-    # backward sums each id's rows one after another, and the candidates repeat a few ids thousands of
-    # times (4.0 ms a step at the 8B shape); embedding's backward sums long runs in parallel pieces.
+    # backward sums each id's rows one after another, and candidates repeat frequent ids (4.0 ms a step
+    # in the 8B bench); embedding's backward sums long runs of one id in parallel pieces.
     # docs/benchmarks.md, "DFlash 2's extra cost (session 14)".
     def context(self, hidden_NH: torch.Tensor, predecessor_ids_N: torch.Tensor) -> torch.Tensor:
         """A[a] * P(h): [..., rank]."""
