@@ -43,12 +43,11 @@ def grouped_topk(
         maxima = group_maxima(values_NV, group_size=group_size)
     elif maxima.shape != (rows, num_groups):
         raise ValueError(f"maxima {tuple(maxima.shape)} is not [rows, groups] = [{rows}, {num_groups}]")
-    whole = vocab // group_size * group_size
     best_groups = maxima.topk(k, dim=-1).indices  # [N, k]
     offsets = torch.arange(group_size, device=values_NV.device)
     columns = (best_groups[:, :, None] * group_size + offsets).view(rows, k * group_size)
     kept = values_NV.gather(1, columns.clamp(max=vocab - 1))
-    if whole < vocab:  # the short group's columns past the row's end
+    if vocab % group_size:  # the short group's columns past the row's end
         kept = kept.masked_fill(columns >= vocab, float("-inf"))
     top_values, where = kept.topk(k, dim=-1)
     return top_values, columns.gather(1, where)

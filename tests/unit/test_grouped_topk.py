@@ -59,6 +59,11 @@ def test_maxima_from_the_caller_give_the_same_result():
     given = grouped_topk(rows, 16, maxima=maxima)
     own = grouped_topk(rows, 16)
     assert torch.equal(given[0], own[0]) and torch.equal(given[1], own[1])
+    # The given maxima are what picks the groups (not recomputed): maxima that favour groups 0..15 keep
+    # the top-K inside them.
+    favoured = torch.full_like(maxima, -1e4)
+    favoured[:, :16] = 1e4
+    assert grouped_topk(rows, 16, maxima=favoured)[1].max() < 16 * 256
 
 
 def test_maxima_of_another_shape_are_refused():
