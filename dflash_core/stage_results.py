@@ -47,6 +47,28 @@ class StageResult(BaseModel):
         return self.model_dump_json(indent=2).encode()
 
 
+# A model field of a stage that the pipeline fills with the model its provision stage placed on the node
+# (`provision.provision.model_dir`, after the RAM-disk copy): the form names the model once.
+MODEL_FROM_NODE = "@node"
+
+
+class ProvisionedNode(StageResult):
+    """provision's result: the node the stages run on and what provision put there."""
+
+    kind: Literal["node"] = "node"
+    node: dict[str, Any] = Field(description="The node (the inventory's fields): stages record it and preserve it.")
+    hostname: str = ""
+    work_dir: str = Field(description="The node's work dir.")
+    venv: str = Field(description="The provisioned venv (its bin/python runs the node's worker and stages).")
+    model: str | None = Field(None, description="Where the target model was placed (RAM disk or its home): "
+                                                "what every stage loads.")
+    num_gpus: int = Field(0, description="GPUs the node shows.")
+    work_queue: str = Field(description="The work queue of the `dflash` pool whose worker runs on this node: every "
+                                        "stage of the run is sent there.")
+    actions: list[str] = Field(default_factory=list, description="What provision changed (empty: nothing).")
+    record_uri: str | None = Field(None, description="The node record in S3.")
+
+
 class CompletionsDataset(StageResult):
     """generate's result: completion shards (training and held-out splits) and the generation counts."""
 
@@ -128,7 +150,7 @@ class PipelineResult(BaseModel):
     report: str
     sha256: str
     fits: list[str]
-    provision: dict[str, Any] | None = None
+    provision: ProvisionedNode | dict[str, Any] | None = None
     generation: CompletionsDataset | None = None
     tokenization: TokenizedDataset | None = None
     training: Checkpoint | dict[str, Any] | None = None

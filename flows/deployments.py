@@ -101,7 +101,8 @@ class StageFailed(RuntimeError):
     the pipeline)."""
 
 
-def run_stage(deployment: str, params: BaseModel, *, key: str | None = None, timeout_s: float | None = None) -> Any:
+def run_stage(deployment: str, params: BaseModel, *, key: str | None = None, timeout_s: float | None = None,
+              work_queue: str | None = None) -> Any:
     """Run the deployment named `deployment` (flows/deployment_table.py) as a subflow of the current flow
     run and return its result.
 
@@ -109,9 +110,10 @@ def run_stage(deployment: str, params: BaseModel, *, key: str | None = None, tim
     completed is not run again (its result is reused), and a failed one is retried in place (same
     flow run, its finished tasks come back Cached) instead of starting a new one. Upstream results in
     `params` (stage records from dflash_core.stage_results) become the run's task inputs, so the UI draws
-    an edge from each upstream stage to this one. A flow called directly from Python (not a deployment
-    run: a test, a notebook) runs the stage in-process. Either way a stage that does not complete raises
-    StageFailed, whose message says where to look.
+    an edge from each upstream stage to this one. `work_queue` sends the run to that queue of the pool (a
+    provisioned node's, dflash_core/nodes/worker.py: the stage runs on that node); None: the default queue.
+    A flow called directly from Python (not a deployment run: a test, a notebook) runs the stage in-process.
+    Either way a stage that does not complete raises StageFailed, whose message says where to look.
     """
     from prefect.client.orchestration import get_client
     from prefect.runtime import deployment as current_deployment, flow_run as current
@@ -128,7 +130,7 @@ def run_stage(deployment: str, params: BaseModel, *, key: str | None = None, tim
     with get_client(sync_client=True) as client:
         run = _create_stage_run(client, spec, name, params, parent_flow_run_id=current.id,
                                 idempotency_key=f"{current.id}:{key or deployment}",
-                                flow_run_name=_run_name(current.name, key or deployment))
+                                flow_run_name=_run_name(current.name, key or deployment), work_queue=work_queue)
         state = client.read_flow_run(run.id).state
         if state is not None and state.is_final() and not state.is_completed():
             retry_flow_run(client, run.id, message=f"retried by {current.flow_name} {current.name}")
@@ -140,7 +142,7 @@ def run_stage(deployment: str, params: BaseModel, *, key: str | None = None, tim
 
 
 def _create_stage_run(client, spec: DeploymentSpec, name: str, params: BaseModel, *, parent_flow_run_id,
-                      idempotency_key: str, flow_run_name: str | None):
+                      idempotency_key: str, flow_run_name: str | None, work_queue: str | None = None):
     """What `run_deployment(as_subflow=True)` does, with the upstream stages as task inputs: a task run in
     the parent that stands for the stage (its state follows the stage's), then the stage's flow run."""
     from prefect import Task
@@ -156,11 +158,13 @@ def _create_stage_run(client, spec: DeploymentSpec, name: str, params: BaseModel
                                       task_inputs={"params": upstream}, state=Pending())
     return client.create_flow_run_from_deployment(
         deployment.id, parameters={"params": params.model_dump(mode="json")}, state=Scheduled(),
-        name=flow_run_name, idempotency_key=idempotency_key, parent_task_run_id=task_run.id)
+        name=flow_run_name, idempotency_key=idempotency_key, parent_task_run_id=task_run.id,
+        work_queue_name=work_queue)
 
 
 def _upstream_stage_runs(client, params: BaseModel, parent_flow_run_id) -> list:
-    """The flow runs of this flow run's stages whose results `params` carries."""
+    """The flow runs of this flow run's stages whose results `params` carries as its own inputs: a stage result's
+    own upstream (a Checkpoint's dataset) is that stage's input, not this one's, so it draws no edge here."""
     from dflash_core.stage_results import StageResult
 
     from prefect.exceptions import ObjectNotFound
@@ -168,8 +172,10 @@ def _upstream_stage_runs(client, params: BaseModel, parent_flow_run_id) -> list:
     found: list = []
 
     def visit(value: Any) -> None:
-        if isinstance(value, StageResult) and value.flow_run:
-            found.append(value.flow_run)
+        if isinstance(value, StageResult):
+            if value.flow_run:
+                found.append(value.flow_run)
+            return
         if isinstance(value, BaseModel):
             for field in type(value).model_fields:
                 visit(getattr(value, field))

@@ -11,22 +11,26 @@ import sys
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from dflash_core.layout import ArtifactKind
 from dflash_core.nodes import Node, NodeRecord, PreserveConfig, ProvisionConfig, find_node, local_node
 from dflash_core.nodes.preserve import preserve
+from dflash_core.nodes.worker import node_queue
 from dflash_core.settings import Settings, load_settings
+from dflash_core.stage_results import ProvisionedNode
 from dflash_core.storage import ObjectStore
+from dflash_core.strict import StrictModel
 from dflash_core.units import binary_bytes
 from flows.command_line import run_chosen_from_command_line
 from tasks.artifacts import artifact_record, stored_record
-from tasks.nodes import preserve_node, provision_node, register_node_record
+from tasks.nodes import preserve_node, provision_node, register_node_record, start_node_worker
 from tasks.store import check_store
 
 
-class NodeChoice(BaseModel):
+class NodeChoice(StrictModel):
     node: Node | None = Field(None, description="The node, inline (host, user, key_path, work_dir, gpus).")
     node_name: str | None = Field(None, description="Or: a node name from the inventory file.")
     inventory: str | None = Field(None, description="Node inventory YAML (with node_name).")
@@ -45,7 +49,15 @@ class NodeChoice(BaseModel):
 
 class ProvisionParams(NodeChoice):
     provision: ProvisionConfig = Field(default_factory=ProvisionConfig)
-    upload: bool = Field(True, description="Register the node record in S3 (node-backups/<node>/<time>/).")
+    upload: bool = Field(True, description="Register the node record in S3 (`node-backups/<node>/<time>/`).")
+    start_worker: bool = Field(True, description=(
+        "Start the node's own stage worker (polling the work queue `node-NAME` of the dflash pool), so the "
+        "pipeline's stages run on this node; off: provision only."))
+    repo_dir: str | None = Field(None, description=(
+        "The project's checkout on the node, where its worker runs the stages' flows; None: this checkout's path "
+        "(the same path on the node: a local node, or a node that mounts or clones it there)."))
+    worker_python: str | None = Field(None, description=(
+        "Interpreter of the node's worker; None: the provisioned venv's bin/python."))
 
 
 class PreserveParams(NodeChoice):
@@ -71,7 +83,8 @@ def record_markdown(record: NodeRecord, uri: str | None) -> str:
 
 
 @flow(name="dflash-provision", log_prints=True)
-def provision(params: ProvisionParams = ProvisionParams()) -> dict:
+def provision(params: ProvisionParams = ProvisionParams()) -> ProvisionedNode:
+    """Provision the node, start its stage worker, and hand the stages what is where (`ProvisionedNode`)."""
     settings = load_settings()
     node = params.resolve(settings)
     if params.upload:
@@ -79,13 +92,20 @@ def provision(params: ProvisionParams = ProvisionParams()) -> dict:
     record = provision_node(node, params.provision)
     manifest = register_node_record(settings, record) if params.upload else None
     uri = manifest.uri if manifest else None
+    queue = node_queue(node.name)
+    if params.start_worker:
+        worker = start_node_worker(settings, node, record, repo_dir=params.repo_dir, python=params.worker_python)
+        print(f"{node.name}: stage worker {'started' if worker.started else 'already running'} (pid {worker.pid}, "
+              f"queue {worker.queue}, log {worker.log_path})")
     create_markdown_artifact(record_markdown(record, uri), key=f"node-record-{_artifact_key(node.name)}",
                              description=f"provision of {node.name}")
     create_table_artifact([d.model_dump() for d in record.disks], key=f"node-disks-{_artifact_key(node.name)}")
     print(f"{node.name}: {'; '.join(record.actions) or 'already provisioned, nothing changed'}")
-    return {"node": node.name, "actions": record.actions, "record_uri": uri, "venv": record.venv.path,
-            "model": record.model.placed_at if record.model else None,
-            "artifacts": [artifact_record(manifest)] if manifest else []}
+    return ProvisionedNode(
+        node=node.model_dump(mode="json"), hostname=record.hostname, work_dir=record.work_dir, venv=record.venv.path,
+        model=record.model.placed_at if record.model else None, num_gpus=len(record.gpus.gpus), work_queue=queue,
+        actions=record.actions, record_uri=uri, flow_run=str(flow_run.id or ""),
+        artifacts=[artifact_record(manifest)] if manifest else [])
 
 
 @flow(name="dflash-preserve", log_prints=True)

@@ -22,23 +22,27 @@ Run: `dflash demo`, or `dflash run pipeline --params infra/examples/qwen3.6-27b-
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.planner import PRESETS, PlanInputs
+from dflash_core.run_summary import StageRun, settle_pipeline
 from dflash_core.s3audit import Retention
 from dflash_core.settings import Settings, load_settings
-from dflash_core.stage_results import Checkpoint, PipelineResult
+from dflash_core.stage_results import Checkpoint, PipelineResult, ProvisionedNode
+from dflash_core.strict import StrictModel
 from flows.command_line import run_from_command_line
 from flows.demo import demo_stages
 from flows.deployments import StageFailed, run_stage
 from flows.evaluate import EvaluateParams
 from flows.export import ExportParams
 from flows.failures import fail_run
+from flows.node_stages import model_field_problems, stage_runner
 from flows.generate import GenerateParams
 from flows.nodes import PreserveParams, ProvisionParams, preserve_after
 from flows.s3 import S3AuditParams
@@ -53,7 +57,7 @@ from tasks.store import check_store, publish_report
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 
 
-class PipelineParams(BaseModel):
+class PipelineParams(StrictModel):
     target_preset: PresetName = Field("smollm2-135m", description="Target model shape, for the capacity plan.")
     samples: int = Field(2_000, gt=0, description="Prompts to generate completions for (capacity plan).")
     mean_tokens: int = Field(1_024, gt=0, description="Expected mean tokens per sample (capacity plan).")
@@ -94,6 +98,8 @@ class PipelineParams(BaseModel):
                                 f"empty")
             elif getattr(self, upstream) is None and not given:
                 problems.append(f"the {stage} stage needs {field}: add a {upstream} stage or set {stage}.{field}")
+        node_model = self.provision is not None and bool(self.provision.provision.model_dir)
+        problems += model_field_problems(self, node_model=node_model)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -141,7 +147,7 @@ def pipeline(params: PipelineParams = PipelineParams()) -> PipelineResult:
         _run_stages(params, result)
     except StageFailed as failed:
         _preserve(params, result, when="failure")
-        _publish_evidence(settings, params, result)
+        _publish_evidence(settings, params, result, failed=failed)
         return fail_run(failed, already_logged=True)  # the stage's own run logged the cause
     _preserve(params, result, when="end")
     if params.audit is not None:
@@ -155,22 +161,25 @@ def pipeline(params: PipelineParams = PipelineParams()) -> PipelineResult:
 
 def _run_stages(params: PipelineParams, result: PipelineResult) -> None:
     """generate -> tokenize -> train -> evaluate, export: each stage's input is the result before it (the form's
-    own value for the first stage that runs)."""
+    own value for the first stage that runs); with a provision stage, each runs on that node with the model it
+    placed (flows/node_stages.py)."""
+    node = result.provision if isinstance(result.provision, ProvisionedNode) else None
+    run = stage_runner(run_stage, node)
     if params.generation is not None:
-        result.generation = run_stage("generate", params.generation)
+        result.generation = run("generation", "generate", params.generation)
     if params.tokenization is not None:
         given = {"completions": result.generation} if result.generation is not None else {}
-        result.tokenization = run_stage("tokenize", params.tokenization.model_copy(update=given))
+        result.tokenization = run("tokenization", "tokenize", params.tokenization.model_copy(update=given))
     if params.training is not None:
         given = {"dataset": result.tokenization} if result.tokenization is not None else {}
-        result.training = run_stage(params.train_deployment, params.training.model_copy(update=given))
+        result.training = run("training", params.train_deployment, params.training.model_copy(update=given))
         if not isinstance(result.training, Checkpoint):  # another node of a multi-node run holds rank 0
             return
     for field, stage in (("evaluation", "evaluate"), ("export", "export")):
         stage_params = getattr(params, field)
         if stage_params is not None:
             given = {"checkpoint": result.training} if result.training is not None else {}
-            setattr(result, field, run_stage(stage, stage_params.model_copy(update=given)))
+            setattr(result, field, run(field, stage, stage_params.model_copy(update=given)))
 
 
 def _preserve(params: PipelineParams, result: PipelineResult, *, when: str) -> None:
@@ -185,21 +194,30 @@ def _preserve(params: PipelineParams, result: PipelineResult, *, when: str) -> N
         get_run_logger().warning("preserving the node failed: %s", failed)
 
 
-def _publish_evidence(settings: Settings, params: PipelineParams, result: PipelineResult) -> None:
+def _publish_evidence(settings: Settings, params: PipelineParams, result: PipelineResult, *,
+                      failed: StageFailed | None = None) -> None:
     """This run's page ends with its S3 usage and its summary (stages, tau, speedup, artifacts and their lineage
-    pages); either failing is logged (its task run says why), never the run's story."""
+    pages; the run's own outcome: Completed, or Failed with `failed`'s message); either failing is logged (its
+    task run says why), never the run's story."""
     result.artifacts = _records(result)
     stages = stage_runs(settings, flow_run_id=str(flow_run.id), return_state=True)
-    runs = stages.result() if stages.is_completed() else []
+    runs = _settled(stages.result(), failed=failed) if stages.is_completed() else []
     key = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "usage", *attempt_segments(), "usage.json")
     usage = publish_usage(settings, run_ids=[run.id for run in runs] or [str(flow_run.id)], key=key,
                           retention=params.audit.retention if params.audit else Retention(), return_state=True)
     if usage.is_completed():
         result.artifacts.append(artifact_record(usage.result()))
-    summary = publish_run_summary(settings, result, stages=runs, return_state=True)
+    summary = publish_run_summary(settings, result, stages=runs, failure=str(failed) if failed else None,
+                                  return_state=True)
     for name, state in (("stage list", stages), ("S3 usage", usage), ("run summary", summary)):
         if not state.is_completed():
             get_run_logger().warning("the run's %s was not published: %s", name, state.message)
+
+
+def _settled(stages: list[StageRun], *, failed: StageFailed | None) -> list[StageRun]:
+    """The stage list with this run's own row as it is about to end (the server still says Running): Failed
+    with the stage's error, else Completed, after the time since it started."""
+    return settle_pipeline(stages, state="Failed" if failed else "Completed", now=datetime.now(UTC))
 
 
 def _records(result: PipelineResult) -> list[dict]:

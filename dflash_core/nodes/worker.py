@@ -1,0 +1,70 @@
+"""The node's own stage worker: a worker of the `dflash` pool that polls only this node's work queue
+(`node-<name>`), started on the node by provision, so every stage the pipeline sends to that queue runs
+there, with the node's venv, GPUs and model placement.
+
+It is the stage server (`python -m flows.serve --work-queue node-<name> --no-register`) in a process
+of its own session (setsid: it outlives the SSH session or command that started it), recorded under
+`<work_dir>/worker/` (not `<work_dir>/pids/`, which preserve stops: a preserved node keeps its worker,
+so a Retry still finds it). The settings it runs with (bucket keys, Prefect URL) go in a file only its
+owner reads, never on a command line.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from pydantic import BaseModel, Field
+
+from dflash_core.nodes.access import DetachedProcess, NodeAccess, NodeError
+
+WORKER_DIR = "worker"
+WORKER_NAME = "stage-worker"
+QUEUE_PREFIX = "node-"
+
+
+def node_queue(node_name: str) -> str:
+    """The work queue of the `dflash` pool whose worker runs on `node_name`."""
+    return f"{QUEUE_PREFIX}{node_name}"
+
+
+class NodeWorker(BaseModel):
+    queue: str
+    pid: int
+    log_path: str
+    started: bool = Field(description="False: the recorded worker was already running and was left alone.")
+    python: str
+    repo_dir: str
+
+
+def ensure_node_worker(access: NodeAccess, *, node_name: str, work_dir: str, python: str, repo_dir: str,
+                       env: dict[str, str]) -> NodeWorker:
+    """Start the node's worker unless the one recorded under `<work_dir>/worker/` runs; idempotent.
+
+    A running worker keeps the settings it was started with: stop it (`kill` the recorded process group,
+    or `dflash node preserve` with `stop_worker`) to change them."""
+    queue = node_queue(node_name)
+    record_dir = f"{work_dir}/{WORKER_DIR}"
+    for record in access.recorded_processes(record_dir):
+        if record.name == WORKER_NAME and access.is_running(record):
+            return NodeWorker(queue=queue, pid=record.pid, log_path=record.log_path, started=False, python=python,
+                              repo_dir=repo_dir)
+    if not access.exists(f"{repo_dir}/flows/serve.py"):
+        raise NodeError(f"on {access.name}: {repo_dir} holds no checkout of this project (flows/serve.py): put one "
+                        f"there (git clone, or copy the repository) or set provision.repo_dir")
+    env_file = f"{record_dir}/worker.env"
+    body = "".join(f"export {key}={shlex.quote(value)}\n" for key, value in sorted(env.items()))
+    access.run(f"mkdir -p {shlex.quote(record_dir)} && chmod 700 {shlex.quote(record_dir)}", timeout_s=30)
+    access.write_text(env_file, body)
+    access.run(["chmod", "600", env_file], timeout_s=30)
+    command = (f". {shlex.quote(env_file)} && exec {shlex.quote(python)} -m flows.serve "
+               f"--work-queue {shlex.quote(queue)} --no-register")
+    record: DetachedProcess = access.start_detached(WORKER_NAME, command, log_path=f"{record_dir}/worker.log",
+                                                    record_dir=record_dir, cwd=repo_dir)
+    return NodeWorker(queue=queue, pid=record.pid, log_path=record.log_path, started=True, python=python,
+                      repo_dir=repo_dir)
+
+
+def stop_node_worker(access: NodeAccess, *, work_dir: str) -> list[str]:
+    """Stop the node's recorded worker; what happened to each record."""
+    return [f"{record.name} {record.pid}: {access.stop_detached(record)}"
+            for record in access.recorded_processes(f"{work_dir}/{WORKER_DIR}")]
