@@ -136,6 +136,9 @@ class TransformersProfile(_EngineProfile):
     # two requests (docs/benchmarks.md).
     continuous_batching: bool = Field(False, description="More aggregate tokens/s on CPU with concurrent "
                                       "requests; can stall on a busy machine.")
+    cb_memory_fraction: float | None = Field(None, gt=0, le=1, description=(
+        "Continuous batching: the share of the GPU memory free at its start that one instance's KV cache takes "
+        "(None: transformers' 0.9). Several instances on one GPU need a share each, e.g. 0.2 for four."))
     ready_timeout_s: float = Field(180.0, gt=0)
 
     def argv(self, *, port: int) -> list[str]:
@@ -147,6 +150,8 @@ class TransformersProfile(_EngineProfile):
         argv = [binary, "serve", self.model, "--host", self.host, "--port", str(port), "--device", self.device,
                 "--dtype", self.dtype]
         argv.append("--continuous-batching" if self.continuous_batching else "--no-continuous-batching")
+        if self.continuous_batching and self.cb_memory_fraction is not None:
+            argv += ["--cb-max-memory-percent", str(self.cb_memory_fraction)]
         return argv + self.extra_args
 
 
