@@ -39,6 +39,9 @@ def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> d
     spec_s = sum(r.decoded.wall_s for r in results)
     base_s = sum(r.baseline_wall_s for r in results)
     tokens = sum(len(r.decoded.tokens) for r in results)
+    per_round_ms = 1000 / len(rounds) if rounds else 0.0
+    draft_s, verify_s = sum(r.decoded.draft_s for r in results), sum(r.decoded.verify_s for r in results)
+    base_forwards = sum(len(r.decoded.tokens) for r in results)  # target-only: one forward per new token
     return {
         "mode": mode,
         "num_responses": len(results),
@@ -52,6 +55,11 @@ def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> d
         "new_tokens": tokens,
         "target_forwards": sum(r.decoded.num_target_forwards for r in results),
         "all_match_target": all(r.matches_target for r in results),
+        # A round's wall time split (ms): drafting, verifying, the rest (cache updates, host work); beside what one
+        # target-only step costs, which a round must beat by tau to speed decoding up.
+        "round_ms": {"draft": draft_s * per_round_ms, "verify": verify_s * per_round_ms,
+                     "other": max(spec_s - draft_s - verify_s, 0.0) * per_round_ms,
+                     "target_step": 1000 * base_s / base_forwards if base_forwards else 0.0},
         "responses": [
             {"prompt_index": r.prompt_index, "prompt_tokens": r.prompt_tokens, "new_tokens": len(r.decoded.tokens),
              "tau": r.decoded.tau, "accepted_per_round": r.decoded.accepted, "wall_s": r.decoded.wall_s,
@@ -63,13 +71,17 @@ def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> d
 
 def markdown_table(summaries: list[dict[str, Any]]) -> str:
     lines = [
-        "| mode | responses | rounds | tau | speedup | tokens/s | target-only tokens/s | matches target |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| mode | responses | rounds | tau | speedup | tokens/s | target-only tokens/s | matches target "
+        "| round ms: draft / verify / other | target-only step ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for s in summaries:
+        split = s.get("round_ms") or {}
         lines.append(
             f"| {s['mode']} | {s['num_responses']} | {s['num_rounds']} | {s['tau']:.3f} | {s['speedup']:.2f}x | "
-            f"{s['tokens_per_s']:.1f} | {s['baseline_tokens_per_s']:.1f} | {s['all_match_target']} |"
+            f"{s['tokens_per_s']:.1f} | {s['baseline_tokens_per_s']:.1f} | {s['all_match_target']} | "
+            f"{split.get('draft', 0):.2f} / {split.get('verify', 0):.2f} / {split.get('other', 0):.2f} | "
+            f"{split.get('target_step', 0):.2f} |"
         )
     return "\n".join(lines)
 

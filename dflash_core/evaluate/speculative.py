@@ -47,6 +47,12 @@ class Decoded:
     accepted: list[int]
     wall_s: float
     num_target_forwards: int
+    # Where a speculative response's time went, summed over its rounds (seconds of wall clock; each phase ends
+    # in the host reading its result, so the GPU work it queued is inside it): drafting, verifying (the target's
+    # forward and the acceptance check), and the rest (cache roll-back and the drafter's context update, whose GPU
+    # work the next draft waits for). Zero for target-only decoding.
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -134,10 +140,14 @@ class SpeculativeDecoder:
     def _block_round(self, cache, last_token: int) -> list[int]:
         """One round; returns the new tokens: the accepted drafts and the bonus token."""
         start = self.runner.length
+        began = time.perf_counter()
         drafts = draft_tokens(self.drafter, cache, **self._draft_inputs(cache, last_token))[0].tolist()
+        drafted = time.perf_counter()
         fed = [last_token, *drafts]
         step = self.runner.verify_block(fed)
         choices = step.logits.argmax(-1).tolist()  # choices[i]: target's token after fed[i]
+        self._times[0] += drafted - began
+        self._times[1] += time.perf_counter() - drafted
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
             accepted += 1
@@ -147,10 +157,14 @@ class SpeculativeDecoder:
 
     def _tree_round(self, cache, last_token: int) -> list[int]:
         start = self.runner.length
+        began = time.perf_counter()
         tree = build_draft_tree(self._draft_logits(cache, last_token), root_token=last_token,
                                 budget=self.tree_budget, max_branch=self.tree_branch)
+        drafted = time.perf_counter()
         step = self.runner.verify_tree(tree.tokens, ancestor_mask=tree.ancestor_mask(), depths=tree.depths)
         choices = step.logits.argmax(-1).tolist()
+        self._times[0] += drafted - began
+        self._times[1] += time.perf_counter() - drafted
         path = accepted_path(tree, choices)
         kept = [0, *path]
         self.runner.keep_tree_nodes(num_fed=len(tree.tokens), keep_nodes=kept)
@@ -163,6 +177,7 @@ class SpeculativeDecoder:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         device = self.runner.device
         _sync(device)
+        self._times = [0.0, 0.0]  # draft, verify
         begin = time.perf_counter()
         step = self.runner.prefill(prompt)
         cache = self.drafter.new_cache()
@@ -179,4 +194,4 @@ class SpeculativeDecoder:
             forwards += 1
         _sync(device)
         return Decoded(tokens=tokens, accepted=accepted_per_round, wall_s=time.perf_counter() - begin,
-                       num_target_forwards=forwards)
+                       num_target_forwards=forwards, draft_s=self._times[0], verify_s=self._times[1])

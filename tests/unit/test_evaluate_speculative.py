@@ -236,3 +236,16 @@ def test_an_eos_accepted_mid_block_ends_the_count_there():
         decoded = decoder.generate(prompts[0], max_new_tokens=_NEW, eos_token_id=reference[j])
         assert decoded.tokens == reference[: j + 1]
         assert decoded.accepted == [_BLOCK - 1] * ((j - 1) // _BLOCK) + [(j - 1) % _BLOCK], j
+
+
+@pytest.mark.parametrize("mode", ["block", "tree"])
+def test_a_round_time_is_split_into_draft_verify_and_the_rest(mode):
+    target, drafter, prompts = _setup("llama")
+    out = evaluate_prompts(target=target, drafter=drafter, prompts=prompts, modes=(mode,), max_new_tokens=_NEW)
+    summary = out["summaries"][0]
+    split = summary["round_ms"]
+    assert split["draft"] > 0 and split["verify"] > 0 and split["other"] >= 0 and split["target_step"] > 0
+    wall_ms = 1000 * sum(r["wall_s"] for r in summary["responses"])
+    # the phases never add up to more than the responses' wall time, which also holds the prefill
+    assert (split["draft"] + split["verify"]) * summary["num_rounds"] <= wall_ms
+    assert "draft / verify / other" in out["table"]
