@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dflash_core import planner
@@ -22,6 +23,7 @@ from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 from dflash_core.nodes.cli import node_app
 from dflash_core.s3audit.cli import lineage_app, s3_app
 from dflash_core.settings import load_settings
+from dflash_core.strict import validation_summary
 
 app = typer.Typer(help="Train DFlash speculative-decoding drafters end to end.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False, add_completion=False)
@@ -34,7 +36,8 @@ console = Console()
 
 
 def _fail(message: str) -> typer.Exit:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}")
+    """One `error:` line (not wrapped at the terminal's width) and exit code 2."""
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return typer.Exit(code=2)
 
 
@@ -237,6 +240,8 @@ def train(
         TrainConfig.from_yaml(config, overrides=overrides)  # fail here, with the field named, not in N processes
         rendezvous = Rendezvous(nnodes=nnodes, endpoint=rdzv_endpoint, job_id=rdzv_id, backend=rdzv_backend,
                                 node_rank=node_rank)
+    except ValidationError as error:
+        raise _fail(validation_summary(error)) from None
     except ValueError as error:
         raise _fail(str(error)) from None
     extra = [f"--set={item}" for item in overrides]

@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
+from dflash_core.strict import validation_summary
 from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS
 
 GiB = 1024**3
@@ -104,7 +105,15 @@ def shape_from_config(path: Path) -> ModelShape:
         raw = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"--model-config {path}: cannot read a JSON model config ({error})") from error
-    config = raw.get("text_config", raw)
+    if not isinstance(raw, dict):
+        raise ValueError(f"--model-config {path}: a JSON {_json_kind(raw)}, not a transformers config.json (an "
+                         "object with hidden_size, num_hidden_layers, ...)")
+    config = raw.get("text_config")
+    if config is None:
+        config = raw
+    elif not isinstance(config, dict):
+        raise ValueError(f"--model-config {path}: its text_config is a JSON {_json_kind(config)}, not an object "
+                         "with the text model's hidden_size, num_hidden_layers, ...")
     if "hidden_size" not in config:
         raise ValueError(f"--model-config {path}: no `hidden_size` in it; is this a transformers config.json?")
     try:
@@ -116,7 +125,12 @@ def shape_from_config(path: Path) -> ModelShape:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
         )
     except ValidationError as error:
-        raise ValueError(f"--model-config {path}: {error}") from None
+        raise ValueError(f"--model-config {path}: {validation_summary(error)}") from None
+
+
+def _json_kind(value: object) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+            float: "number"}.get(type(value), "null")
 
 
 class PlanInputs(BaseModel):

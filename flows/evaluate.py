@@ -16,13 +16,14 @@ from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from dflash_core.evaluate.generalization import generalization
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.lineage import read_manifest
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import MEASURED_ON, RESULT_FILE, Checkpoint, EvaluationReport, Split, TokenizedDataset
+from dflash_core.strict import StrictModel
 from flows.command_line import run_from_command_line
 from tasks.artifacts import artifact_record, target_inputs
 from tasks.evaluate import fetch_checkpoint, fetch_prompt_bytes, publish_evaluation, run_evaluation
@@ -30,7 +31,7 @@ from tasks.provenance import attempt_segments, flow_version
 from tasks.results import resolve_checkpoint, resolve_result, store_result
 
 
-class EvaluateParams(BaseModel):
+class EvaluateParams(StrictModel):
     checkpoint: Checkpoint | str | None = Field(None, description=(
         "The drafter: the train stage's result (the pipeline passes it), or a step dir (model.safetensors + "
         "meta.json) as a local dir or S3 key/URI."))

@@ -14,11 +14,12 @@ from typing import Literal
 
 from prefect import flow
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import RESULT_FILE, Checkpoint, ExportResult
+from dflash_core.strict import StrictModel
 from flows.command_line import run_from_command_line
 from tasks.artifacts import publish_stored, target_inputs, ui_key
 from tasks.evaluate import fetch_checkpoint
@@ -27,7 +28,7 @@ from tasks.provenance import attempt_segments, flow_version
 from tasks.results import resolve_checkpoint, store_result
 
 
-class ExportParams(BaseModel):
+class ExportParams(StrictModel):
     checkpoint: Checkpoint | str | None = Field(None, description=(
         "The drafter: the train stage's result (the pipeline passes it), its result.json URI, or a step dir "
         "(model.safetensors + meta.json) as an S3 key/URI or a local dir."))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from dflash_core.data.prompts import DEFAULT_MAX_PROMPT_CHARS, PromptSource, TurnPolicy
 from dflash_core.data.holdout import HoldoutSpec
@@ -31,6 +31,7 @@ from dflash_core.serving.profiles import EngineProfile, TransformersProfile
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import RESULT_FILE, CompletionsDataset, StoredShard
 from dflash_core.storage import ObjectStore
+from dflash_core.strict import StrictModel
 from flows.command_line import run_from_command_line
 from flows.failures import fail_run
 from tasks.provenance import attempt_segments, flow_version
@@ -43,7 +44,7 @@ from tasks.generate import (
 from tasks.results import store_result
 
 
-class PromptSourceParam(BaseModel):
+class PromptSourceParam(StrictModel):
     path: str = Field(description="Local .json / .jsonl / .parquet file (ShareGPT or OpenAI messages).")
     name: str = Field(description="Source name recorded on every prompt.")
     weight: float = Field(1.0, gt=0, description="Share of the mix, relative to the other sources.")
@@ -54,7 +55,7 @@ class PromptSourceParam(BaseModel):
                            description="Prompts longer than this (all kept turns) are rejected as too_long.")
 
 
-class GenerateParams(BaseModel):
+class GenerateParams(StrictModel):
     dataset: str = Field(description="Dataset name in S3 keys (prompts/(dataset)/, completions/(dataset)/).")
     prompts_version: str = Field("v1", description="Prompt set version (prompts/(dataset)/(version)/).")
     run: str = Field(description="Generation run name (completions/(dataset)/(run)/), e.g. the target's name.")

@@ -15,17 +15,18 @@ from datetime import UTC, datetime
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from dflash_core.s3audit import Retention, bytes_by_kind_png, kind_table_rows, lineage_markdown
 from dflash_core.settings import load_settings
+from dflash_core.strict import StrictModel
 from dflash_core.units import binary_bytes
 from flows.command_line import run_chosen_from_command_line
 from tasks.s3 import audit_bucket, cleanup_bucket, load_plan, publish_audit, record_deletions
 from tasks.store import check_store, png_artifact
 
 
-class S3AuditParams(BaseModel):
+class S3AuditParams(StrictModel):
     prefix: str = Field("", description="Report on and nominate only keys under this prefix ('' = whole bucket).")
     retention: Retention = Field(default_factory=Retention, description="The cleanup rules the dry run applies. "
                                  "Prefect's results (prefect-results/) are kept unless prefect_results_days is set.")
@@ -33,7 +34,7 @@ class S3AuditParams(BaseModel):
     max_graph_nodes: int = Field(80, ge=1, description="Edges of the lineage table (newest first).")
 
 
-class S3CleanupParams(BaseModel):
+class S3CleanupParams(StrictModel):
     plan_uri: str | None = Field(None, description="plan.json of an s3-audit run to execute (reviewed); None: plan now.")
     prefix: str = Field("", description="Without plan_uri: nominate only under this prefix.")
     retention: Retention = Field(default_factory=Retention, description="Without plan_uri: the rules.")

@@ -25,7 +25,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from dflash_core.data.holdout import heldout_leaks
 from dflash_core.data.verdict import DATASET_MANIFEST_NAME, DatasetManifest, verdict_from_problems
@@ -38,6 +38,7 @@ from dflash_core.lineage import InputRef
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import RESULT_FILE, CompletionsDataset, StoredShard, TokenizedDataset
 from dflash_core.storage import ObjectStore, sha256_bytes
+from dflash_core.strict import StrictModel
 from dflash_core.tokenize import (
     GateProblem, GateThresholds, QualityGateError, TargetTokenizer, TokenizeConfig, TokenizePool, check_gate,
     enforce_gate, find_duplicates, histogram_png, stats_markdown, stats_rows, summarize,
@@ -52,7 +53,7 @@ from tasks.store import png_artifact
 from tasks.tokenize import ShardSummary, read_completion_ids, summary_frames, tokenize_completion_shard
 
 
-class TokenizeParams(BaseModel):
+class TokenizeParams(StrictModel):
     completions: CompletionsDataset | str | None = Field(None, description=(
         "What to tokenize: the generate stage's result (the pipeline passes it), or the S3 URI of its result.json, "
         "or of a completion run's prefix (s3://BUCKET/completions/DATASET/RUN/)."))

@@ -14,13 +14,14 @@ from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from dflash_core.layout import ArtifactKind, artifact_key
 from dflash_core.lineage import InputRef
 from dflash_core.nodes import Node
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import RESULT_FILE, Checkpoint, TokenizedDataset
+from dflash_core.strict import StrictModel
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.launch_argv import Rendezvous
 from flows.command_line import run_from_command_line
@@ -32,7 +33,7 @@ from tasks.results import resolve_result, store_result
 from tasks.train import plan_training, report_training, run_training, stored_checkpoint
 
 
-class TrainFlowParams(BaseModel):
+class TrainFlowParams(StrictModel):
     dataset: TokenizedDataset | str | None = Field(None, description=(
         "What to train on: the tokenize stage's result (the pipeline passes it) or the S3 URI of its result.json. "
         "Its training shards are used, by sha256; its held-out shards never. Leave config.data empty with it."))

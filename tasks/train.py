@@ -21,6 +21,7 @@ from dflash_core.stage_results import Checkpoint, StoredShard
 from dflash_core.storage import ObjectStore
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.launch_argv import Rendezvous, training_argv
+from dflash_core.train.rank_failure import FailureWatch, RankFailure
 from dflash_core.train.report import curves_png, load_metrics, summary_rows
 from dflash_core.train.supervise import die_with_parent
 from tasks.plan import NoLayoutFits
@@ -30,21 +31,45 @@ from tasks.store import png_artifact
 
 
 class TrainingFailed(RuntimeError):
-    """The training process exited with an error; the message quotes its log tail."""
+    """The training process exited with an error; the message leads with the rank's own error line, then the
+    log tail. A retry resumes from the last checkpoint."""
 
 
 class TrainingRefused(TrainingFailed):
-    """The run refused to start or stopped with a one-line reason (already running here or on another
-    host, S3 misconfigured or down past the outage limit, disk full): retrying at once would not help."""
+    """The run failed in a way a retry repeats (dflash_core.train.rank_failure): it refused to start or stopped
+    with a one-line reason (already running here or on another host, S3 misconfigured or down past the outage
+    limit, disk full), or one of the subclasses below."""
 
 
-def _refusal(tail: deque[str]) -> str | None:
-    """The reason of the last `error: ` line (dflash_core.train.entry's refusals) in the log tail: last
-    of all for one process, followed by torchrun's own failure report when a rank refused under it."""
-    return next((line.removeprefix("error: ") for line in reversed(tail) if line.startswith("error: ")), None)
+class TrainingConfigError(TrainingRefused):
+    """A rank refused the run's config (a ValueError: a field, or a checkpoint or device that does not fit it)."""
 
 
-# A crash or a preemption: a retry resumes from the last checkpoint; a refusal fails the same way again.
+class TrainingDataError(TrainingRefused):
+    """A rank refused the run's data (a shard whose quality gate failed or is unknown)."""
+
+
+class TrainingOutOfMemory(TrainingRefused):
+    """A rank ran out of GPU memory: the same config runs out again."""
+
+
+_FINAL = {"config": TrainingConfigError, "data": TrainingDataError, "oom": TrainingOutOfMemory,
+          "refused": TrainingRefused}
+_OOM_ADVICE = ("; lower token_budget (or drafter.num_anchors), or use placement=pair or target_fp8 (`dflash plan` "
+               "says what fits)")
+
+
+def training_failure(failure: RankFailure, *, returncode: int, tail: deque[str]) -> TrainingFailed:
+    """The exception a run that failed with `failure` raises: a final one carries the rank's line alone, a
+    transient one the log tail as well."""
+    if failure.final:
+        return _FINAL[failure.kind](failure.line + (_OOM_ADVICE if failure.kind == "oom" else ""))
+    return TrainingFailed(f"training exited with {returncode}: {failure.line}; a retry resumes from the last "
+                          "checkpoint. Log tail:\n" + "\n".join(tail))
+
+
+# A transient failure (a connection reset, a lost or preempted rank, a crash): a retry resumes from the last
+# checkpoint; a refusal, a config or data error or CUDA out of memory fails the same way again.
 retry_unless_refused = retry_unless(TrainingRefused)
 
 
@@ -93,6 +118,7 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
                          extra=extra)
     progress = create_progress_artifact(progress=0.0, description=f"training {config.run_name}")
     tail: deque[str] = deque(maxlen=40)
+    watch = FailureWatch()  # reads every line: torchrun's report can push a rank's own error out of the tail
     hosted_rank_0 = False
     # The trainer writes the checkpoints' manifests: they name this task run as their producer.
     env = {**os.environ, **producer_env(run_producer())}
@@ -101,6 +127,7 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
         for line in process.stdout:
             line = line.rstrip()
             tail.append(line)
+            watch.read(line)
             logger.info(line)
             if line.startswith("step ") and "/" in line:
                 done, total = line.split()[1].split("/")
@@ -108,11 +135,8 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
             hosted_rank_0 = hosted_rank_0 or line.startswith('{"final_step"')  # printed by global rank 0 only
     if process.returncode == 143:
         raise TrainingFailed("training was stopped by SIGTERM after a checkpoint; a retry resumes it")
-    refusal = _refusal(tail) if process.returncode == 1 else None
-    if refusal is not None:
-        raise TrainingRefused(refusal)
     if process.returncode != 0:
-        raise TrainingFailed(f"training exited with {process.returncode}:\n" + "\n".join(tail))
+        raise training_failure(watch.failure(process.returncode), returncode=process.returncode, tail=tail)
     if rendezvous.nnodes > 1 and not hosted_rank_0:
         logger.info("global rank 0 ran on another node: its flow run reports, evaluates and exports")
         return None

@@ -12,7 +12,9 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
+
+from dflash_core.strict import StrictModel
 
 DEFAULT_HOLDOUT_FRACTION = 0.05  # of each source's prompts; at least one per source of two or more
 
@@ -25,7 +27,7 @@ class HasIdAndSource(Protocol):
 P = TypeVar("P", bound=HasIdAndSource)
 
 
-class HoldoutSpec(BaseModel):
+class HoldoutSpec(StrictModel):
     """How many prompts of each source to hold out for evaluation."""
 
     fraction: float | None = Field(None, ge=0, lt=1, description=(

@@ -27,6 +27,7 @@ from dflash_core.nodes.access import NodeAccess
 from dflash_core.nodes.node import Node
 from dflash_core.nodes.provision import RECORD_NAME
 from dflash_core.nodes.record import SystemInventory
+from dflash_core.strict import StrictModel
 from dflash_core.units import binary_bytes
 
 if TYPE_CHECKING:  # the S3 side is imported in preserve(): the rest runs on a node image without boto3
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # the S3 side is imported in preserve(): the rest runs on a n
 PROCESS_DIR = "pids"  # under the node's work_dir: records of processes started with NodeAccess.start_detached
 
 
-class PreserveConfig(BaseModel):
+class PreserveConfig(StrictModel):
     scripts: list[str] = Field(default_factory=lambda: ["scripts"], description="Paths (relative to work_dir, or "
                                                                                 "absolute) of scripts to save.")
     logs: list[str] = Field(default_factory=lambda: ["logs"], description="Log files or dirs to save.")

@@ -31,12 +31,13 @@ from pydantic import BaseModel, Field
 from dflash_core.layout import MANIFEST_SUFFIX, ArtifactKind
 from dflash_core.lineage import InputRef, Manifest
 from dflash_core.s3audit.inventory import PREFECT_RESULTS_KIND, Inventory
+from dflash_core.strict import StrictModel
 
 _STEP = re.compile(r"^step-(\d+)$")
 CHECKPOINT_COMPLETE_FILE = "meta.json"  # written last (dflash_core.train.checkpoint): its presence marks a step complete
 
 
-class Retention(BaseModel):
+class Retention(StrictModel):
     keep_checkpoints: int = Field(3, ge=1, description="Newest checkpoint steps kept per training run.")
     abandoned_after_days: float = Field(30.0, ge=0, description="A prefix with no manifests, untouched this long, "
                                                                 "is abandoned.")

@@ -8,10 +8,11 @@ from pydantic import BaseModel, Field
 
 from dflash_core.data.completion import CompletionRecord
 from dflash_core.serving.client import FailedPrompt
+from dflash_core.strict import StrictModel
 from dflash_core.tokenize.detect import max_identical_tool_calls
 
 
-class CanaryThresholds(BaseModel):
+class CanaryThresholds(StrictModel):
     min_nonempty_fraction: float = Field(0.9, ge=0, le=1, description="Answers with any content or tool call.")
     min_reasoning_fraction: float = Field(0.8, ge=0, le=1, description="With thinking on: answers with reasoning.")
     max_degenerate_fraction: float = Field(0.1, ge=0, le=1, description="Answers stuck in a loop.")

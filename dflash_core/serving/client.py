@@ -21,12 +21,13 @@ from pydantic import BaseModel, Field
 
 from dflash_core.data.completion import CompletionRecord, GenerationMeta, ToolCall
 from dflash_core.data.prompts import PromptRecord, regenerate_completion
+from dflash_core.strict import StrictModel
 
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 _FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter"}
 
 
-class SamplingParams(BaseModel):
+class SamplingParams(StrictModel):
     temperature: float = Field(0.6, ge=0)
     top_p: float = Field(0.95, gt=0, le=1)
     max_tokens: int = Field(4096, gt=0)
@@ -35,7 +36,7 @@ class SamplingParams(BaseModel):
     extra_body: dict[str, Any] = Field(default_factory=dict, description="Engine-specific request fields.")
 
 
-class ClientConfig(BaseModel):
+class ClientConfig(StrictModel):
     concurrency: int = Field(32, ge=1, description="Requests in flight across all endpoints.")
     max_attempts: int = Field(4, ge=1)
     backoff_s: float = Field(1.0, ge=0, description="First retry delay; doubles each attempt, with jitter.")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from dflash_core.strict import StrictModel
 
 # A completion line longer than this is quarantined unread (`record_too_large`). No real record comes
 # near it: the importer caps a prompt at 200,000 characters (data/prompts.py DEFAULT_MAX_PROMPT_CHARS,
@@ -19,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 DEFAULT_MAX_RECORD_BYTES = 4 * 1024 * 1024
 
 
-class TokenizeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class TokenizeConfig(StrictModel):
+    model_config = ConfigDict(frozen=True)
 
     include_thinking_in_loss: bool = Field(
         True, description="Train on the assistant's thinking tokens too (off: loss starts after </think>)."

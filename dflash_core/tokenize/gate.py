@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import polars as pl
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from dflash_core.strict import StrictModel
 from dflash_core.tokenize.stats import SHORT_LOSS_TOKENS
 
 
-class GateThresholds(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class GateThresholds(StrictModel):
+    model_config = ConfigDict(frozen=True)
 
     min_samples: int = Field(1, ge=0, description="Fewest tokenized samples a dataset may have.")
     short_loss_tokens: int = Field(SHORT_LOSS_TOKENS, ge=0, description="A sample with this many loss tokens or fewer is 'short'.")

@@ -8,17 +8,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 from dflash_core.model.config import tapped_layer_ids
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.dflash2_config import DFLASH2_FIELDS, DFlash2Config
+from dflash_core.strict import StrictModel, validation_summary
 from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS, default_num_anchors
 
 _DFLASH2 = {field.name: field.default for field in dataclasses.fields(DFlash2Config) if field.name in DFLASH2_FIELDS}
 
-class DrafterSettings(BaseModel):
+class DrafterSettings(StrictModel):
     num_layers: int = Field(DEFAULT_NUM_LAYERS, ge=1, description="Drafter decoder layers.")
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=2, description="Tokens per draft block (anchor + B-1 masks).")
     num_anchors: int | None = Field(
@@ -191,7 +192,7 @@ class DrafterSettings(BaseModel):
                                 num_tapped_layers=self.tapped_layer_count)
 
 
-class OptimSettings(BaseModel):
+class OptimSettings(StrictModel):
     lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate, reached after warmup_steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decays to lr * this by max_steps.")
     warmup_steps: int = Field(100, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
@@ -219,7 +220,7 @@ class OptimSettings(BaseModel):
         return max(1, round(self.warmup_fraction * max_steps))
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(StrictModel):
     run_name: str = Field("drafter", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                           description="Name of the run: its folder under output_dir and its S3 checkpoint prefix (letters, "
                           "digits, '.', '_', '-').")
@@ -306,22 +307,38 @@ class TrainConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: Path, *, overrides: list[str] = ()) -> TrainConfig:
+        """The run config in `path` (YAML or JSON) with `--set` overrides applied; a ValueError on one line
+        naming every bad key (an unknown one with its nearest valid field)."""
         try:
             raw = yaml.safe_load(Path(path).read_text()) or {}
         except (OSError, yaml.YAMLError) as error:
             raise ValueError(f"{path}: cannot read a run config ({error})") from error
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a run config is a mapping of field: value (target: ..., data: [...]), "
+                             f"not a YAML {type(raw).__name__}")
         for item in overrides:
             apply_override(raw, item)
-        return cls.model_validate(raw)
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as error:
+            raise ValueError(f"{path}: {validation_summary(error)}") from None
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """`optim.lr=1e-4` -> raw["optim"]["lr"] = 1e-4 (the value parsed as YAML)."""
-    if "=" not in item:
+    dotted, equals, value = item.partition("=")
+    parts = dotted.split(".")
+    if not equals or not all(part.strip() for part in parts):
         raise ValueError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-4")
-    dotted, value = item.split("=", 1)
-    *parents, leaf = dotted.split(".")
+    *parents, leaf = parts
     node = raw
-    for part in parents:
+    for depth, part in enumerate(parents, start=1):
         node = node.setdefault(part, {})
-    node[leaf] = yaml.safe_load(value)
+        if not isinstance(node, dict):
+            section = ".".join(parents[:depth])
+            raise ValueError(f"--set {item!r}: {section} is {node!r}, not a section with fields (an earlier "
+                             f"--set or the config gave it that value)")
+    try:
+        node[leaf] = yaml.safe_load(value)
+    except yaml.YAMLError as error:
+        raise ValueError(f"--set {item!r}: the value is not YAML ({error})") from None

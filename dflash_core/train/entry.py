@@ -5,8 +5,10 @@ one process per device (per GPU pair in the pair layout) under torchrun, on one 
 Exit codes: 0 done (with the final checkpoint complete in S3 when uploading), 143 stopped by SIGTERM
 after writing a checkpoint (rerun with --resume), 1 with a one-line `error: <reason>` (the run is
 already running, in this run dir or, by its lease in S3, anywhere else; S3 is misconfigured or stayed
-down past --s3-outage-limit-s; the disk is full at a checkpoint or at the target's conversion, ...),
-which the flow does not retry. Rank 0 of a run with S3 checkpoints holds the run name's lease
+down past --s3-outage-limit-s; the disk is full at a checkpoint or at the target's conversion; a
+ValueError, this project's user error, as `error: run config: ...`; data whose quality gate refuses it
+as `error: training data refused: ...`), which the flow does not retry (dflash_core.train.rank_failure).
+Rank 0 of a run with S3 checkpoints holds the run name's lease
 (dflash_core.train.run_lease) from before it touches a checkpoint to its exit.
 Every rank prints one `rank-summary {json}` line at the end: step, a checksum of its drafter
 weights (DDP replicas must agree) and peak GPU memory per device.
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from dflash_core.data.verdict import UnusableData
 from dflash_core.layout import checkpoints_key, run_lease_key
 from dflash_core.provenance import current_producer
 from dflash_core.settings import Settings, load_settings
@@ -41,6 +44,7 @@ from dflash_core.train.assemble import build_trainer
 from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
 from dflash_core.train.loop import EXIT_PREEMPTED, Trainer
 from dflash_core.train.launch_argv import Rendezvous, training_argv  # noqa: F401 - re-exported
+from dflash_core.train.rank_failure import error_line
 from dflash_core.train.run_lock import RunLock, RunLocked
 
 if TYPE_CHECKING:  # boto3 is imported only when a run reads S3 or uploads checkpoints
@@ -93,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the name this host gives in the run's lease in S3, default the system's host name "
                              "(env DFLASH_HOST_NAME; set it where containers share one)")
     args = parser.parse_args(argv)
-    config = TrainConfig.from_yaml(args.config, overrides=args.set)
+    try:
+        config = TrainConfig.from_yaml(args.config, overrides=args.set)
+    except ValueError as error:
+        raise SystemExit(error_line("config", error)) from None
     dist_info = Distributed.from_env()
     lock = lease = None
     if dist_info.is_main:  # one run per run dir (also on a shared output_dir): a second would delete our saves
@@ -112,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args, config, dist_info, settings=settings, store=store, lease=lease)
     except DiskFull as error:  # at a checkpoint or the target's conversion; its temp dir is already gone
         raise SystemExit(f"error: {error}") from None
+    except UnusableData as error:
+        raise SystemExit(error_line("data", error)) from None
+    except ValueError as error:  # the config, or a checkpoint or data that does not fit it: the same next time
+        raise SystemExit(error_line("config", error)) from None
     finally:
         if lease is not None:
             lease.release()
@@ -131,8 +142,8 @@ def _train(args: argparse.Namespace, config: TrainConfig, dist_info: Distributed
                                 device_id=devices.process if cuda else None)
     existing = complete_checkpoints(config.run_dir / "checkpoints")
     if existing and not args.resume:
-        raise SystemExit(f"{config.run_dir} already holds checkpoints up to {existing[-1].name}: pass --resume to "
-                         "continue that run, or choose a new run_name")
+        raise SystemExit(f"error: {config.run_dir} already holds checkpoints up to {existing[-1].name}: pass "
+                         "--resume to continue that run, or choose a new run_name")
     _announce_sigterm(dist_info, config.run_dir / "checkpoints", pg_timeout_s=args.pg_timeout_s)
     checkpoint_prefix = checkpoints_key(settings.s3_prefixes, config.run_name)
     if store is not None and config.upload_checkpoints and dist_info.is_main and not args.resume:

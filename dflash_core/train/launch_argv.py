@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
+
+from dflash_core.strict import StrictModel
 
 
-class Rendezvous(BaseModel):
+class Rendezvous(StrictModel):
     """torchrun's multi-node settings; one node needs none of them (`--standalone`). Every node runs
     the same command. With the c10d backend torchrun assigns node ranks at rendezvous (every node
     gets identical settings); with static each node names its own rank and node 0 is the master."""

@@ -11,7 +11,8 @@ from dflash_core.tokenize.shard import TemplateFailed
 from tasks.evaluate import retry_unless_user_error
 from tasks.retry import retry_if, retry_store_outage, retry_unless, retry_unreachable
 from tasks.tokenize import retry_unless_the_shard_fails_again
-from tasks.train import TrainingRefused, retry_unless_refused
+from tasks.train import (TrainingConfigError, TrainingDataError, TrainingFailed, TrainingOutOfMemory,
+                         TrainingRefused, retry_unless_refused)
 
 
 
@@ -31,6 +32,10 @@ def _failed(error: BaseException):
     (retry_unless_user_error, RuntimeError("server died"), True),
     (retry_unless_refused, TrainingRefused("the run is already running"), False),
     (retry_unless_refused, RuntimeError("killed"), True),
+    (retry_unless_refused, TrainingConfigError("run config: target_layer_ids [40] out of range"), False),
+    (retry_unless_refused, TrainingDataError("training data refused: 1 of 1 shard(s)"), False),
+    (retry_unless_refused, TrainingOutOfMemory("torch.OutOfMemoryError: CUDA out of memory."), False),
+    (retry_unless_refused, TrainingFailed("ConnectionResetError: [Errno 104] Connection reset by peer"), True),
     (retry_unless_the_shard_fails_again, TemplateFailed("no chat template"), False),
     (retry_unless_the_shard_fails_again, StoreUnavailable("s3 down"), True),
 ])
