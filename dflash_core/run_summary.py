@@ -5,7 +5,8 @@ acceptance length and speedup, and where every artifact lives (with its lineage 
 Stage runs are read from the Prefect server's REST API (plain HTTP: this package never imports
 Prefect); the rest comes from the pipeline's return value. `read_stage_runs` does the I/O;
 `summary` (rich tables, for a terminal) and `summary_markdown` (for the UI) only arrange what they
-are given.
+are given. The pipeline publishes its summary just before it returns, while the server still says it
+is Running: `settle_pipeline` gives its own row the outcome it is about to end with. Times are UTC.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Group
@@ -25,6 +26,14 @@ from dflash_core.lineage_views import flow_run_url, node_label, node_of
 # Which field of the pipeline's result (dflash_core.stage_results.PipelineResult) each stage's flow returned.
 STAGE_RESULTS = {"generate": "generation", "tokenize": "tokenization", "train": "training", "evaluate": "evaluation",
                  "export": "export", "provision": "provision", "preserve": "preserve", "s3-audit": "audit"}
+# Where the user looks after a run: Prefect's Retry cannot rerun a Completed run (our results are persisted, so
+# the server refuses it while the UI still shows a success toast).
+RERUN_ADVICE = ("To run a finished stage again, start a new run of the pipeline or of the stage's deployment: Retry "
+                "in the UI reruns a Failed run in place, but on a Completed run the server refuses it (\"Run is "
+                "already COMPLETED\") although the UI shows a success toast. In the new run, tokenization with "
+                "refresh=true re-tokenizes every shard and generation with refresh=true checks every shard again (a "
+                "new run name answers anew); training resumes from its latest checkpoint (raise max_steps, or change "
+                "run_name to start over); evaluation and export cache nothing.")
 _FLOW_RUN_LINK = re.compile(r"/runs/flow-run/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
 
 
@@ -39,6 +48,7 @@ class StageRun:
     seconds: float | None
     url: str | None
     depth: int = 0
+    started: datetime | None = None  # when the flow run started running (UTC)
 
 
 def read_stage_runs(api_url: str, flow_run_id: str, *, timeout_s: float = 10.0) -> list[StageRun]:
@@ -68,17 +78,38 @@ def read_stage_runs(api_url: str, flow_run_id: str, *, timeout_s: float = 10.0) 
     flow_names = {flow["id"]: flow["name"] for flow in flows}
     return [StageRun(stage=flow_names.get(run["flow_id"], "?").removeprefix("dflash-"), name=run["name"],
                      id=run["id"], state=run.get("state_name") or "?", seconds=_seconds(run),
-                     url=flow_run_url(api_url, run["id"]), depth=depth)
+                     url=flow_run_url(api_url, run["id"]), depth=depth, started=_time(run.get("start_time")))
             for run, depth in runs]
+
+
+def settle_pipeline(stages: list[StageRun], *, state: str, now: datetime) -> list[StageRun]:
+    """`stages` with the pipeline's own row (depth 0) as the run is about to end: `state` ("Completed" or
+    "Failed") and the time since it started (`now` - its start, both aware)."""
+    return [replace(run, state=state, seconds=(now - run.started).total_seconds() if run.started else run.seconds)
+            if run.depth == 0 else run for run in stages]
+
+
+def outcome_line(stages: list[StageRun]) -> str | None:
+    """The pipeline's row as one line (`pipeline Completed after 3m 20s (started 2026-12-05 10:00:03 UTC)`);
+    None without one."""
+    root = next((run for run in stages if run.depth == 0), None)
+    if root is None:
+        return None
+    started = f" (started {root.started:%Y-%m-%d %H:%M:%S} UTC)" if root.started else ""
+    return f"pipeline {root.state} after {_duration(root.seconds)}{started}"
 
 
 def _seconds(run: dict) -> float | None:
     if run.get("total_run_time"):
         return float(run["total_run_time"])
     if run.get("start_time") and run.get("end_time"):
-        start, end = (datetime.fromisoformat(run[k].replace("Z", "+00:00")) for k in ("start_time", "end_time"))
-        return (end - start).total_seconds()
+        return (_time(run["end_time"]) - _time(run["start_time"])).total_seconds()
     return None
+
+
+def _time(text: str | None) -> datetime | None:
+    """An API timestamp as an aware UTC datetime."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC) if text else None
 
 
 def parse_launch_output(lines: list[str]) -> tuple[str | None, dict | None]:
@@ -102,7 +133,8 @@ def summary(result: dict | None, stages: list[StageRun], *, title: str = "dflash
 
 
 def stage_table(result: dict, stages: list[StageRun], *, title: str) -> Table:
-    table = Table(title=f"{title}: stages", title_justify="left")
+    caption = "\n".join(line for line in (outcome_line(stages), RERUN_ADVICE) if line)
+    table = Table(title=f"{title}: stages", title_justify="left", caption=caption, caption_justify="left")
     for column in ("stage", "state", "duration", "made", "flow run (Prefect UI)"):
         table.add_column(column, justify="right" if column == "duration" else "left", overflow="fold")
     for run in stages:
@@ -168,11 +200,16 @@ def artifact_table(result: dict) -> Table:
 
 
 def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: dict[str, str] | None = None,
-                     title: str = "dflash pipeline") -> str:
+                     title: str = "dflash pipeline", failure: str | None = None) -> str:
     """The same three tables in markdown, each artifact group linked to its lineage page (`lineage`: node ->
-    page URL, nodes as dflash_core.lineage_views.node_of names them)."""
+    page URL, nodes as dflash_core.lineage_views.node_of names them), under the pipeline's outcome (and
+    `failure`, what ended it), and how to rerun a finished stage."""
     result, lineage = result or {}, lineage or {}
-    lines = [f"# {title}: stages", "", "| stage | state | duration | made | flow run |", "|---|---|---:|---|---|"]
+    outcome = outcome_line(stages)
+    lines = [f"# {title}: stages", ""]
+    lines += [f"**{outcome}**", ""] if outcome else []
+    lines += [f"Why: {_cell(failure)}", ""] if failure else []
+    lines += ["| stage | state | duration | made | flow run |", "|---|---|---:|---|---|"]
     for run in stages:
         label = ("↳ " * run.depth) + ("pipeline" if run.depth == 0 else run.stage)
         link = f"[{run.name}]({run.url})" if run.url else run.name
@@ -201,6 +238,7 @@ def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: di
         lines.append(f"| {kind} | `{node}` | {count} | {f'[lineage of {node_label(node)}]({page})' if page else '-'} |")
     if not groups:
         lines.append("| - | nothing stored | 0 | |")
+    lines += ["", "## Running a stage again", "", RERUN_ADVICE]
     return "\n".join(lines) + "\n"
 
 

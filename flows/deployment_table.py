@@ -59,36 +59,42 @@ def _demo_completions() -> dict:
     return {"params": {"completions": demo_completions_prefix(load_settings())}}
 
 
-# Prefect offers no Retry on a Completed run: each stage says how to run it again.
-_RERUN_CACHED = (" To rerun a finished run (Prefect has no Retry for it), start a new run with refresh=true: cached "
-                 "results are ignored.")
-_RERUN_TRAIN = (" To rerun a finished run (Prefect has no Retry for it), start a new run: it resumes from the run's "
-                "latest checkpoint, so raise max_steps to train on, or change run_name to start over.")
-_RERUN_FRESH = (" To rerun a finished run (Prefect has no Retry for it), start a new run: nothing is cached across "
-                "runs.")
+# The UI offers Retry on a Completed run too, but every run here persists its result, so the server refuses it
+# (while the UI shows a success toast): each deployment says so, and how to run it again.
+_RETRY = (" Retry in the UI reruns a Failed run in place; on a Completed run the server refuses it (\"Run is already "
+          "COMPLETED\") although the UI shows a success toast, and nothing runs.")
+_RERUN_GENERATE = _RETRY + (" To rerun a finished run, start a new run with refresh=true: every shard is checked "
+                            "again (shards already answered with the same prompts, model and sampling are kept; "
+                            "change run to answer anew).")
+_RERUN_TOKENIZE = _RETRY + (" To rerun a finished run, start a new run with refresh=true: every shard is tokenized "
+                            "again, ignoring cached results.")
+_RERUN_TRAIN = _RETRY + (" To rerun a finished run, start a new run: it resumes from the run's latest checkpoint, so "
+                         "raise max_steps to train on, or change run_name to start over.")
+_RERUN_FRESH = _RETRY + " To rerun a finished run, start a new run: nothing is cached across runs."
+_RERUN_PIPELINE = _RETRY + (" To rerun a finished run, start a new one: what is already made (tokenized shards, "
+                            "checkpoints) is reused; set a stage's refresh=true (generation, tokenization) to redo it.")
 
 DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
     DeploymentSpec("embedded-demo", "flows/pipeline.py:pipeline",
                    "The main job on the embedded default (what `dflash demo` runs): plan, on-policy generation with "
                    "SmolLM2 (a held-out split of the prompts kept apart), tokenization with the quality gate, a short "
                    "training run, evaluation on the held-out split and export; each stage its own run, each taking "
-                   "the one before's result. To rerun it, start a new run: what is already made is reused.",
+                   "the one before's result." + _RERUN_PIPELINE,
                    parameters=_demo_pipeline),
     DeploymentSpec("pipeline", "flows/pipeline.py:pipeline",
                    "A whole real run from one form: (provision a node) -> generate -> tokenize -> train -> evaluate on "
                    "the held-out split -> export -> (preserve the node) -> S3 audit. Each stage takes the previous "
                    "stage's result; fill the stages you want (infra/examples/ has a parameter file for Qwen3.6-27B "
-                   "on 4 GPUs: `dflash run pipeline --params infra/examples/qwen3.6-27b-4gpu.json`). To rerun a finished "
-                   "run, start a new one: tokenized shards and checkpoints already made are reused; set a stage's "
-                   "refresh=true to redo it."),
+                   "on 4 GPUs: `dflash run pipeline --params infra/examples/qwen3.6-27b-4gpu.json`)." + _RERUN_PIPELINE),
     DeploymentSpec("generate", "flows/generate.py:generate",
                    "On-policy generation with data-parallel inference servers (vLLM, SGLang or transformers serve); "
-                   "holds out a share of the prompts for evaluation." + _RERUN_CACHED, concurrency_limit=1),
+                   "holds out a share of the prompts for evaluation." + _RERUN_GENERATE, concurrency_limit=1),
     DeploymentSpec("tokenize", "flows/tokenize.py:tokenize",
                    "Tokenize a completion run (the generate stage's result, or its result.json or prefix URI) into "
                    "training and held-out shards with the quality gate; only shards whose input, tokenizer or config "
-                   "changed are redone. Its form starts pointed at the demo's completions. Its schedule nightly-03-00-utc (inactive until you point its completions at "
-                   "yours and turn it on) reruns it every night." + _RERUN_CACHED,
+                   "changed are redone. Its form starts pointed at the demo's completions. Its schedule "
+                   "nightly-03-00-utc (inactive until you point its completions at yours and turn it on) reruns it "
+                   "every night at 03:00 UTC." + _RERUN_TOKENIZE,
                    parameters=_demo_completions,
                    schedule=ScheduleSpec("nightly-03-00-utc", "0 3 * * *", parameters=_demo_completions,
                                          active=False)),
@@ -115,7 +121,8 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
                    "inventory with manifests, write a note of what is where."),
     DeploymentSpec("s3-audit", "flows/s3.py:s3_audit",
                    "Inventory of the bucket by kind and prefix, dead data, broken manifests, lineage graph; publishes "
-                   "a cleanup plan (plan.json) to review. Its schedule weekly-mon-04-00-utc runs it every Monday.",
+                   "a cleanup plan (plan.json) to review. Its schedule weekly-mon-04-00-utc runs it every Monday at "
+                   "04:00 UTC.",
                    schedule=ScheduleSpec("weekly-mon-04-00-utc", "0 4 * * 1")),
     DeploymentSpec("s3-cleanup", "flows/s3.py:s3_cleanup",
                    "Dry run unless confirm=true. Give plan_uri (the plan.json of an s3-audit run) to delete exactly "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -23,7 +24,7 @@ def launch(module: str, params: dict) -> int:
     name = deployment_for(module)
     run = run_deployment(name, parameters={"params": params} if params else None, timeout=0, as_subflow=False)
     ui = PREFECT_UI_URL.value() or ""
-    print(f"{name}: flow run {run.name} {ui}/runs/flow-run/{run.id}", flush=True)
+    print(f"{name}: flow run {run.name} {ui}/runs/flow-run/{run.id} (log times below are UTC)", flush=True)
     with get_client(sync_client=True) as client:
         state = _follow(client, run.id)
     if not state.is_completed():
@@ -50,11 +51,27 @@ def log_line(timestamp, message: str, label: str) -> str:
     return f"{timestamp:%H:%M:%S} {label} | {message}"
 
 
+# A worker logs this to a flow run each time the server refuses to let it start the run (e.g. while the run's
+# deployment has no free concurrency slot): every ~10 s poll, for as long as the run waits.
+_SUBMISSION_REFUSED = re.compile(r"Aborted submission of flow run '[^']*': Server returned a non-pending state "
+                                 r"'?(?P<state>\w+)'?")
+
+
+def waiting_message(message: str) -> str | None:
+    """What a worker's refused submission says, once, for a run that waits to start; None for any other line."""
+    refused = _SUBMISSION_REFUSED.match(message)
+    if refused is None:
+        return None
+    return (f"waiting ({refused.group('state')}): the server does not let the worker start this run yet, e.g. until "
+            f"a concurrency slot of its deployment frees; the worker asks again each poll (said once)")
+
+
 def _follow(client, root_id, *, poll_s: float = 2.0, patience: int = 3):
     """Print the logs of a flow run and of every stage it starts (their own flow runs) until it ends, each
     labelled by its stage, run and (for a task's line) task run. Flow and task run names are read once each.
     A task run is recorded from events and may reach the server after its log line: a line whose task run is
-    not known yet waits (with the lines after it) up to `patience` polls, then is printed with the task run's id."""
+    not known yet waits (with the lines after it) up to `patience` polls, then is printed with the task run's id.
+    A run waiting to start is said once (`waiting_message`), not at each of the worker's polls."""
     from prefect.client.schemas.filters import (
         FlowFilter, FlowFilterId, FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId,
         LogFilterTimestamp, TaskRunFilter, TaskRunFilterId,
@@ -65,6 +82,7 @@ def _follow(client, root_id, *, poll_s: float = 2.0, patience: int = 3):
     flow_names: dict = {}
     task_names: dict = {}
     waited: dict = {}  # task run id -> polls its line has waited for the task run's name
+    waiting: set = set()  # flow runs whose wait to start was printed, until they log anything else
     after, printed_at_after = None, set()  # the last printed line's timestamp, and the ids printed at it
     while True:
         root = client.read_flow_run(root_id)
@@ -98,7 +116,13 @@ def _follow(client, root_id, *, poll_s: float = 2.0, patience: int = 3):
                     task_name = f"task run {str(log.task_run_id)[:8]}"
             label = log_label(flow_names.get(run_flows.get(log.flow_run_id)), run_names.get(log.flow_run_id),
                               task_name)
-            print(log_line(log.timestamp, log.message, label), flush=True)
+            message = waiting_message(log.message)
+            if message is None:
+                waiting.discard(log.flow_run_id)
+                print(log_line(log.timestamp, log.message, label), flush=True)
+            elif log.flow_run_id not in waiting:
+                waiting.add(log.flow_run_id)
+                print(log_line(log.timestamp, message, label), flush=True)
             if log.timestamp != after:
                 after, printed_at_after = log.timestamp, set()
             printed_at_after.add(log.id)

@@ -13,13 +13,14 @@ from dflash_core.data.holdout import HoldoutSpec, split_heldout
 from dflash_core.data.prompts import PromptSource, import_prompts, read_prompt_lines, shard_prompts
 from dflash_core.layout import HELDOUT_STEM, QUARANTINE_SUFFIX, ArtifactKind, artifact_key, shard_name
 from dflash_core.lineage import InputRef, read_manifest, write_artifact
+from dflash_core.provenance import Producer
 from dflash_core.serving import launcher
 from dflash_core.serving.canary import CanaryReport, CanaryThresholds, check_canary
 from dflash_core.serving.client import FailedPrompt, complete_all
 from dflash_core.serving.generation import GenerationTarget, ShardOutcome, generate_shard
 from dflash_core.serving.profiles import _EngineProfile
 from dflash_core.settings import Settings
-from dflash_core.storage import ObjectStore
+from dflash_core.storage import ObjectNotFound, ObjectStore, sha256_bytes
 from tasks.artifacts import artifact_record
 from tasks.provenance import run_producer
 from tasks.retry import retry_store_outage
@@ -33,7 +34,9 @@ class CanaryFailed(RuntimeError):
 def import_prompt_set(settings: Settings, *, sources: list[PromptSource], dataset: str, version: str,
                       total: int | None, shard_size: int, seed: int, holdout: HoldoutSpec) -> list[str]:
     """Stream, normalize, dedupe and mix prompt sources into JSONL shards with manifests, the held-out split
-    in shards of its own (heldout-*.jsonl); keys of every shard, training ones first."""
+    in shards of its own (heldout-*.jsonl); keys of every shard, training ones first. A file already stored
+    with the same content (a rerun of the same import) is kept with its manifest, so the run that first
+    imported it stays its producer."""
     store = ObjectStore.from_settings(settings)
     records, report = import_prompts(sources, total=total, seed=seed)
     if not records:
@@ -47,20 +50,33 @@ def import_prompt_set(settings: Settings, *, sources: list[PromptSource], datase
         for index, shard in enumerate(shard_prompts(split, shard_size=shard_size)):
             key = artifact_key(settings.s3_prefixes, ArtifactKind.PROMPTS, dataset, version,
                                shard_name(index, stem=stem, suffix="jsonl"))
-            write_artifact(store, key, b"".join(r.to_json_line() for r in shard), kind=ArtifactKind.PROMPTS,
+            _keep_or_write(store, key, b"".join(r.to_json_line() for r in shard), kind=ArtifactKind.PROMPTS,
                            config=config, producer=producer)
             keys.append(key)
     base = artifact_key(settings.s3_prefixes, ArtifactKind.PROMPTS, dataset, version, "import-report.json")
     summary = {**report.to_dict(), "heldout": len(heldout), "train": len(train)}
-    write_artifact(store, base, json.dumps(summary, indent=2).encode(), kind=ArtifactKind.REPORT,
+    _keep_or_write(store, base, json.dumps(summary, indent=2).encode(), kind=ArtifactKind.REPORT,
                    config=config, producer=producer)
     if report.quarantine:
         lines = b"".join(json.dumps(q, ensure_ascii=False, default=str).encode() + b"\n" for q in report.quarantine)
-        write_artifact(store, base + QUARANTINE_SUFFIX, lines, kind=ArtifactKind.REPORT, config=config,
+        _keep_or_write(store, base + QUARANTINE_SUFFIX, lines, kind=ArtifactKind.REPORT, config=config,
                        producer=producer)
     get_run_logger().info("imported %d prompts into %d shards (%d held out for evaluation); rejected %s",
                           report.accepted, len(keys), len(heldout), dict(report.rejected))
     return keys
+
+
+def _keep_or_write(store: ObjectStore, key: str, data: bytes, *, kind: ArtifactKind, config: dict,
+                   producer: Producer) -> None:
+    """Write `data` at `key` with its manifest unless the object and its manifest already hold exactly this
+    content."""
+    digest = sha256_bytes(data)
+    try:
+        if read_manifest(store, key).sha256 == digest and store.head(key).sha256 == digest:
+            return
+    except (ObjectNotFound, ValueError):  # no object, no manifest, or one that does not parse: write both
+        pass
+    write_artifact(store, key, data, kind=kind, config=config, producer=producer)
 
 
 def prompt_ids(settings: Settings, keys: list[str]) -> list[str]:

@@ -47,10 +47,12 @@ def publish_usage(settings: Settings, *, run_ids: list[str], retention: Retentio
 
 
 @task(retries=2, retry_delay_seconds=[2, 5])
-def publish_run_summary(settings: Settings, result: PipelineResult, *, stages: list[StageRun]) -> str:
+def publish_run_summary(settings: Settings, result: PipelineResult, *, stages: list[StageRun],
+                        failure: str | None = None) -> str:
     """The run summary as a markdown artifact, each artifact group linked to the lineage page its stage
-    published; the artifact's id."""
-    summary = summary_markdown(result.model_dump(mode="json"), stages, lineage=_lineage_pages(settings, result, stages))
+    published, `failure` saying what ended a failed run; the artifact's id."""
+    summary = summary_markdown(result.model_dump(mode="json"), stages, lineage=_lineage_pages(settings, result, stages),
+                               failure=failure)
     return str(create_markdown_artifact(summary, key=SUMMARY_KEY, description="stages, tau, speedup, artifacts"))
 
 

@@ -77,6 +77,8 @@ _SPACE = b" \t\r\n"
 # Where a record may begin inside a bad element that ran on past its end: an object after a comma.
 _OBJECT_AFTER_COMMA = re.compile(rb",[ \t\r\n]*\{")
 _CONVERSATION_KEYS = ("conversations", "messages")  # a record holds one of these lists (ShareGPT, OpenAI)
+# Bytes of an element that ran on the decoder reads to find where it stopped, without a record size limit.
+RUN_ON_WINDOW = 4 * 1024 * 1024
 
 
 def _iter_json_array(path: Path, *, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
@@ -92,7 +94,9 @@ def _iter_json_array(path: Path, *, max_bytes: int | None) -> Iterator[tuple[int
 def _scan_array(data, *, path: Path, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
     """Elements split at commas and the closing bracket outside strings and nested brackets. A bracket or
     quote left open (or one too many) runs an element into the records after it, or seems to close the array
-    early: the bad part is cut where the next whole record begins (`_next_record`) and reading resumes there.
+    early: the bad part is cut where the next element begins and reading resumes there. That is where the
+    JSON decoder stopped when it stopped at a whole element after a comma (`_resume_at_error`: an object
+    left open before the next record), else the next whole record found by scanning (`_next_record`).
     Only a record cut by the end of the file is `truncated`."""
     pos = 3 if data[:3] == codecs.BOM_UTF8 else 0
     while pos < len(data) and data[pos] in _SPACE:
@@ -109,7 +113,8 @@ def _scan_array(data, *, path: Path, max_bytes: int | None) -> Iterator[tuple[in
             record = _parse_element(raw, index=index, max_bytes=max_bytes)
             rest = bytes(data[end + 1:end + 201].strip(_SPACE)) if token == b"]" else b""  # after the array
         if end is None or rest or isinstance(record, BadPrompt):
-            resume = _next_record(data, start, end if token == b"," else len(data), max_bytes=max_bytes)
+            resume = _resume_at_error(data, start, max_bytes=max_bytes) if end is None or rest else None
+            resume = resume or _next_record(data, start, end if token == b"," else len(data), max_bytes=max_bytes)
             if resume is not None:
                 comma, resume_at = resume
                 if end is not None and not isinstance(record, BadPrompt):  # a whole record, then a stray `]`
@@ -162,6 +167,34 @@ def _parse_element(raw: bytes, *, index: int, max_bytes: int | None) -> Any:
     if isinstance(record, BadPrompt):
         record.raw = raw
     return record
+
+
+def _resume_at_error(data, start: int, *, max_bytes: int | None) -> tuple[int, int] | None:
+    """(comma, start) of the element where the JSON decoder stopped reading the element that begins at `start`
+    and ran on: an object left open stops it where the next element begins (`{"id": "b", "messages": [...],
+    {"id": "c", ...` fails at c's brace, a value where a key belongs). None when it stopped anywhere else, or
+    the element there does not parse whole."""
+    window = bytes(data[start:start + (max_bytes if max_bytes is not None else RUN_ON_WINDOW)])
+    try:
+        text = window.decode("utf-8")
+    except UnicodeDecodeError as error:  # a character cut by the window's end, or bad bytes: read up to them
+        text = window[:error.start].decode("utf-8")
+    try:
+        json.loads(text)
+        return None
+    except json.JSONDecodeError as error:
+        pos = error.pos
+    except RecursionError:
+        return None
+    before = text[:pos].rstrip(" \t\r\n")
+    if pos >= len(text) or not before.endswith(","):
+        return None
+    begin, comma = start + len(text[:pos].encode()), start + len(before.encode()) - 1
+    end, _ = _element_end(data, begin, limit=max_bytes)
+    if end is None or isinstance(_parse(bytes(data[begin:end]), where=f"byte {begin}", max_bytes=max_bytes),
+                                 BadPrompt):
+        return None
+    return comma, begin
 
 
 def _next_record(data, start: int, stop: int, *, max_bytes: int | None) -> tuple[int, int] | None:

@@ -25,7 +25,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 class Node(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="Short name; used in S3 keys (node-backups/<name>/...).")
+    name: str = Field(description="Short name; used in S3 keys (`node-backups/<name>/...`).")
     backend: Literal["ssh", "local"] = Field("ssh", description="ssh: reach `host`; local: this machine.")
     host: str | None = Field(None, description="Host name or address (ssh).")
     user: str | None = Field(None, description="Login user (ssh); None: the SSH default.")

@@ -43,7 +43,7 @@ class PreserveConfig(StrictModel):
                                                                                 "absolute) of scripts to save.")
     logs: list[str] = Field(default_factory=lambda: ["logs"], description="Log files or dirs to save.")
     configs: list[str] = Field(default_factory=lambda: ["configs"], description="Config files or dirs to save.")
-    stop_servers: bool = Field(True, description="Stop the processes recorded under <work_dir>/pids first.")
+    stop_servers: bool = Field(True, description="Stop the processes recorded under `<work_dir>/pids` first.")
     stop_timeout_s: float = Field(30.0, gt=0, description="SIGTERM grace before SIGKILL, per process.")
     archive_timeout_s: float = Field(1800.0, gt=0)
 

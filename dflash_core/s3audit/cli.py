@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 import platform
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,7 +21,14 @@ from dflash_core.units import binary_bytes
 s3_app = typer.Typer(help="Audit the bucket (inventory, dead data) and clean it up safely.", no_args_is_help=True)
 lineage_app = typer.Typer(help="Lineage rebuilt from manifests: what made an artifact, what it fed.",
                           no_args_is_help=True)
-console = Console()
+WIDE_COLUMNS = 250  # the width when stdout is not a terminal (a pipe, a file): rich would cut tables to 80
+
+
+def _console() -> Console:
+    """Where results are printed: a terminal's own width; a pipe or file gets WIDE_COLUMNS unless COLUMNS says
+    otherwise, so a table's URIs stay whole on one line."""
+    narrow = sys.stdout.isatty() or os.environ.get("COLUMNS")
+    return Console(width=None if narrow else WIDE_COLUMNS)
 
 PrefixOpt = Annotated[str, typer.Option(help="Audit / nominate only keys under this prefix (lineage always "
                                              "spans the whole bucket).")]
@@ -86,6 +95,7 @@ def audit_command(
     if as_json:
         print(report.model_dump_json(indent=2))
         return
+    console = _console()
     table = Table("kind", "objects", "size", "unmanifested", "oldest", "newest",
                   title=f"{report.store_uri}: {report.objects:,} objects, {binary_bytes(report.bytes)} "
                         f"({report.seconds:.1f} s)")
@@ -126,6 +136,7 @@ def cleanup_command(
                                                   prefect_results_days), prefix=prefix)
     except (StoreError, ValueError) as error:
         raise _fail(str(error)) from None
+    console = _console()
     if not confirm:
         if as_json:
             print(plan.model_dump_json(indent=2))
@@ -178,6 +189,7 @@ def lineage_list(
     if as_json:
         print(json.dumps({**graph.to_dict(), "unmanifested": [o.key for o in orphans]}, indent=2))
         return
+    console = _console()
     table = Table("artifact", "kind", "bytes", "inputs", title=f"lineage of {store.uri(prefix)}")
     for uri, manifest in sorted(graph.manifests.items()):
         table.add_row(uri, str(manifest.kind), f"{manifest.bytes:,}", "\n".join(sorted(graph.inputs_of(uri))) or "-")
@@ -214,7 +226,7 @@ def lineage_show(
     if as_json:
         print(json.dumps(info, indent=2))
         return
-    console.print(_show_tree(info))
+    _console().print(_show_tree(info))
 
 
 def _show_tree(info: dict) -> Tree:

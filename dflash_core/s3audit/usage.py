@@ -1,7 +1,8 @@
 """What one pipeline run did to the bucket, beside what the bucket holds: the bytes the run wrote by kind
-(the objects whose manifests name one of its flow runs as their producer, manifests included), the
-bucket's totals by kind and by prefix group, unmanifested and dead objects, and what a cleanup with the
-given retention would reclaim. Computed from one audit; no S3 call here.
+(the objects whose manifests name one of its flow runs as their producer), the bucket's totals by kind
+and by prefix group, unmanifested and dead objects, and what a cleanup with the given retention would
+reclaim. Both sides count artifacts the same way: objects and bytes without their manifests. Computed
+from one audit; no S3 call here.
 """
 
 from __future__ import annotations
@@ -47,13 +48,12 @@ def run_usage(inventory: Inventory, report: AuditReport, plan: CleanupPlan, *, r
     """The usage of the runs `run_ids` (a pipeline's flow run and its stages') in the audited bucket."""
     ids = set(run_ids)
     written = {key for key, m in inventory.manifests.items() if m.producer.flow_run_id in ids}
-    mine = inventory.objects.filter(pl.col("artifact_key").is_in(list(written)) & pl.col("object_exists"))
-    by_kind = (mine.group_by("kind").agg(objects=(~pl.col("is_manifest")).sum(), bytes=pl.col("bytes").sum())
-               .sort("bytes", descending=True))
+    mine = inventory.artifacts.filter(pl.col("key").is_in(list(written)))  # as report.by_kind: no manifests
+    by_kind = mine.group_by("kind").agg(objects=pl.len(), bytes=pl.col("bytes").sum()).sort("bytes", descending=True)
     return RunUsage(
         store_uri=report.store_uri, listed_at=report.listed_at, run_ids=sorted(ids),
-        written_objects=int((~mine["is_manifest"]).sum()), written_bytes=int(mine["bytes"].sum()),
-        written_by_kind=by_kind.to_dicts(), bucket_objects=report.objects, bucket_bytes=report.bytes,
+        written_objects=mine.height, written_bytes=int(mine["bytes"].sum()), written_by_kind=by_kind.to_dicts(),
+        bucket_objects=sum(r["objects"] for r in report.by_kind), bucket_bytes=sum(r["bytes"] for r in report.by_kind),
         by_kind=report.by_kind,
         by_prefix=[{k: row[k] for k in ("group", "kind", "objects", "bytes", "unmanifested")}
                    for row in report.by_group[:USAGE_PREFIXES]],
@@ -66,10 +66,10 @@ def usage_markdown(usage: RunUsage) -> str:
     lines = [
         f"# S3 usage of this run in `{usage.store_uri}`",
         "",
-        f"**This run wrote {usage.written_objects:,} objects, {binary_bytes(usage.written_bytes)}** (with their "
-        f"manifests; what its {len(usage.run_ids)} flow runs are named producer of). The bucket holds "
-        f"{usage.bucket_objects:,} objects, {binary_bytes(usage.bucket_bytes)}, listed "
-        f"{usage.listed_at:%Y-%m-%d %H:%M} UTC.",
+        f"**This run wrote {usage.written_objects:,} objects, {binary_bytes(usage.written_bytes)}** (what its "
+        f"{len(usage.run_ids)} flow runs are named producer of). The bucket holds {usage.bucket_objects:,} objects, "
+        f"{binary_bytes(usage.bucket_bytes)}, listed {usage.listed_at:%Y-%m-%d %H:%M} UTC. Both count artifacts "
+        f"without their .manifest.json files.",
         "",
         f"**A cleanup would reclaim {binary_bytes(usage.dead_bytes)}** ({usage.dead_objects:,} dead objects under "
         f"the retention keep_checkpoints={usage.retention.keep_checkpoints}, abandoned_after_days="

@@ -25,7 +25,7 @@ class TokenizeConfig(StrictModel):
     model_config = ConfigDict(frozen=True)
 
     include_thinking_in_loss: bool = Field(
-        True, description="Train on the assistant's thinking tokens too (off: loss starts after </think>)."
+        True, description="Train on the assistant's thinking tokens too (off: loss starts after `</think>`)."
     )
     max_length: int = Field(8192, gt=0, description="Longest sequence kept, in tokens.")
     max_record_bytes: int = Field(

@@ -32,7 +32,7 @@ from dflash_core.train import checkpoint as ckpt
 from dflash_core.train.data import collate, data_passes
 from dflash_core.train.devices import Distributed
 from dflash_core.train.metrics_window import MetricsWindow, to_host
-from dflash_core.train.report import end_torn_line
+from dflash_core.train.report import trim_metrics
 from dflash_core.train.step import batch_tensors
 from dflash_core.train.strategies import PlainSteps, StepContext, StepStrategy, StepTiming
 
@@ -212,8 +212,8 @@ class Trainer:
         if self.dist.is_main and self.target_kernels is not None:
             record_target_kernels(self.run_dir, self.target_kernels)
         metrics_path = self.run_dir / "metrics.jsonl"
-        if self.dist.is_main and end_torn_line(metrics_path):
-            print(f"{metrics_path}: the last record was cut short (a crash mid-write); it is logged again", flush=True)
+        if self.dist.is_main:
+            self._resume_metrics(metrics_path)
         previous = signal.signal(signal.SIGTERM, self._request_stop)
         self.steps.open()
         last_checkpoint = None
@@ -266,6 +266,25 @@ class Trainer:
         if self.uploader is not None:
             self.uploader.finish(final=last_checkpoint)
         return TrainResult(self.step, last_checkpoint, preempted, metrics_path)
+
+    def _resume_metrics(self, path: Path) -> None:
+        """metrics.jsonl as of this run's step: the steps after it are logged again, so they (and a torn last
+        line) are cut. A run resumed where the log is not (a fresh machine) starts from S3's copy; the
+        uploader's first upload of the run's record then replaces S3's with the cut one."""
+        uploads = self.store is not None and self.config.upload_checkpoints
+        if self.step and uploads and not path.exists():
+            from dflash_core.storage import ObjectNotFound, StoreUnavailable
+
+            key = self.run_file_keys["metrics.jsonl"]
+            try:
+                path.write_bytes(self.store.get_bytes(key))
+            except ObjectNotFound:
+                pass
+            except StoreUnavailable as error:  # the log restarts here; S3's copy is replaced at the next upload
+                print(f"{self.store.uri(key)} could not be read ({error}): metrics.jsonl starts at step "
+                      f"{self.step + 1}", flush=True)
+        if cut := trim_metrics(path, step=self.step):
+            print(f"{path}: cut {cut} line(s) after step {self.step}, which this run logs again", flush=True)
 
     def _wait_for_claim(self) -> None:
         """A claim still pending at the end (S3 down since the start): wait for it as long as uploads may

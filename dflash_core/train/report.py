@@ -26,20 +26,26 @@ class MetricsLog:
 def load_metrics(path: Path) -> MetricsLog:
     """metrics.jsonl's records, skipping lines that are not a record: a write cut short by a crash (or
     one still being written) or anything else malformed. A record a resumed run glued onto a torn line
-    (logs written before `end_torn_line` existed) is recovered from that line."""
+    (logs written before resumed runs cut the log, `trim_metrics`) is recovered from that line."""
     by_step: dict[int, dict] = {}
     skipped = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        record = _record(line)
-        if record is None:
+        if _record(line) is None:
             skipped.append(number)
-            glued = line.rfind('{"step"')
-            record = _record(line[glued:]) if glued > 0 else None
+        record = _recovered(line)
         if record is not None:
             by_step[record["step"]] = record
     return MetricsLog(records=[by_step[step] for step in sorted(by_step)], skipped_lines=skipped, path=Path(path))
+
+
+def _recovered(line: str) -> dict | None:
+    """The line's record, or the one glued onto the end of a torn line."""
+    record = _record(line)
+    if record is None and (glued := line.rfind('{"step"')) > 0:
+        record = _record(line[glued:])
+    return record
 
 
 def _record(text: str) -> dict | None:
@@ -59,20 +65,26 @@ def read_metrics(path: Path) -> list[dict]:
     return metrics.records
 
 
-def end_torn_line(path: Path) -> bool:
-    """A crash mid-write leaves the last record without its newline: end that line, so the next record
-    starts one of its own (read_metrics skips the torn one). True when there was one."""
+def trim_metrics(path: Path, *, step: int) -> int:
+    """Cut metrics.jsonl after its last record of `step` or earlier: a run resumed at `step` (0: started over)
+    logs the steps after it again, and a crash mid-write leaves a torn line there. The lines before stay as
+    they are; the number of lines cut. Written to a temp file and renamed, so a crash keeps one whole log."""
     try:
-        with open(path, "rb+") as handle:
-            if handle.seek(0, os.SEEK_END) == 0:
-                return False
-            handle.seek(-1, os.SEEK_END)
-            if handle.read(1) == b"\n":
-                return False
-            handle.write(b"\n")
-            return True
+        lines = path.read_bytes().splitlines(keepends=True)
     except FileNotFoundError:
-        return False
+        return 0
+    kept = 0
+    for number, line in enumerate(lines, start=1):
+        record = _recovered(line.decode("utf-8", errors="replace"))
+        if record is not None and record["step"] <= step:
+            kept = number
+    data = b"".join(lines[:kept])
+    if kept == len(lines) and data.endswith(b"\n") or not lines:
+        return 0
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_bytes(data if not data or data.endswith(b"\n") else data + b"\n")
+    os.replace(temp, path)
+    return len(lines) - kept
 
 
 def smoothed(record: dict) -> dict:

@@ -1,7 +1,9 @@
 """The summary `dflash demo` ends with, rendered from a real pipeline result: a pipeline run (plan +
 tokenize) on the real Prefect and S3 servers, its stage runs read back over the REST API, and what
 `python -m flows.launch` prints parsed the way `dflash run` parses it. The drafter rows come from a
-result shaped like the evaluate flow's return.
+result shaped like the evaluate flow's return. The summary the run publishes on its own page (just
+before it ends, while the server still says Running) states how it ends: Completed, or Failed with the
+stage's error, after the time since it started (UTC), and how to rerun a finished stage.
 
 Run: `.venv/bin/python -m pytest -q tests/integration/test_run_summary.py`
 """
@@ -9,6 +11,8 @@ Run: `.venv/bin/python -m pytest -q tests/integration/test_run_summary.py`
 from __future__ import annotations
 
 import json
+import re
+import time
 import uuid
 
 from rich.console import Console
@@ -24,6 +28,23 @@ def _text(renderable) -> str:
     return console.export_text()
 
 
+def _published_summary(flow_run_id: str) -> str:
+    """The pipeline-summary artifact the run published on its own page."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        [artifact] = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["pipeline-summary"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return artifact.data
+
+
+def _seconds(duration: str) -> float:
+    """Seconds of a duration as the summary prints it (3m 20s, 12.5s)."""
+    minutes, seconds = re.fullmatch(r"(?:(\d+)m )?([\d.]+)s", duration).groups()
+    return int(minutes or 0) * 60 + float(seconds)
+
+
 def test_the_summary_renders_from_a_real_pipeline_run(prefect_server, store, env_settings):
     from dflash_core.embedded import embedded_tokenizer_dir
     from dflash_core.tokenize import GateThresholds
@@ -36,9 +57,19 @@ def test_the_summary_renders_from_a_real_pipeline_run(prefect_server, store, env
     tokenization = TokenizeParams(completions=f"s3://{store.bucket}/completions/{dataset}/run-a/",
                                   tokenizer_dir=str(embedded_tokenizer_dir(MODEL_CACHE)), workers=1,
                                   gate=GateThresholds(max_skipped_fraction=0.1))
+    started = time.monotonic()
     state = pipeline(PipelineParams(tokenization=tokenization), return_state=True)
+    took = time.monotonic() - started
     assert state.is_completed(), state
     flow_run_id = str(state.state_details.flow_run_id)
+    published = _published_summary(flow_run_id)
+    row = re.search(r"^\| pipeline \| (\w+) \| ([^|]+) \|", published, re.M)
+    assert row and row.group(1) == "Completed", published  # not "Running", as the server said at that moment
+    assert 0 < _seconds(row.group(2).strip()) <= took
+    assert re.search(r"\*\*pipeline Completed after [^*]+ \(started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\)\*\*",
+                     published), published
+    assert "## Running a stage again" in published and "refresh=true" in published
+    assert "Run is already COMPLETED" in published
     # What flows.launch prints: the link first, logs, then the result as indented JSON.
     printed = [f"dflash-pipeline/embedded-demo: flow run x http://127.0.0.1:4200/runs/flow-run/{flow_run_id}\n",
                "12:00:00                     pipeline | {not json\n",
@@ -57,6 +88,20 @@ def test_the_summary_renders_from_a_real_pipeline_run(prefect_server, store, env
     assert result["report"] in text and stages[1].url in text and stages[0].url in text
     assert f"s3://{store.bucket}/tokenized/{dataset}/run-a/" in text  # where the tokenized shards live
     assert "no evaluation in this run" in text
+
+
+def test_a_failed_pipeline_publishes_failed_with_the_stages_error(prefect_server, store, env_settings):
+    from flows.pipeline import PipelineParams, pipeline
+    from flows.tokenize import TokenizeParams
+
+    empty = f"s3://{store.bucket}/completions/summary-empty-{uuid.uuid4().hex[:8]}/run-a/"
+    state = pipeline(PipelineParams(tokenization=TokenizeParams(completions=empty)), return_state=True)
+    assert state.is_failed(), state
+    published = _published_summary(str(state.state_details.flow_run_id))
+    assert re.search(r"^\| pipeline \| Failed \| [^|-]+ \|", published, re.M), published
+    assert "**pipeline Failed after" in published and "UTC)**" in published
+    why = next(line for line in published.splitlines() if line.startswith("Why: "))
+    assert "stage tokenize ended Failed" in why and "no completion shards" in why
 
 
 def test_a_failed_launch_still_names_the_run():

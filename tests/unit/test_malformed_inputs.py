@@ -118,6 +118,32 @@ def test_a_record_that_never_closes_costs_only_itself(tmp_path, indent) -> None:
     assert "reading resumed at the next whole record" in line["detail"]
 
 
+OPEN_OBJECT = b'{"id": "x", "messages": [{"role": "user", "content": "q"}]'  # its closing brace is missing
+
+
+@pytest.mark.parametrize("after, reason", [(b'{"text": "q"}', "not_a_conversation"), (b"42", "malformed"),
+                                           (b'{"conversations": [{"from": "gpt", "value": "a"}]}', "empty")])
+def test_the_element_after_an_unclosed_object_is_read_on_its_own(tmp_path, after, reason) -> None:
+    """[a, {b never closed, c, d]: the decoder stops where c begins, so reading resumes there and c is counted
+    under its own reason, whatever it holds (the scan for the next conversation would skip to d)."""
+    path = tmp_path / "p.json"
+    path.write_bytes(b"[" + b",\n".join([GOOD[0], OPEN_OBJECT, after, GOOD[1]]) + b"]")
+    prompts, report = import_prompts([PromptSource(path, "s")])
+    assert sorted(p.id for p in prompts) == ["ok0", "ok1"]
+    assert report.read == 4 and dict(report.rejected) == ({"malformed": 2} if reason == "malformed" else
+                                                          {"malformed": 1, reason: 1})
+    assert [(line["index"], line["reason"]) for line in report.quarantine] == [(1, "malformed"), (2, reason)]
+    assert report.quarantine[0]["record"] == OPEN_OBJECT.decode()
+
+
+def test_a_valid_record_after_an_unclosed_object_is_kept(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    path.write_bytes(b"[" + b",".join([GOOD[0], OPEN_OBJECT, GOOD[1], GOOD[2]]) + b"]")
+    prompts, report = import_prompts([PromptSource(path, "s")])
+    assert sorted(p.id for p in prompts) == ["ok0", "ok1", "ok2"]
+    assert dict(report.rejected) == {"malformed": 1} and report.quarantine[0]["record"] == OPEN_OBJECT.decode()
+
+
 def test_an_unclosed_record_and_a_cut_at_the_end_are_told_apart(tmp_path) -> None:
     path = tmp_path / "p.json"
     path.write_bytes(b"[" + b",".join([GOOD[0], UNCLOSED, GOOD[1], GOOD[2], b'{"id": "cut", "mess']))

@@ -1,5 +1,6 @@
-"""metrics.jsonl survives a crash mid-write: the reader skips a torn record and names it, and a
-resumed run ends the torn line before it appends, so no record is glued to a fragment.
+"""metrics.jsonl survives a crash mid-write and a resume: the reader skips a torn record and names it,
+and a resumed run cuts the log after the step it resumes at (the steps after it, and a torn line, are
+logged again), so every step is in the log once and no record is glued to a fragment.
 
 Run: `.venv/bin/python -m pytest tests/unit/test_metrics_log.py -q`
 """
@@ -13,7 +14,7 @@ import pytest
 
 from dflash_core.train.checkpoint import complete_checkpoints
 from dflash_core.train.assemble import build_trainer
-from dflash_core.train.report import end_torn_line, load_metrics, read_metrics
+from dflash_core.train.report import load_metrics, read_metrics, trim_metrics
 from tests.unit.test_trainer import tiny_config
 
 
@@ -43,19 +44,35 @@ def test_only_dicts_with_an_integer_step_are_records_and_a_glued_record_is_recov
                                            "mid-write is logged again after the resume")
 
 
-def test_end_torn_line_ends_only_a_torn_line(tmp_path):
+def test_trim_cuts_after_the_resumed_step_and_a_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    assert end_torn_line(path) is False  # no file yet
+    assert trim_metrics(path, step=3) == 0 and not path.exists()  # no file yet
     path.write_text("")
-    assert end_torn_line(path) is False
-    path.write_text(_line(1, 3.0))
-    assert end_torn_line(path) is False and path.read_text() == _line(1, 3.0)
-    path.write_text(_line(1, 3.0) + '{"step": 2, "lo')
-    assert end_torn_line(path) is True
-    assert path.read_text() == _line(1, 3.0) + '{"step": 2, "lo\n'
+    assert trim_metrics(path, step=3) == 0 and path.read_text() == ""
+    path.write_text(_line(1, 3.0) + _line(2, 2.5))
+    assert trim_metrics(path, step=3) == 0 and path.read_text() == _line(1, 3.0) + _line(2, 2.5)
+    path.write_text(_line(1, 3.0) + "x\n" + _line(2, 2.5) + _line(3, 2.0) + _line(4, 1.5) + '{"step": 5, "lo')
+    assert trim_metrics(path, step=2) == 3
+    assert path.read_text() == _line(1, 3.0) + "x\n" + _line(2, 2.5)  # a bad line before the step stays
+    assert trim_metrics(path, step=0) == 3 and path.read_text() == ""  # started over: nothing is kept
+    path.write_text(_line(1, 3.0) + _line(2, 2.5).strip())  # cut just before its newline
+    assert trim_metrics(path, step=2) == 0 and path.read_text() == _line(1, 3.0) + _line(2, 2.5)
 
 
-def test_a_resumed_run_appends_after_a_torn_record(tmp_path, capsys):
+def test_a_resumed_run_logs_each_step_once(tmp_path, capsys):
+    # checkpoints at 2, 4, 6; the one at 6 lost: the run resumes at 4 and logs 5 and 6 again
+    config = tiny_config(tmp_path, max_steps=6, log_every=1, checkpoint_every=2, keep_last=3)
+    build_trainer(config).run()
+    shutil.rmtree(complete_checkpoints(config.run_dir / "checkpoints")[-1])
+    resumed = build_trainer(config)
+    assert resumed.resume() and resumed.step == 4
+    resumed.run()
+    assert "cut 2 line(s) after step 4" in capsys.readouterr().out
+    metrics = config.run_dir / "metrics.jsonl"
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resumed_run_appends_after_a_torn_record(tmp_path):
     # killed while writing step 4's record, i.e. before step 4's checkpoint
     config = tiny_config(tmp_path, max_steps=4, log_every=2, checkpoint_every=2)
     build_trainer(config).run()
@@ -66,8 +83,5 @@ def test_a_resumed_run_appends_after_a_torn_record(tmp_path, capsys):
     resumed = build_trainer(config)
     assert resumed.resume() and resumed.step == 2
     resumed.run()
-    assert "the last record was cut short" in capsys.readouterr().out
-    with pytest.warns(UserWarning, match="skipped 1 torn"):
-        records = read_metrics(metrics)
-    assert [r["step"] for r in records] == [2, 4]
-    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == 4  # its own line, not glued on
+    assert load_metrics(metrics).skipped_lines == []  # the torn line is cut, not kept beside the new record
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [2, 4]
