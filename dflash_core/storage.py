@@ -8,16 +8,22 @@ Every failure is one of the errors of `dflash_core.storage_errors` (importable f
 tell the caller what to do: `StoreUnavailable` (unreachable, timeouts, 5xx, throttling: retry later),
 `StoreConfigError` (wrong credentials, missing bucket, an endpoint that is not an S3 server: retrying
 cannot help, fix the named setting), `ObjectNotFound`, `ChecksumMismatch`, `PreconditionFailed` (a
-conditional write or delete found the object changed).
+conditional write or delete found the object changed). A download that cannot fit on the local disk raises
+`DiskFull` (dflash_core.train.disk_space): refused before it starts when the object is larger than what is
+free, or after the partial file is removed when the disk fills during it.
+
+`fenced(guard)` gives the same bucket with a guard called before every write and delete: a training run's
+uploads are fenced by its run lease that way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +37,7 @@ from dflash_core.storage_errors import (
     BOTO_ERRORS, ChecksumMismatch, ObjectNotFound, PreconditionFailed, StoreConfigError, StoreError,
     StoreUnavailable, not_s3, translate,
 )
+from dflash_core.train.disk_space import discard_partial_write, require_free
 
 if TYPE_CHECKING:
     from dflash_core.settings import Settings
@@ -50,6 +57,7 @@ _HASH_CHUNK = 4 * 1024**2
 
 _CHECK_ATTEMPTS = 2
 _CHECK_CONNECT_TIMEOUT_S = 2
+DOWNLOAD_DISK_ADVICE = "Free space there, or download to a disk with room, then retry"
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ class ObjectStore:
         self._transfer = TransferConfig(
             multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD
         )
+        self._write_guard: Callable[[str], None] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ObjectStore:
@@ -127,6 +136,14 @@ class ObjectStore:
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
+
+    def fenced(self, guard: Callable[[str], None]) -> ObjectStore:
+        """This bucket through the same clients, with `guard(key)` called before every write and delete of
+        `key` (it raises a `StoreError` to refuse); reads are not guarded. A multipart upload under way
+        when the guard starts refusing runs on (a run lease's next owner aborts it at its first reconcile)."""
+        view = copy.copy(self)
+        view._write_guard = guard
+        return view
 
     def key_of(self, uri_or_key: str) -> str:
         """The key of `s3://<this bucket>/<key>` (a bare key as it is); a ValueError for another bucket's URI."""
@@ -167,6 +184,7 @@ class ObjectStore:
         the condition does not hold, `PreconditionFailed` and nothing is written. A server that ignores
         preconditions writes anyway, so a caller that relies on them reads the object back."""
         condition, extra = _precondition(if_absent=if_absent, if_match=if_match)
+        self._may_write(key)
         digest = sha256_bytes(data)
         meta = {**(metadata or {}), SHA256_METADATA_KEY: digest}
         with self._errors(key, condition=condition):
@@ -181,6 +199,7 @@ class ObjectStore:
         path = Path(path)
         size = path.stat().st_size
         meta = {**(metadata or {}), SHA256_METADATA_KEY: sha256 or sha256_file(path)}
+        self._may_write(key)
         with self._errors(key), _transfer_progress(f"upload {path.name}", size, progress) as callback:
             self.client.upload_file(
                 str(path), self.bucket, key, ExtraArgs={"Metadata": meta},
@@ -202,6 +221,7 @@ class ObjectStore:
             os.unlink(spool.name)
 
     def copy(self, source_key: str, dest_key: str) -> ObjectInfo:
+        self._may_write(dest_key)
         with self._errors(source_key):
             self.client.copy({"Bucket": self.bucket, "Key": source_key}, self.bucket, dest_key)
         return self.head(dest_key)
@@ -234,12 +254,16 @@ class ObjectStore:
             self._verify(key, response.get("Metadata", {}).get(SHA256_METADATA_KEY), sha256_bytes(data))
         return data
 
-    def get_file(self, key: str, path: Path | str, *, verify: bool = True,
-                 progress: bool | None = None) -> Path:
-        """Download atomically: into a temp file beside `path`, verified, then renamed."""
+    def get_file(self, key: str, path: Path | str, *, verify: bool = True, progress: bool | None = None,
+                 disk_advice: str = DOWNLOAD_DISK_ADVICE) -> Path:
+        """Download atomically: into a temp file beside `path`, verified, then renamed. `DiskFull` (naming the
+        dir, the object's size and what is free, then `disk_advice`) before anything is written when the
+        object cannot fit, or once the partial file is removed when the disk fills during the download."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         info = self.head(key)
+        what = f"the download of {self.uri(key)}"
+        require_free(path.parent, info.size, what=what, advice=disk_advice)
         fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         os.close(fd)
         try:
@@ -248,6 +272,10 @@ class ObjectStore:
             if verify:
                 self._verify(key, info.sha256, sha256_file(Path(tmp_name)))
             os.replace(tmp_name, path)
+        except OSError as error:  # s3transfer has removed its own partial file by now
+            discard_partial_write(error, partial=Path(tmp_name), needed_bytes=info.size, what=what,
+                                  advice=disk_advice)
+            raise
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)
@@ -287,6 +315,7 @@ class ObjectStore:
         """Delete one object (an absent key is no error, as in S3). With `if_match`, only while the
         object is at that ETag: `PreconditionFailed` when it changed or is gone."""
         condition, extra = _precondition(if_match=if_match)
+        self._may_write(key)
         with self._errors(key, condition=condition):
             self.client.delete_object(Bucket=self.bucket, Key=key, **extra)
 
@@ -304,6 +333,8 @@ class ObjectStore:
         return deleted
 
     def _delete_batch(self, keys: list[str]) -> int:
+        for key in keys:
+            self._may_write(key)
         with self._errors(key=None):
             response = self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
@@ -336,12 +367,17 @@ class ObjectStore:
         prefix is in flight); how many were aborted."""
         uploads = self.incomplete_uploads(prefix)
         for upload in uploads:
+            self._may_write(upload["key"])
             with self._errors(upload["key"]):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload["key"],
                                                    UploadId=upload["upload_id"])
         return len(uploads)
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _may_write(self, key: str) -> None:
+        if self._write_guard is not None:
+            self._write_guard(key)
 
     def _scratch(self) -> Path:
         scratch = self._scratch_dir or Path(tempfile.gettempdir())

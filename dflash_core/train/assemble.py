@@ -29,14 +29,18 @@ from dflash_core.train.parts import TrainingParts
 
 if TYPE_CHECKING:
     from dflash_core.lineage import InputRef
+    from dflash_core.lineage_refs import DigestCache
     from dflash_core.storage import ObjectStore
     from dflash_core.train.loop import Trainer
 
 
 def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Distributed,
                    store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
-                   corpus: TokenizedCorpus | None = None) -> TrainingParts:
-    """The run's parts. `corpus` given (benchmarks, tests) replaces reading `config.data`."""
+                   corpus: TokenizedCorpus | None = None,
+                   digests: DigestCache | None = None) -> TrainingParts:
+    """The run's parts. `corpus` given (benchmarks, tests) replaces reading `config.data`. The inputs the
+    checkpoints' manifests name (rank 0, uploading to `store`): the shards read, then the target (its
+    files by sha256, `digests` caching their hashes, or its spec and seed when it is built in code)."""
     torch.manual_seed(config.seed)
     inputs: list[InputRef] = []
     if corpus is None:
@@ -45,6 +49,10 @@ def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Dis
         inputs = [ref for _, ref in shards if ref is not None]
         corpus = load_corpus([(str(path), read_shard_table(path)) for path, _ in shards])
     target = load_target_model(config.target, device=devices.target, models_dir=models_dir, seed=config.seed)
+    if store is not None and config.upload_checkpoints and dist_info.is_main:
+        from dflash_core.lineage_refs import target_refs  # boto3 only where S3 is used
+
+        inputs += target_refs(config.target, seed=config.seed, models_dir=models_dir, digests=digests)
     if devices.target.type == "cuda":
         # Packed documents: a BlockMask built from position ids skips the cross-document blocks.
         reason = use_flex_attention(target)
@@ -72,7 +80,8 @@ def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Dis
 
 def build_trainer(config: TrainConfig, *, store: ObjectStore | None = None, models_dir: Path = Path(".dflash/models"),
                   dist_info: Distributed | None = None, devices: TrainDevices | None = None,
-                  corpus: TokenizedCorpus | None = None, **loop_options: Any) -> Trainer:
+                  corpus: TokenizedCorpus | None = None, digests: DigestCache | None = None,
+                  **loop_options: Any) -> Trainer:
     """Build, parallelize, and return the loop over them. `loop_options` are `Trainer`'s (checkpoint
     prefix, flow run id, S3 outage limit, lease, the bucket's prefixes)."""
     from dflash_core.train.loop import Trainer
@@ -81,7 +90,7 @@ def build_trainer(config: TrainConfig, *, store: ObjectStore | None = None, mode
     dist_info = dist_info or Distributed.from_env()
     devices = devices or resolve_devices(config, dist_info)
     parts = build_training(config, devices=devices, dist_info=dist_info, store=store, models_dir=models_dir,
-                           corpus=corpus)
+                           corpus=corpus, digests=digests)
     model = parallelize(parts, world_size=dist_info.world_size)
     return Trainer(parts, model, store=store, dist_info=dist_info, **loop_options)
 

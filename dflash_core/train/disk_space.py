@@ -1,7 +1,8 @@
-"""A full disk while writing a checkpoint or a converted model: one error, `DiskFull`, raised after the
-partial output is removed, naming the dir, what the write needs and what is free, so a run stops with
-a reason instead of a writer's traceback (torch's zip writer says only `inline_container.cc ...
-unexpected pos`, safetensors `I/O error ... (os error 28)`) and a disk left full.
+"""A full disk while writing a checkpoint, a converted model or a download (dflash_core.storage): one
+error, `DiskFull`, raised after the partial output is removed, naming the dir, what the write needs and
+what is free, so a run stops with a reason instead of a writer's traceback (torch's zip writer says only
+`inline_container.cc ... unexpected pos`, safetensors `I/O error ... (os error 28)`, s3transfer a bare
+`OSError` from its IO thread) and a disk left full.
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ def require_free(directory: Path, needed_bytes: int, *, what: str, advice: str) 
 
 
 def discard_partial_write(error: BaseException, *, partial: Path, needed_bytes: int, what: str, advice: str) -> None:
-    """After a failed write into the temp dir `partial`: remove it at once, then raise `DiskFull` (from
-    `error`) when the disk was full. Returns otherwise, for the caller to re-raise `error`."""
-    shutil.rmtree(partial, ignore_errors=True)
+    """After a failed write into the temp dir or file `partial`: remove it at once, then raise `DiskFull`
+    (from `error`) when the disk was full. Returns otherwise, for the caller to re-raise `error`."""
+    if Path(partial).is_dir():
+        shutil.rmtree(partial, ignore_errors=True)
+    else:
+        Path(partial).unlink(missing_ok=True)
     directory = Path(partial).parent
     free = free_bytes(directory)
     if is_disk_full(error, free_after_bytes=free, needed_bytes=needed_bytes):

@@ -4,16 +4,25 @@
 The local `run_lock` stops a second start on the same run dir; this stops a second start anywhere
 (another output dir, another host) before it reads or writes a checkpoint of the name.
 
-    {"owner": "<uuid>", "host", "pid", "user", "run_dir", "started_at", "heartbeat_at", "stale_after_s"}
+    {"owner": "<uuid>", "host", "pid", "user", "run_dir", "started_at", "heartbeat_at", "stale_after_s",
+     "boot_id", "pid_ns"}
 
 Claimed with a conditional PUT (`If-None-Match: *`, refused with 412 when the object exists), refreshed
 by a background thread every `HEARTBEAT_EVERY_S` with `If-Match: <our ETag>` (so a heartbeat of an
 owner that lost the lease never overwrites the new owner's), released at the end with a conditional
 DELETE. SeaweedFS, AWS S3 and MinIO honour both preconditions; every claim is also read back, so a
 server that ignored them is caught. A lease whose last write (the server's Last-Modified, against the
-server's Date on our read: one clock, whatever the hosts' clocks say) is older than `LEASE_STALE_AFTER_S`
-is taken over, and so is one whose PID is no longer running on this very host (a kill -9 of our own
-earlier attempt); both say whose lease they took.
+server's Date on our read: one clock, whatever the hosts' clocks say) is older than the stale time
+(`LEASE_STALE_AFTER_S`, or the owner's own if longer) is taken over, and so is one whose PID is no longer
+running in this very PID namespace (a kill -9 of our own earlier attempt): same kernel boot and PID
+namespace, since containers on one host or on several can share a host name; both say whose lease they took.
+
+The owner gives its claim up on its own side too: once its last successful write (timed from when the
+request was sent) is older than the stale time less one heartbeat, `held` is False and `require_held`
+refuses, so a run cut off from the bucket stops writing to S3 before another host may take its name over
+(the heartbeat's margin covers a write let through just before, and the server's one-second dates). The
+heartbeat keeps renewing with `If-Match`: if nobody took the name meanwhile the lease is held again, else
+it is lost.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -49,6 +58,11 @@ class RunLeaseLost(StoreError):
     """This run's lease was taken over or deleted while it ran: another run owns the name now."""
 
 
+class RunLeaseNotHeld(StoreUnavailable):
+    """This run does not hold its lease right now (the claim is pending, or expired on our side while S3
+    was unreachable): nothing may be written to S3 until a claim or renewal succeeds. Retry later."""
+
+
 def host_name(override: str | None = None) -> str:
     """The name this host gives in leases: `override` (e.g. DFLASH_HOST_NAME), else the system's."""
     return override or socket.gethostname()
@@ -64,6 +78,8 @@ class LeaseRecord:
     started_at: float
     heartbeat_at: float
     stale_after_s: float
+    boot_id: str | None = None  # the kernel's boot (None: unknown, e.g. no /proc, or an older lease)
+    pid_ns: str | None = None  # the PID namespace `pid` is a number in, e.g. "pid:[4026531836]"
 
     def describe(self, *, age_s: float | None) -> str:
         beat = f"last heartbeat {_iso(self.heartbeat_at)}"
@@ -83,7 +99,8 @@ class _Seen:
 class RunLease:
     """Claim `key` for this process (`acquire`), keep it fresh from a thread, `release` at the end.
     S3 unavailable at the claim: training may start, the claim is retried in the background and
-    `held` stays False until it succeeds (callers hold back S3 checkpoint writes until then)."""
+    `held` stays False until it succeeds; it is False again while the claim has expired on our side
+    (writers ask `require_held` before each write to S3)."""
 
     def __init__(self, store: ObjectStore, key: str, *, run_name: str, run_dir: Path, host: str | None = None,
                  heartbeat_every_s: float = HEARTBEAT_EVERY_S, stale_after_s: float = LEASE_STALE_AFTER_S,
@@ -95,11 +112,15 @@ class RunLease:
         self.run_name = run_name
         self.heartbeat_every_s = heartbeat_every_s
         self.stale_after_s = stale_after_s
+        self.expires_after_s = stale_after_s - heartbeat_every_s  # our side of the claim: see the module doc
         self.log = log or (lambda message: print(f"[run lease] {message}", file=sys.stderr, flush=True))
         now = time.time()
         self.record = LeaseRecord(owner=uuid.uuid4().hex, host=host_name(host), pid=os.getpid(), user=_user(),
-                                  run_dir=str(run_dir), started_at=now, heartbeat_at=now, stale_after_s=stale_after_s)
+                                  run_dir=str(run_dir), started_at=now, heartbeat_at=now,
+                                  stale_after_s=stale_after_s, boot_id=_boot_id(), pid_ns=_pid_namespace())
         self._etag: str | None = None
+        self._renewed_at: float | None = None  # time.monotonic() when our last successful write was sent
+        self._expired_logged = False
         self._lost: StoreError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -110,7 +131,24 @@ class RunLease:
 
     @property
     def held(self) -> bool:
-        return self._etag is not None and self._lost is None
+        """Claimed, not lost, and renewed within `expires_after_s`: whether this run may write to S3 now."""
+        return self._etag is not None and self._lost is None and self._since_renewal() <= self.expires_after_s
+
+    def require_held(self, key: str | None = None) -> None:
+        """Raise unless `held`: `RunLeaseLost`/`RunLeaseHeld` when another run owns the name (final),
+        `RunLeaseNotHeld` while the claim is pending or expired (retry later). `key`: the write refused."""
+        self.raise_if_lost()
+        if self.held:
+            return
+        refused = f"; not writing {self.store.uri(key)}" if key is not None else ""
+        run = f"run {self.run_name!r}"
+        if self._etag is None:
+            raise RunLeaseNotHeld(f"{run} has not claimed {self.uri} yet (S3 was unreachable at the claim, "
+                                  f"which is retried in the background){refused}")
+        raise RunLeaseNotHeld(
+            f"{run} last renewed its lease {self.uri} {self._since_renewal():.1f} s ago, past its "
+            f"{self.expires_after_s:g} s: another run may take the name over after {self.stale_after_s:g} s "
+            f"without a heartbeat, so nothing goes to S3 until a renewal succeeds{refused}")
 
     # ---- the run's side --------------------------------------------------------------------------
 
@@ -163,6 +201,7 @@ class RunLease:
     def _claim(self) -> None:
         """Create the lease, or take over a stale or dead one; RunLeaseHeld when a live owner has it."""
         for _ in range(3):  # a takeover raced by another claimant: look again
+            sent = time.monotonic()
             etag = self._put(if_absent=True)
             if etag is None:
                 seen = self._read()
@@ -171,12 +210,13 @@ class RunLease:
                 why = self._free_because(seen)
                 if why is None:
                     raise RunLeaseHeld(self._held_message(seen))
+                sent = time.monotonic()
                 etag = self._put(if_match=seen.etag)
                 if etag is None:
                     continue
                 old = seen.record.describe(age_s=seen.age_s) if seen.record else "an unreadable lease"
                 self.log(f"took over run {self.run_name!r} at {self.uri} from {old}: {why}")
-            self._etag = etag
+            self._etag, self._renewed_at = etag, sent
             self._confirm()
             self.log(f"claimed run {self.run_name!r} at {self.uri} as PID {self.record.pid} on host {self.record.host}")
             return
@@ -195,6 +235,7 @@ class RunLease:
 
     def _refresh(self) -> None:
         self.record = replace(self.record, heartbeat_at=time.time())
+        sent = time.monotonic()
         etag = self._put(if_match=self._etag)
         if etag is None:
             seen = self._read()
@@ -205,7 +246,10 @@ class RunLease:
                 f"checkpoints are intact under {self.record.run_dir}")
             self.log(str(self._lost))
             return
-        self._etag = etag
+        if self._since_renewal() > self.expires_after_s:  # it had expired by the time this write got through
+            self.log(f"renewed {self.uri} after {self._since_renewal():.0f} s without a renewal; nobody took "
+                     "the name meanwhile, S3 writes go on")
+        self._etag, self._renewed_at, self._expired_logged = etag, sent, False
 
     def _beat(self) -> None:
         delay = 1.0
@@ -222,21 +266,39 @@ class RunLease:
             except StoreError as error:
                 delay = min(delay * 2, self.heartbeat_every_s)
                 self.log(f"{'claim' if self._etag is None else 'heartbeat'} of {self.uri} failed ({error}); retrying")
+                if self._etag is not None and not self.held and not self._expired_logged:
+                    self._expired_logged = True
+                    self.log(f"no renewal of {self.uri} for {self._since_renewal():.0f} s: this run no "
+                             "longer counts as holding its name and writes nothing to S3 until a renewal "
+                             "succeeds")
             if self._lost is not None:
                 return
+
+    def _since_renewal(self) -> float:
+        return float("inf") if self._renewed_at is None else time.monotonic() - self._renewed_at
 
     def _free_because(self, seen: _Seen) -> str | None:
         """Why an existing lease may be taken over, or None while its owner is live."""
         record = seen.record
         if record is not None and record.owner == self.record.owner:
             return "our own claim"
-        if seen.age_s is not None and seen.age_s > self.stale_after_s:
-            return f"no heartbeat for {seen.age_s:.0f} s (stale after {self.stale_after_s:.0f} s)"
+        # The owner keeps off S3 from its own stale time less a heartbeat: never take it over before that.
+        stale = max(self.stale_after_s, record.stale_after_s if record is not None else 0.0)
+        if seen.age_s is not None and seen.age_s > stale:
+            return f"no heartbeat for {seen.age_s:.0f} s (stale after {stale:.0f} s)"
         if record is None:
             return None if seen.age_s is not None else "unreadable, with no time to judge it by"
-        if record.host == self.record.host and not _pid_running(record.pid):
-            return f"PID {record.pid} is no longer running on this host"
+        if self._same_pid_namespace(record) and not _pid_running(record.pid):
+            return (f"PID {record.pid} is no longer running on this host (same boot, PID namespace "
+                    f"{record.pid_ns})")
         return None
+
+    def _same_pid_namespace(self, record: LeaseRecord) -> bool:
+        """Whether `record.pid` is a PID of our own namespace: the same kernel boot (a namespace's id is
+        unique only within one) and the same PID namespace; unknown on either side counts as not."""
+        ours = self.record
+        return (None not in (ours.boot_id, ours.pid_ns) and record.boot_id == ours.boot_id
+                and record.pid_ns == ours.pid_ns)
 
     def _held_message(self, seen: _Seen) -> str:
         holder = seen.record.describe(age_s=seen.age_s) if seen.record else "an unreadable lease object"
@@ -270,8 +332,10 @@ class RunLease:
         modified = response.get("LastModified")
         age = (parsedate_to_datetime(server_now) - modified).total_seconds() if server_now and modified else None
         try:
-            record = LeaseRecord(**json.loads(body))
-        except (ValueError, TypeError):
+            found = json.loads(body)
+            record = LeaseRecord(**{field.name: found[field.name] for field in fields(LeaseRecord)
+                                    if field.name in found})
+        except (ValueError, TypeError):  # not JSON, not an object, or a required field missing
             record = None
         if age is None and record is not None:  # no server clock to go by: the owner's own heartbeat time
             age = time.time() - record.heartbeat_at
@@ -290,6 +354,20 @@ def _pid_running(pid: int) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _user() -> str:

@@ -17,6 +17,11 @@ The run's record (`run_files`: run.yaml, provenance.json, metrics.jsonl) rides t
 same retries and outage limit: uploaded with manifests at start, after each checkpoint
 (`submit_run_files`) and at the end, each file only when S3's copy differs, metrics.jsonl up to its
 last complete record (the trainer may be appending one).
+
+Given the run's `lease` (dflash_core.train.run_lease), every write and delete goes through a store fenced
+by it: while the claim is pending or has expired on our side (S3 unreachable for longer than the lease
+allows) nothing is written and the job is retried as in an outage; once another run owns the name the
+uploads fail at once, so a cut-off owner never writes into the new owner's checkpoints.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dflash_core.storage import (
 )
 from dflash_core.train.checkpoint import _FILES, complete_checkpoints
 from dflash_core.train.remote import upload_checkpoint
+from dflash_core.train.run_lease import RunLease, RunLeaseHeld, RunLeaseLost
 
 DEFAULT_OUTAGE_LIMIT_S = 300.0  # below entry's process-group timeout: other ranks wait while rank 0 finishes
 _RECONCILE = "reconcile"
@@ -79,10 +85,12 @@ class CheckpointUploader:
     def __init__(self, store: ObjectStore, *, root: Path, key_prefix: str, keep_last: int,
                  inputs: list[InputRef] = (), config: dict | None = None, producer: Producer | None = None,
                  run_files: dict[str, Path] | None = None, outage_limit_s: float = DEFAULT_OUTAGE_LIMIT_S,
-                 backoff_s: tuple[float, float] = (1.0, 30.0), log: Callable[[str], None] | None = None):
+                 backoff_s: tuple[float, float] = (1.0, 30.0), lease: RunLease | None = None,
+                 log: Callable[[str], None] | None = None):
         """`run_files`: S3 key -> local file of the run's record, uploaded at start, on `submit_run_files` and
-        at `finish` (a file not written yet is skipped)."""
-        self.store = store
+        at `finish` (a file not written yet is skipped). `lease`: the run's claim on its name, which every
+        write to S3 must hold (None: writes are not fenced, for callers that claim no name)."""
+        self.store = store.fenced(lease.require_held) if lease is not None else store
         self.root = Path(root)
         self.key_prefix = key_prefix.rstrip("/")
         self.keep_last = keep_last
@@ -190,7 +198,7 @@ class CheckpointUploader:
                     self.log(f"S3 is back after {time.monotonic() - self._down_since:.0f} s")
                 self._down_since = None
                 return True
-            except (StoreConfigError, ChecksumMismatch) as error:
+            except (StoreConfigError, ChecksumMismatch, RunLeaseHeld, RunLeaseLost) as error:
                 self._error = CheckpointUploadFailed(f"checkpoint upload failed and cannot succeed by retrying: "
                                                      f"{error}")
                 self.log(str(self._error))

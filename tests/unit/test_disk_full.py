@@ -1,7 +1,8 @@
-"""A full disk at a checkpoint or at the embedded model's conversion, without filling a disk: the
-writers are patched to fail as they do on a full disk (OSError ENOSPC, safetensors' error text,
-torch's errno-less zip-writer RuntimeError). The temp dir goes at once, the error names the dir, what
-the write needs and what is free, and the run ends with an `error:` line the flow does not retry.
+"""A full disk at a checkpoint, at the embedded model's conversion or under a download's partial file,
+without filling a disk: the writers are patched to fail as they do on a full disk (OSError ENOSPC,
+safetensors' error text, torch's errno-less zip-writer RuntimeError). The temp dir (or file) goes at once,
+the error names the dir, what the write needs and what is free, and the run ends with an `error:` line
+the flow does not retry. (A real full tmpfs under a download: tests/integration/test_download_disk_full.py.)
 
 Run: `.venv/bin/python -m pytest tests/unit/test_disk_full.py -q`
 """
@@ -179,3 +180,15 @@ def test_disk_full_ends_the_run_with_an_error_line_the_flow_does_not_retry(tmp_p
             raise refused.value
 
     assert train_tasks.retry_unless_refused(None, None, State()) is False
+
+
+def test_a_partial_file_goes_too(tmp_path) -> None:
+    partial = tmp_path / "cache" / ".shard-00000.arrow.x1y2"
+    partial.parent.mkdir()
+    partial.write_bytes(b"\0" * 4096)  # a download cut short by the full disk
+    reported = (r"^disk full: the download of s3://b/k needs about 8\.0 KiB in .*cache, and .* are free "
+                r"there; the partial \.shard-00000\.arrow\.x1y2 was removed\. Retry$")
+    with pytest.raises(DiskFull, match=reported):
+        disk_space.discard_partial_write(OSError(errno.ENOSPC, "No space left on device"), partial=partial,
+                                         needed_bytes=8192, what="the download of s3://b/k", advice="Retry")
+    assert not partial.exists()
