@@ -67,7 +67,7 @@ class GenerateParams(StrictModel):
     refresh: bool = Field(False, description=(
         "Check every shard again instead of trusting the all-done shortcut and cached task results (shards already "
         "answered with the same prompts, model and sampling are kept; change `run` to answer anew): how to rerun a "
-        "finished generation, since Prefect offers no Retry on a Completed run."))
+        "finished generation: the server refuses Retry on a Completed run (the UI still shows a success toast)."))
     engine: EngineProfile | None = Field(None, description="Server profile; None: transformers serve on the embedded model.")
     node: Node | None = Field(None, description=(
         "The node this runs on (from the inventory): preserved (logs, configs, inventory to S3; nothing deleted) "

@@ -68,8 +68,8 @@ class TokenizeParams(StrictModel):
         "and training refuses it unless the training run sets allow_failed_quality_gate.")
     workers: int | None = Field(None, ge=1, description="Tokenizer processes shared by all shards; None: every core.")
     refresh: bool = Field(False, description=(
-        "Tokenize every shard again, ignoring cached results: how to rerun a finished tokenization (Prefect offers "
-        "no Retry on a Completed run). Without it a rerun redoes only shards whose input, tokenizer or config "
+        "Tokenize every shard again, ignoring cached results: how to rerun a finished tokenization (the server "
+        "refuses Retry on a Completed run, behind a success toast in the UI). Without it a rerun redoes only shards whose input, tokenizer or config "
         "changed."))
 
 

@@ -214,6 +214,6 @@ def stored_checkpoint(settings: Settings, config: TrainConfig, checkpoint: str) 
     if not store.exists(f"{key}/{CHECKPOINT_META_FILE}"):
         return Checkpoint(uri=str(checkpoint), **common)
     inputs = read_manifest(store, f"{key}/{CHECKPOINT_MODEL_FILE}").inputs
-    data = [StoredShard(uri=i.uri, sha256=i.sha256 or "") for i in inputs]
+    data = [StoredShard(uri=i.uri, sha256=i.sha256 or "") for i in inputs if i.role is None]  # the target's have a role
     assert not any(is_heldout_key(s.uri) for s in data), "fetch_shards refuses held-out shards"
     return Checkpoint(uri=store.uri(key), data=data, **common)

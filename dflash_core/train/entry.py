@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from dflash_core.data.verdict import UnusableData
 from dflash_core.layout import checkpoints_key, run_lease_key
+from dflash_core.lineage_refs import DigestCache
 from dflash_core.provenance import current_producer
 from dflash_core.settings import Settings, load_settings
 from dflash_core.train.checkpoint import complete_checkpoints, latest_checkpoint, remove_debris
@@ -152,7 +153,8 @@ def _train(args: argparse.Namespace, config: TrainConfig, dist_info: Distributed
         _refuse_remote_checkpoints(store, checkpoint_prefix)
     trainer = build_trainer(config, store=store, models_dir=settings.work_path("models"), dist_info=dist_info,
                             devices=devices, flow_run_id=args.flow_run_id, s3_outage_limit_s=args.s3_outage_limit_s,
-                            checkpoint_prefix=checkpoint_prefix, lease=lease, s3_prefixes=settings.s3_prefixes)
+                            checkpoint_prefix=checkpoint_prefix, lease=lease, s3_prefixes=settings.s3_prefixes,
+                            digests=DigestCache(settings.work_path("cache", "sha256.json")))
     try:
         if dist_info.is_main:
             write_run_record(config)

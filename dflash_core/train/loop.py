@@ -151,7 +151,7 @@ class Trainer:
             keep_last=self.config.keep_last, inputs=self.inputs, config=self.config.model_dump(mode="json"),
             producer=current_producer(flow_run_id=self.flow_run_id),
             run_files={key: self.run_dir / name for name, key in self.run_file_keys.items()},
-            outage_limit_s=self.s3_outage_limit_s or DEFAULT_OUTAGE_LIMIT_S)
+            outage_limit_s=self.s3_outage_limit_s or DEFAULT_OUTAGE_LIMIT_S, lease=self.lease)
 
     def resume(self) -> bool:
         """Load the latest complete checkpoint (local, else S3); False when there is none."""

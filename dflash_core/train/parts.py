@@ -35,7 +35,7 @@ class TrainingParts:
     drafter: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    inputs: list[InputRef] = field(default_factory=list)  # the shards read, for the checkpoints' lineage
+    inputs: list[InputRef] = field(default_factory=list)  # the shards read, then the target's files, for the checkpoints' lineage
 
     @property
     def teacher(self) -> bool:
