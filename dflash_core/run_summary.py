@@ -276,7 +276,11 @@ def _made(run: StageRun, result: dict) -> str:
         exports = part.get("exports") if isinstance(part.get("exports"), dict) else {}
         return "; ".join(f"{name} {uri}" for name, uri in exports.items())
     if run.stage == "provision":
-        return f"node {part.get('node')}: {'; '.join(part.get('actions') or []) or 'already provisioned'}"
+        node = part.get("node")
+        name = node.get("name") if isinstance(node, dict) else node
+        where = f", model at {part['model']}" if part.get("model") else ""
+        queue = f", stages on queue {part['work_queue']}" if part.get("work_queue") else ""
+        return f"node {name}: {'; '.join(part.get('actions') or []) or 'already provisioned'}{where}{queue}"
     if run.stage == "preserve":
         return f"{len(part.get('saved', []))} objects under {part.get('prefix')}"
     if run.stage == "s3-audit":

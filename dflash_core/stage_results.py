@@ -63,8 +63,9 @@ class ProvisionedNode(StageResult):
     model: str | None = Field(None, description="Where the target model was placed (RAM disk or its home): "
                                                 "what every stage loads.")
     num_gpus: int = Field(0, description="GPUs the node shows.")
-    work_queue: str = Field(description="The work queue of the `dflash` pool whose worker runs on this node: every "
-                                        "stage of the run is sent there.")
+    work_queue: str | None = Field(None, description=(
+        "The work queue of the `dflash` pool whose worker runs on this node: every stage of the run is sent there. "
+        "None: provision started no worker (start_worker off), so the stages go to the default queue."))
     actions: list[str] = Field(default_factory=list, description="What provision changed (empty: nothing).")
     record_uri: str | None = Field(None, description="The node record in S3.")
 

@@ -24,7 +24,9 @@ MODEL_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokenization", ("tokenizer_dir",)),
     ("training", ("config", "target")),
     ("evaluation", ("target",)),
+    ("export", ("target",)),
 )
+CHECKPOINT_NAMES_TARGET = ("evaluation", "export")  # None there: the checkpoint's own target
 NODE_FIELDS = ("generation", "training")  # stages whose `node` is preserved when they fail
 ON_NODE_STAGES = ("generation", "tokenization", "training", "evaluation", "export")
 
@@ -45,7 +47,7 @@ def _set(params: BaseModel, path: tuple[str, ...], value: Any) -> BaseModel:
 
 def model_field_problems(form: BaseModel, *, node_model: bool) -> list[str]:
     """What is wrong with the form's model fields: with a provisioned model (`node_model`) each stage that
-    loads the target says `@node` (evaluation may leave it empty: the checkpoint names its target); without
+    loads the target says `@node` (evaluation and export may leave it empty: the checkpoint names its target); without
     one, `@node` has nothing to name."""
     problems = []
     for field, path in MODEL_FIELDS:
@@ -53,7 +55,7 @@ def model_field_problems(form: BaseModel, *, node_model: bool) -> list[str]:
         if stage is None or (path[0] == "engine" and stage.engine is None and not node_model):
             continue
         value, name = _get(stage, path), ".".join((field, *path))
-        if node_model and value != MODEL_FROM_NODE and not (field == "evaluation" and value is None):
+        if node_model and value != MODEL_FROM_NODE and not (field in CHECKPOINT_NAMES_TARGET and value is None):
             problems.append(f"{name} is {value!r}, but the provision stage places the model (provision.provision."
                             f"model_dir): set it to {MODEL_FROM_NODE!r} so the model is named once")
         elif not node_model and value == MODEL_FROM_NODE:

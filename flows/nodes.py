@@ -92,7 +92,7 @@ def provision(params: ProvisionParams = ProvisionParams()) -> ProvisionedNode:
     record = provision_node(node, params.provision)
     manifest = register_node_record(settings, record) if params.upload else None
     uri = manifest.uri if manifest else None
-    queue = node_queue(node.name)
+    queue = node_queue(node.name) if params.start_worker else None  # no worker there: stages use the default queue
     if params.start_worker:
         worker = start_node_worker(settings, node, record, repo_dir=params.repo_dir, python=params.worker_python)
         print(f"{node.name}: stage worker {'started' if worker.started else 'already running'} (pid {worker.pid}, "

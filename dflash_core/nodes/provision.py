@@ -174,6 +174,8 @@ def _ensure_venv(access: NodeAccess, config: ProvisionConfig, path: str, actions
         elif made.returncode != 0:
             access.run(argv, timeout_s=600)  # raises with the output
         actions.append(f"{'recreated' if cfg.returncode == 0 else 'created'} venv {path}")
+    if config.system_site_packages:
+        _see_the_creators_venv(access, config.python, python)
     version = access.run([python, "-c", "import sys; print(sys.version.split()[0])"], timeout_s=60).stdout.strip()
     has_pip = access.run([python, "-m", "pip", "--version"], check=False, timeout_s=60).returncode == 0
     pip = [python, "-m", "pip"] if has_pip else [config.python, "-m", "pip", "--python", python]
@@ -202,6 +204,21 @@ def _ensure_venv(access: NodeAccess, config: ProvisionConfig, path: str, actions
             actions.append(f"installed {' '.join(packages)} into {path}")
     state.freeze = access.run([*pip, "freeze", "--disable-pip-version-check"], timeout_s=120).stdout.split()
     return state
+
+
+_SITE_OF = "import site, sys; print(sys.prefix != sys.base_prefix); print(*site.getsitepackages(), sep=chr(10))"
+IMAGE_PTH = "_dflash_image_site.pth"
+
+
+def _see_the_creators_venv(access: NodeAccess, creator: str, python: str) -> None:
+    """--system-site-packages shows the base interpreter's packages; when the image's python3 is itself a venv's
+    (GPU images install torch into one), point a .pth at that venv's site-packages too, after the new venv's own."""
+    creator_lines = access.run([creator, "-c", _SITE_OF], timeout_s=60).stdout.split()
+    if not creator_lines or creator_lines[0] != "True":
+        return
+    own = access.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     timeout_s=60).stdout.strip()
+    access.write_text(f"{own}/{IMAGE_PTH}", "\n".join(creator_lines[1:]) + "\n")
 
 
 def _install_stamp(access: NodeAccess, config: ProvisionConfig, packages: list[str]) -> str:

@@ -105,7 +105,8 @@ def run_whole_dag(store, settings, target: Path, out: Path, *, name: str, node) 
     lenient = {"max_short_fraction": 1.0, "max_degenerate_fraction": 1.0, "max_truncated_fraction": 1.0,
                "max_boilerplate_fraction": 1.0}
     params = PipelineParams(
-        provision=ProvisionParams(node=node, provision=ProvisionConfig()) if node else None,
+        # No worker of the node's own: these stages run in the test's process (test_node_worker.py tests that part).
+        provision=ProvisionParams(node=node, provision=ProvisionConfig(), start_worker=False) if node else None,
         generation=GenerateParams(
             dataset=name, run="r1", prompt_sources=[{"path": _prompt_file(out), "name": "numbers"}],
             shard_size=6, holdout={"count": 2}, base_port=free_port(), node=node,

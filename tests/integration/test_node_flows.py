@@ -26,11 +26,12 @@ def test_provision_flow_then_a_failing_run_preserves_its_node(prefect_server, st
     from flows.nodes import ProvisionParams, preserve_on_failure, provision
 
     node = local_node(tmp_path / "node", name=f"flow-{uuid.uuid4().hex[:8]}")
-    first = provision(ProvisionParams(node=node, provision=ProvisionConfig()))
-    again = provision(ProvisionParams(node=node, provision=ProvisionConfig()))
-    assert first["actions"] and again["actions"] == []
-    record = NodeRecord.model_validate_json(store.get_bytes(again["record_uri"].removeprefix(store.uri(""))))
-    assert record.node == node.name and read_manifest(store, again["record_uri"].removeprefix(store.uri("")))
+    first = provision(ProvisionParams(node=node, provision=ProvisionConfig(), start_worker=False))
+    again = provision(ProvisionParams(node=node, provision=ProvisionConfig(), start_worker=False))
+    assert first.actions and again.actions == []
+    assert first.work_queue is None  # no worker of its own: its stages would go to the default queue
+    record = NodeRecord.model_validate_json(store.get_bytes(again.record_uri.removeprefix(store.uri(""))))
+    assert record.node == node.name and read_manifest(store, again.record_uri.removeprefix(store.uri("")))
 
     (tmp_path / "node" / "logs").mkdir()
     (tmp_path / "node" / "logs" / "train.log").write_text("step 10 loss nan\n")

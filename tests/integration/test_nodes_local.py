@@ -203,3 +203,27 @@ exec {sys.executable} "$@"
     assert not (Path(record.venv.path) / "bin" / "pip").exists()
     assert "dflash_probe_pkg==0.1.0" in record.venv.freeze and again.actions == []
     assert subprocess.run([f"{record.venv.path}/bin/python", "-c", "import dflash_probe_pkg"]).returncode == 0
+
+
+def test_a_venv_made_from_an_image_venv_sees_the_image_venvs_packages(tmp_path: Path) -> None:
+    """GPU images install torch into a venv of their own (/opt/torch/.venv): --system-site-packages alone shows
+    the base interpreter's packages, not that venv's, so the pipeline's venv found no torch, yaml or regex there
+    (the first H200 run). Provision points a .pth at the image venv's site-packages, after the new venv's own."""
+    import subprocess
+    import sys
+
+    image = tmp_path / "image-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(image)], check=True)
+    site = Path(subprocess.run([str(image / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
+    (site / "dflash_image_only.py").write_text("WHERE = 'image venv'\n")
+    node = local_node(tmp_path / "node")
+    config = ProvisionConfig(python=str(image / "bin" / "python"), system_site_packages=True)
+    record = provision(LocalAccess(), node, config)
+    seen = subprocess.run([f"{record.venv.path}/bin/python", "-c", "import dflash_image_only, sys; "
+                           "print(dflash_image_only.WHERE); print(sys.path.index(next(p for p in sys.path if "
+                           "p.endswith('site-packages'))) < sys.path.index(str(__import__('pathlib').Path("
+                           "dflash_image_only.__file__).parent)))"], capture_output=True, text=True)
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.split() == ["image", "venv", "True"]  # found, and the node venv's own come first
+    assert provision(LocalAccess(), node, config).actions == []  # a rerun changes nothing

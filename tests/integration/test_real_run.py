@@ -22,7 +22,7 @@ def test_one_form_runs_the_whole_dag_over_an_ssh_node(whole_run, store, settings
     state, result, name = whole_run.state, whole_run.result, whole_run.name
     assert state.is_completed(), state
 
-    assert result.provision["node"] == name and result.provision["actions"]
+    assert result.provision.node["name"] == name and result.provision.actions
     generation, tokenized, checkpoint = result.generation, result.tokenization, result.training
     assert generation.outcomes["completed"] == 12 and len(generation.heldout_prompt_ids) == 2
     assert tokenized.completions == generation.result_uri  # each stage took the result before it
