@@ -212,7 +212,7 @@ class _StaticProfile(TransformersProfile):
     directory: str = ""
 
     def argv(self, *, port: int) -> list[str]:
-        return [self.python, "-m", "http.server", str(port), "--bind", self.host, "--directory", self.directory]
+        return [self.interpreter, "-m", "http.server", str(port), "--bind", self.host, "--directory", self.directory]
 
 
 def test_a_relaunch_stops_our_orphaned_servers_and_refuses_a_foreign_port(tmp_path) -> None:
