@@ -9,7 +9,7 @@ tell the caller what to do: `StoreUnavailable` (unreachable, timeouts, 5xx, thro
 `StoreConfigError` (wrong credentials, missing bucket, an endpoint that is not an S3 server: retrying
 cannot help, fix the named setting), `ObjectNotFound`, `ChecksumMismatch`, `PreconditionFailed` (a
 conditional write or delete found the object changed). A download that cannot fit on the local disk raises
-`DiskFull` (dflash_core.train.disk_space): refused before it starts when the object is larger than what is
+`DiskFull` (dflash_core.disk_space): refused before it starts when the object is larger than what is
 free, or after the partial file is removed when the disk fills during it.
 
 `fenced(guard)` gives the same bucket with a guard called before every write and delete: a training run's
@@ -37,7 +37,7 @@ from dflash_core.storage_errors import (
     BOTO_ERRORS, ChecksumMismatch, ObjectNotFound, PreconditionFailed, StoreConfigError, StoreError,
     StoreUnavailable, not_s3, translate,
 )
-from dflash_core.train.disk_space import discard_partial_write, require_free
+from dflash_core.disk_space import discard_partial_write, require_free
 
 if TYPE_CHECKING:
     from dflash_core.settings import Settings

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_core.train.disk_space import discard_partial_write, require_free, tensor_bytes
+from dflash_core.disk_space import discard_partial_write, require_free, tensor_bytes
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
