@@ -41,7 +41,6 @@ def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> d
     tokens = sum(len(r.decoded.tokens) for r in results)
     per_round_ms = 1000 / len(rounds) if rounds else 0.0
     draft_s, verify_s = sum(r.decoded.draft_s for r in results), sum(r.decoded.verify_s for r in results)
-    base_forwards = sum(len(r.decoded.tokens) for r in results)  # target-only: one forward per new token
     return {
         "mode": mode,
         "num_responses": len(results),
@@ -59,7 +58,7 @@ def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> d
         # target-only step costs, which a round must beat by tau to speed decoding up.
         "round_ms": {"draft": draft_s * per_round_ms, "verify": verify_s * per_round_ms,
                      "other": max(spec_s - draft_s - verify_s, 0.0) * per_round_ms,
-                     "target_step": 1000 * base_s / base_forwards if base_forwards else 0.0},
+                     "target_step": 1000 * base_s / tokens if tokens else 0.0},  # one forward per new token
         "responses": [
             {"prompt_index": r.prompt_index, "prompt_tokens": r.prompt_tokens, "new_tokens": len(r.decoded.tokens),
              "tau": r.decoded.tau, "accepted_per_round": r.decoded.accepted, "wall_s": r.decoded.wall_s,

@@ -151,11 +151,8 @@ def pack(pieces: list[Piece], *, limit: int) -> list[list[Piece]]:
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+    with open(path, "rb") as handle:  # not dflash_core.storage's: this runs as a script on a bare image
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def build(out: Path, *, python_version: str = "3.12", limit: int = PART_LIMIT_BYTES) -> list[Path]:
