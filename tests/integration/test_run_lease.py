@@ -3,29 +3,20 @@ relies on, a second "host" (another output dir, another DFLASH_HOST_NAME) refuse
 trains, the lease released at the first's SIGTERM exit, a stale lease taken over with its old owner
 named (never before the owner's own stale time), a dead PID's lease taken over at once only when it is of
 this very boot and PID namespace.
-
-Cut off from the bucket (a relay to the server whose port is closed, then opened again): the owner gives
-its claim up on its own side before another host may take the name, holds it again if nobody did, and its
-uploader, fenced by the lease, never writes into the new owner's checkpoints; without a held lease the
-uploader writes nothing.
+What a lease does when its owner is cut off from the bucket: test_run_lease_outage.py.
 
 Run: `.venv/bin/python -m pytest tests/integration/test_run_lease.py -q`
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-import urllib.parse
 import uuid
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,10 +26,8 @@ from botocore.exceptions import ClientError
 from dflash_core.layout import run_lease_key
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
-from dflash_core.train.checkpoint import _FILES
 from dflash_core.train.report import load_metrics
-from dflash_core.train.run_lease import RunLease, RunLeaseHeld, RunLeaseLost, RunLeaseNotHeld
-from dflash_core.train.uploader import CheckpointUploader, CheckpointUploadFailed
+from dflash_core.train.run_lease import RunLease, RunLeaseHeld, RunLeaseLost
 from tests.conftest import free_port
 from tests.train_fixtures import synthetic_shard
 
@@ -138,6 +127,13 @@ def test_a_second_host_is_refused_while_the_first_trains(store, settings, tmp_pa
 def _lease(store: ObjectStore, key: str, host: str, messages: list[str], **kwargs) -> RunLease:
     return RunLease(store, key, run_name="r", run_dir=Path(f"/runs/{host}/r"), host=host, log=messages.append,
                     **kwargs)
+
+
+def _stop_beating(lease: RunLease) -> None:
+    """The owner stops renewing without releasing: killed, or frozen."""
+    lease._stop.set()
+    lease._thread.join()
+
 
 
 def test_a_fresh_lease_is_kept_and_a_stale_one_taken_over(store, prefix) -> None:
@@ -252,195 +248,3 @@ def test_a_lease_goes_stale_only_after_its_owners_own_stale_time(store, prefix) 
 
 
 # ---- cut off from the bucket -------------------------------------------------------------------------
-
-_CUT_TIMING = {"heartbeat_every_s": 0.2, "stale_after_s": 1.5}  # the owner gives up after 1.3 s
-
-
-class CuttableLink:
-    """A TCP relay on loopback to the S3 server. `cut` closes its port and resets every connection through
-    it (the bucket unreachable: connection refused), `restore` listens on the same port again."""
-
-    def __init__(self, endpoint_url: str):
-        parsed = urllib.parse.urlsplit(endpoint_url)
-        self.upstream = (parsed.hostname, parsed.port)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._lock = threading.Lock()
-        self._open: list[socket.socket] = []
-        self.restore()
-
-    def restore(self) -> None:
-        listener = socket.create_server(("127.0.0.1", self.port))
-        with self._lock:
-            self._open.append(listener)
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-
-    def cut(self) -> None:
-        with self._lock:
-            sockets, self._open = self._open, []
-        for sock in sockets:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-                upstream = socket.create_connection(self.upstream)
-            except OSError:
-                return
-            with self._lock:
-                if listener not in self._open:  # cut while this one was being connected
-                    client.close()
-                    upstream.close()
-                    return
-                self._open += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            return
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_WR)
-
-
-@pytest.fixture
-def link(settings, s3_server):
-    relay = CuttableLink(settings.s3_endpoint_url)
-    yield relay
-    relay.cut()
-
-
-def _through(link: CuttableLink, settings: Settings) -> ObjectStore:
-    """The bucket as a host behind `link` reaches it, one attempt a call."""
-    return ObjectStore.from_settings(settings.replace(s3_endpoint_url=link.url, s3_max_attempts=1))
-
-
-def _stop_beating(lease: RunLease) -> None:
-    """The owner stops renewing without releasing: killed, or frozen."""
-    lease._stop.set()
-    lease._thread.join()
-
-
-def _wait(predicate: Callable[[], bool], *, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)
-
-
-def _take_over(store: ObjectStore, key: str, host: str, messages: list[str], *,
-               timeout_s: float = 10.0) -> RunLease:
-    """Start on `host` as soon as the lease may be taken over (the server's clock says when)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return _lease(store, key, host, messages, **_CUT_TIMING).acquire()
-        except RunLeaseHeld:
-            assert time.monotonic() < deadline, f"{host} could not take the lease over in {timeout_s} s"
-            time.sleep(0.1)
-
-
-def _fake_checkpoint(root: Path, step: int) -> Path:
-    path = root / f"step-{step:06d}"
-    path.mkdir(parents=True)
-    for name in _FILES:
-        (path / name).write_text(f"{step} {name}")
-    return path
-
-
-def test_a_cut_off_owner_gives_its_claim_up_before_another_host_may_take_it(store, settings, prefix,
-                                                                             link) -> None:
-    key = f"{prefix}/checkpoints/r/lease.json"
-    a_log: list[str] = []
-    b_log: list[str] = []
-    owner = _lease(_through(link, settings), key, "host-a", a_log, **_CUT_TIMING).acquire()
-    time.sleep(0.5)
-    assert owner.held
-    link.cut()
-    cut = time.monotonic()
-    _wait(lambda: not owner.held, timeout_s=5.0, what="the cut-off owner to give its claim up")
-    assert time.monotonic() - cut <= owner.expires_after_s + 0.1
-    step_key = f"{prefix}/checkpoints/r/step-000002/meta.json"
-    expired = (r"last renewed its lease .* ago, past its 1\.3 s: another run may take the name over after "
-               rf"1\.5 s .*not writing {store.uri(step_key)}")
-    with pytest.raises(RunLeaseNotHeld, match=expired):
-        owner.require_held(step_key)
-    _wait(lambda: any("writes nothing to S3 until a renewal succeeds" in m for m in a_log), timeout_s=2.0,
-          what="the owner to log that it gave its claim up")
-
-    newcomer = _take_over(store, key, "host-b", b_log)
-    assert not owner.held, "two runs held one name at once"
-    link.restore()
-    _wait(lambda: owner._lost is not None, timeout_s=5.0, what="the old owner's heartbeat to find it taken")
-    with pytest.raises(RunLeaseLost, match="taken over or deleted while this run trained .*host host-b"):
-        owner.require_held(step_key)
-    owner.release()
-    assert json.loads(store.get_bytes(key))["host"] == "host-b"
-    newcomer.release()
-
-
-def test_an_owner_whose_name_nobody_took_holds_it_again_once_the_bucket_is_back(settings, prefix,
-                                                                               link) -> None:
-    messages: list[str] = []
-    owner = _lease(_through(link, settings), f"{prefix}/checkpoints/r/lease.json", "host-a", messages,
-                   **_CUT_TIMING).acquire()
-    link.cut()
-    _wait(lambda: not owner.held, timeout_s=5.0, what="the cut-off owner to give its claim up")
-    link.restore()
-    _wait(lambda: owner.held, timeout_s=5.0, what="the owner to renew its lease")
-    assert any("nobody took the name meanwhile, S3 writes go on" in m for m in messages), "\n".join(messages)
-    owner.release()
-
-
-def test_a_cut_off_owners_uploader_never_writes_into_the_new_owners_checkpoints(store, settings, prefix, link,
-                                                                               tmp_path) -> None:
-    checkpoints = f"{prefix}/checkpoints/r"
-    key = f"{checkpoints}/lease.json"
-    root = tmp_path / "checkpoints"
-    messages: list[str] = []
-    owner_store = _through(link, settings)
-    owner = _lease(owner_store, key, "host-a", messages, **_CUT_TIMING).acquire()
-    uploader = CheckpointUploader(owner_store, root=root, key_prefix=checkpoints, keep_last=2, lease=owner,
-                                  outage_limit_s=60.0, backoff_s=(0.1, 0.2), log=messages.append)
-    uploader.submit(_fake_checkpoint(root, 2))
-    _wait(lambda: uploader.uploaded == [2], timeout_s=10.0, what="step 2's upload")
-
-    link.cut()  # host-a trains on and saves step 4, but cannot reach the bucket
-    uploader.submit(_fake_checkpoint(root, 4))
-    newcomer = _take_over(store, key, "host-b", messages)
-    link.restore()  # host-a reaches the bucket again, which host-b now owns
-    lost = "cannot succeed by retrying: run 'r': the lease .* was taken over or deleted while this run"
-    with pytest.raises(CheckpointUploadFailed, match=f"{lost} .*host host-b"):
-        uploader.finish(final=root / "step-000004")
-    assert uploader.uploaded == [2]
-    assert not list(store.list(f"{checkpoints}/step-000004/")), "the old owner wrote a checkpoint"
-    assert json.loads(store.get_bytes(key))["owner"] == newcomer.record.owner
-    owner.release()
-    newcomer.release()
-
-
-def test_the_uploader_writes_nothing_without_a_held_lease(store, settings, prefix, tmp_path) -> None:
-    down = ObjectStore.from_settings(settings.replace(s3_endpoint_url=f"http://127.0.0.1:{free_port()}",
-                                                      s3_max_attempts=1))
-    messages: list[str] = []
-    pending = _lease(down, f"{prefix}/checkpoints/r/lease.json", "host-a", messages, **_CUT_TIMING).acquire()
-    root = tmp_path / "checkpoints"
-    record = tmp_path / "run.yaml"
-    record.write_text("run_name: r\n")
-    uploader = CheckpointUploader(store, root=root, key_prefix=f"{prefix}/checkpoints/r", keep_last=2,
-                                  run_files={f"{prefix}/reports/train/r/run.yaml": record}, lease=pending,
-                                  outage_limit_s=1.0, backoff_s=(0.1, 0.2), log=messages.append)
-    uploader.submit(_fake_checkpoint(root, 2))
-    refused = r"past the outage limit of 1 s .*run 'r' has not claimed .* yet .*; not writing s3://"
-    with pytest.raises(CheckpointUploadFailed, match=refused):
-        uploader.finish(final=root / "step-000002")
-    assert not list(store.list(f"{prefix}/")), "the uploader wrote to S3 without the run's lease"
-    pending.release()
-
