@@ -3,6 +3,8 @@ same harness, block and DDTree modes, on a random-weight target and a random-ini
 
     .venv/bin/python bench/bench_evaluate.py --target tiny:qwen3 --prompts 4 --new-tokens 64
     python bench/bench_evaluate.py --target qwen3-8b --device cuda --prompts 4 --prompt-len 512 --new-tokens 128
+    python bench/bench_evaluate.py --target smollm2-135m --device cuda --prompts 8 --prompt-len 256 \
+        --new-tokens 96 --drafter-layers 2 --block-size 8 --modes block --harness eager graphs
 
 With random weights the drafter proposes noise, so tau is ~1 and the "speedup" is the cost of the
 drafting overhead (< 1): these numbers measure the harness, not a trained drafter. Needs torch and
@@ -50,9 +52,29 @@ def qwen3_8b_config():
     )
 
 
+def smollm2_135m_config():
+    """SmolLM2-135M-Instruct's shape (30 layers, hidden 576, GQA 9/3, vocab 49,152, tied embeddings), random
+    weights: the embedded target, the pipeline's one-GPU example."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, pad_token_id=None,
+    )
+
+
+def break_even_tau(summary: dict) -> float:
+    """The tau at which a round costs as much as the target-only tokens it yields: speedup 1.0x. A round's
+    time is what it costs whatever is accepted, so a trained drafter's speedup is about tau / this."""
+    split = summary["round_ms"]
+    round_ms = split["draft"] + split["verify"] + split["other"]
+    return round_ms / split["target_step"] if split["target_step"] else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="tiny:qwen3", help="tiny:<family> or qwen3-8b")
+    parser.add_argument("--target", default="tiny:qwen3", help="tiny:<family>, smollm2-135m or qwen3-8b")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -61,6 +83,8 @@ def main() -> None:
     parser.add_argument("--drafter-layers", type=int, default=5)
     parser.add_argument("--tree-budget", type=int, default=None)
     parser.add_argument("--modes", nargs="+", default=["block", "tree"])
+    parser.add_argument("--harness", nargs="+", default=["eager"], choices=["eager", "graphs"],
+                        help="one report per harness (graphs: block mode only)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                         help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
@@ -70,8 +94,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(0)
     start = time.perf_counter()
-    if args.target == "qwen3-8b":
-        target_config = qwen3_8b_config()
+    if args.target in ("qwen3-8b", "smollm2-135m"):
+        target_config = qwen3_8b_config() if args.target == "qwen3-8b" else smollm2_135m_config()
         target = build_target_on_device(target_config, device=device, dtype=dtype)
     else:
         target_config = tiny_target_config(args.target.removeprefix("tiny:"))
@@ -85,12 +109,25 @@ def main() -> None:
     vocab = getattr(target_config, "vocab_size")
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(args.prompts)]
-    report = evaluate_prompts(target=target, drafter=drafter, prompts=prompts, modes=tuple(args.modes),
-                              max_new_tokens=args.new_tokens, tree_budget=args.tree_budget)
+    reports = {}
+    for harness in args.harness:
+        modes = ("block",) if harness == "graphs" else tuple(args.modes)
+        start = time.perf_counter()
+        reports[harness] = evaluate_prompts(target=target, drafter=drafter, prompts=prompts, modes=modes,
+                                            max_new_tokens=args.new_tokens, tree_budget=args.tree_budget,
+                                            harness=harness)
+        reports[harness]["seconds"] = time.perf_counter() - start
     print(f"target {args.target} ({sum(p.numel() for p in target.parameters()) / 1e9:.2f}B params, {dtype}, "
           f"{device}), drafter {args.drafter_layers} layers B={args.block_size}, RANDOM weights; built in {build_s:.1f} s")
     print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each\n")
-    print(report["table"])
+    for harness, report in reports.items():
+        print(f"harness {harness} ({report['seconds']:.1f} s with set-up and warm-up):")
+        print(report["table"])
+        for summary in report["summaries"]:
+            print(f"  {summary['mode']}: speedup 1.0x at tau {break_even_tau(summary):.2f} (a round costs that many "
+                  "target-only steps)")
+        print()
+    report = {"harnesses": reports}
     if device.type == "cuda":
         print(f"\npeak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
     print("\nreproduce: python bench/bench_evaluate.py " + " ".join(sys.argv[1:]))

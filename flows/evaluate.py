@@ -58,6 +58,9 @@ class EvaluateParams(StrictModel):
     tree_budget: int | None = Field(None, gt=0, description="DDTree node budget (None: 4 x (block_size - 1)).")
     eos_token_id: int | None = Field(None, description="Stop a response at this token (None: the target's).")
     device: str = Field("cpu", description="cpu or cuda[:n]; the target runs in bf16 on GPU, fp32 on CPU.")
+    harness: Literal["auto", "eager", "graphs"] = Field("auto", description=(
+        "How both sides of the comparison decode: eager (transformers, a growing cache) or graphs (fixed-shape "
+        "caches replayed as CUDA graphs, block mode only); auto takes graphs on a GPU when every mode allows."))
 
 
 def prompt_sources(settings, params: EvaluateParams, checkpoint: Checkpoint) -> tuple[str, list[str]]:
@@ -165,7 +168,8 @@ def evaluate(params: EvaluateParams) -> EvaluationReport:
     modes = _modes_for(drafter, params.modes, logger=logger)
     logger.info("evaluating %s on %d prompts of %s, modes %s", checkpoint.uri, len(prompts), MEASURED_ON[split], modes)
     report = run_evaluation(target=target, drafter=drafter, prompts=prompts, modes=modes,
-                            max_new_tokens=params.max_new_tokens, eos_token_id=eos, tree_budget=params.tree_budget)
+                            max_new_tokens=params.max_new_tokens, eos_token_id=eos, tree_budget=params.tree_budget,
+                            harness=params.harness)
     run = params.run or checkpoint.run_name
     key_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "evaluate", run, *attempt_segments())
     config = {**params.model_dump(mode="json", exclude={"checkpoint", "dataset"}), "checkpoint": checkpoint.uri,

@@ -59,12 +59,14 @@ def fetch_prompt_bytes(settings: Settings, *, prompts: str) -> tuple[bytes, Inpu
 
 @task
 def run_evaluation(*, target: Any, drafter: Any, prompts: list[list[int]], modes: tuple[str, ...],
-                   max_new_tokens: int, eos_token_id: int | None, tree_budget: int | None) -> dict[str, Any]:
+                   max_new_tokens: int, eos_token_id: int | None, tree_budget: int | None,
+                   harness: str = "auto") -> dict[str, Any]:
     """Decode every prompt target-only and in each mode; the evaluator's report."""
     from dflash_core.evaluate import evaluate_prompts
 
     return evaluate_prompts(target=target, drafter=drafter, prompts=prompts, modes=modes,
-                            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, tree_budget=tree_budget)
+                            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, tree_budget=tree_budget,
+                            harness=harness)
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_store_outage)
@@ -83,7 +85,7 @@ def publish_evaluation(settings: Settings, *, report: dict[str, Any], key_prefix
     body = {**report, "plot_uri": png_manifest.uri, "config": config, "measured_on": measured_on}
     manifest = write_artifact(store, f"{key_prefix}/report.json", json.dumps(body, indent=2).encode(),
                               kind=ArtifactKind.REPORT, inputs=inputs, config=config, producer=producer)
-    rows = [{k: s[k] for k in ("mode", "num_responses", "num_rounds", "tau", "speedup", "tokens_per_s",
+    rows = [{k: s.get(k) for k in ("mode", "harness", "num_responses", "num_rounds", "tau", "speedup", "tokens_per_s",
                                "baseline_tokens_per_s", "all_match_target")} for s in report["summaries"]]
     create_table_artifact(rows, key="drafter-evaluation",
                           description=f"tau and speedup per decoding mode, measured on {measured_on}")

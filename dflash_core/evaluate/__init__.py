@@ -15,7 +15,8 @@ _HOMES = {
     "greedy_decode": "speculative", "supported_modes": "speculative",
     "DraftTree": "tree", "accepted_path": "tree", "build_draft_tree": "tree",
     "markdown_table": "report", "plot_acceptance": "report", "summarize": "report",
-    "evaluate_prompts": "run",
+    "HARNESSES": "run", "evaluate_prompts": "run", "pick_harness": "run",
+    "GraphedDecoder": "graphed",
 }
 
 __all__ = sorted(_HOMES)

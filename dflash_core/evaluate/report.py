@@ -70,14 +70,14 @@ def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> d
 
 def markdown_table(summaries: list[dict[str, Any]]) -> str:
     lines = [
-        "| mode | responses | rounds | tau | speedup | tokens/s | target-only tokens/s | matches target "
+        "| mode | harness | responses | rounds | tau | speedup | tokens/s | target-only tokens/s | matches target "
         "| round ms: draft / verify / other | target-only step ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for s in summaries:
         split = s.get("round_ms") or {}
         lines.append(
-            f"| {s['mode']} | {s['num_responses']} | {s['num_rounds']} | {s['tau']:.3f} | {s['speedup']:.2f}x | "
+            f"| {s['mode']} | {s.get('harness', 'eager')} | {s['num_responses']} | {s['num_rounds']} | {s['tau']:.3f} | {s['speedup']:.2f}x | "
             f"{s['tokens_per_s']:.1f} | {s['baseline_tokens_per_s']:.1f} | {s['all_match_target']} | "
             f"{split.get('draft', 0):.2f} / {split.get('verify', 0):.2f} / {split.get('other', 0):.2f} | "
             f"{split.get('target_step', 0):.2f} |"

@@ -8,7 +8,8 @@ from dflash_core.lazy_names import lazy_getattr
 _HOMES = {
     "BlockPlan": "anchors", "plan_blocks": "anchors", "sample_anchors": "anchors",
     "DFlashConfig": "config", "tapped_layer_ids": "config",
-    "ContextCache": "drafter", "DFlashDraftModel": "drafter", "DraftOutput": "drafter", "TargetHeads": "drafter",
+    "ContextCache": "drafter", "StaticContextCache": "drafter", "DFlashDraftModel": "drafter",
+    "DraftOutput": "drafter", "TargetHeads": "drafter",
     "chunked_lm_head_cross_entropy": "loss", "position_weights": "loss", "teacher_token_ids": "loss",
     "block_metrics": "metrics",
     "build_drafter": "build",

@@ -5,7 +5,8 @@ frozen embed_tokens, final norm and lm_head. They are held outside the module tr
 neither parameters of the drafter nor part of its state_dict.
 
 Training: `forward(input_ids=, target_hidden=, plan=, teacher_hidden=)` -> (output, loss, metrics).
-Drafting: `new_cache()`, `extend_context(...)`, `draft_block(...)`, `cache.crop(n)`.
+Drafting: `new_cache()` (or `new_static_cache(capacity=)` for CUDA graphs), `extend_context(...)`,
+`draft_block(...)`, `cache.crop(n)`.
 """
 
 from __future__ import annotations
@@ -57,12 +58,80 @@ class ContextCache:
     def length(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
+    @property
+    def is_empty(self) -> bool:
+        return not self.keys
+
+    def append(self, key_values: list[tuple[torch.Tensor, torch.Tensor]], *, keep: torch.Tensor | None = None) -> None:
+        """Add each layer's K/V [B, kv_heads, n, D] of n new context positions."""
+        if keep is not None:
+            raise ValueError("a growing context cache keeps every row it is given: pass only the verified features")
+        if not self.keys:
+            self.keys, self.values = [k for k, _ in key_values], [v for _, v in key_values]
+            return
+        self.keys = [torch.cat((old, k), dim=2) for old, (k, _) in zip(self.keys, key_values)]
+        self.values = [torch.cat((old, v), dim=2) for old, (_, v) in zip(self.values, key_values)]
+
+    def drafting_mask(self, *, block_size: int, sliding_window: int | None) -> torch.Tensor | None:
+        """The drafted block's mask over [context ; block] (None: all visible)."""
+        return drafting_mask(context_len=self.length, block_size=block_size, first_position=self.length,
+                             sliding_window=sliding_window, device=self.keys[0].device)
+
     def crop(self, length: int) -> None:
         """Keep the first `length` context positions (drop features of rejected tokens)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a {self.length}-token context cache to {length}")
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
+
+
+class StaticContextCache:
+    """A context cache of fixed shape for CUDA-graph decoding: per layer, K/V buffers [1, kv_heads,
+    capacity, D] and the context length as a device tensor, so that drafting and extending never
+    change a shape or read a value on the host. A draft attends to the whole buffer under a mask that
+    hides the positions at and past `length`; `append` writes n rows at `length` and may keep fewer
+    (the rows of rejected drafts are overwritten by the next append)."""
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device) -> None:
+        shape = (1, num_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.capacity = capacity
+        self.is_empty = True
+
+    def reset(self) -> None:
+        self.length.zero_()
+        self.is_empty = True
+
+    def positions(self, count: int) -> torch.Tensor:
+        """[1, count]: the sequence positions of the next `count` context rows."""
+        return (self.length + torch.arange(count, device=self.length.device))[None]
+
+    def append(self, key_values: list[tuple[torch.Tensor, torch.Tensor]], *, keep: torch.Tensor | None = None) -> None:
+        """Write each layer's K/V of n rows at `length`; the length grows by `keep` (a device tensor) or n.
+        The caller keeps length + n within the capacity (index_copy_ past the end is a device error)."""
+        rows = key_values[0][0].shape[2]
+        index = self.length + torch.arange(rows, device=self.length.device)
+        for buffer_k, buffer_v, (key, value) in zip(self.keys, self.values, key_values):
+            buffer_k.index_copy_(2, index, key.to(buffer_k.dtype))
+            buffer_v.index_copy_(2, index, value.to(buffer_v.dtype))
+        self.length.add_(rows if keep is None else keep)
+        self.is_empty = False
+
+    def drafting_mask(self, *, block_size: int, sliding_window: int | None) -> torch.Tensor:
+        """[1, 1, block, capacity + block]: the block sees the first `length` context rows (within the
+        sliding window, if any) and itself."""
+        device = self.length.device
+        context = torch.arange(self.capacity, device=device)[None, :]
+        sees_context = context < self.length
+        if sliding_window is not None:
+            query = self.length + torch.arange(block_size, device=device)[:, None]
+            sees_context = sees_context & (query - context < sliding_window)
+        else:
+            sees_context = sees_context.expand(block_size, -1)
+        sees_block = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+        return torch.cat((sees_context, sees_block), dim=1)[None, None]
 
 
 class DFlashDraftModel(nn.Module):
@@ -326,21 +395,24 @@ class DFlashDraftModel(nn.Module):
     def new_cache(self) -> ContextCache:
         return ContextCache(keys=[], values=[])
 
+    def new_static_cache(self, *, capacity: int, dtype=None) -> StaticContextCache:
+        """A fixed-shape context cache for CUDA-graph decoding (see StaticContextCache)."""
+        cfg = self.config
+        weight = self.fc.weight
+        return StaticContextCache(num_layers=len(self.layers), num_kv_heads=cfg.num_key_value_heads,
+                                  head_dim=cfg.head_dim, capacity=capacity, dtype=dtype or weight.dtype,
+                                  device=weight.device)
+
     @torch.no_grad()
     def extend_context(
-        self, cache: ContextCache, *, target_hidden: torch.Tensor, position_ids: torch.Tensor
+        self, cache: ContextCache | StaticContextCache, *, target_hidden: torch.Tensor, position_ids: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> None:
-        """Append target features [B, n, L*H] at positions [B, n] (verified tokens) to the cache."""
+        """Append target features [B, n, L*H] at positions [B, n] (verified tokens) to the cache; a
+        static cache may `keep` only the first rows (a device tensor), the rest are overwritten later."""
         context = self.fuse_target_features(target_hidden)
         rope = self.rotary_emb(position_ids)
-        for index, layer in enumerate(self.layers):
-            key, value = layer.self_attn.key_value(context, rope)
-            if index < len(cache.keys):
-                cache.keys[index] = torch.cat((cache.keys[index], key), dim=2)
-                cache.values[index] = torch.cat((cache.values[index], value), dim=2)
-            else:
-                cache.keys.append(key)
-                cache.values.append(value)
+        cache.append([layer.self_attn.key_value(context, rope) for layer in self.layers], keep=keep)
 
     @torch.no_grad()
     def draft_block(
@@ -352,7 +424,7 @@ class DFlashDraftModel(nn.Module):
         Each row's context must be the target features of every position before its last token;
         greedy drafts are `.argmax(-1)`.
         """
-        if cache.length == 0:
+        if cache.is_empty:
             raise ValueError("the context cache is empty: extend_context with the prompt's target features first")
         cfg = self.config
         block = cfg.block_size
@@ -362,14 +434,7 @@ class DFlashDraftModel(nn.Module):
         attend_by_type = {}
         for layer_type in set(cfg.layer_types):
             window = cfg.sliding_window if layer_type == SLIDING_ATTENTION else None
-            mask = drafting_mask(
-                context_len=cache.length,
-                block_size=block,
-                first_position=cache.length,
-                sliding_window=window,
-                device=last_token_ids.device,
-            )
-            attend_by_type[layer_type] = sdpa_attend(mask)
+            attend_by_type[layer_type] = sdpa_attend(cache.drafting_mask(block_size=block, sliding_window=window))
         hidden = self._run_layers(
             self._embed_block(block_ids),
             block_rope=self.rotary_emb(block_pos),

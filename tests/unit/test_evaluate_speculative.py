@@ -62,6 +62,9 @@ class _OracleDrafter:
     def new_cache(self):
         return self.inner.new_cache()
 
+    def new_static_cache(self, **kwargs):
+        return self.inner.new_static_cache(**kwargs)
+
     def extend_context(self, cache, **kwargs):
         self.inner.extend_context(cache, **kwargs)
 
