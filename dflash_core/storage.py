@@ -139,8 +139,9 @@ class ObjectStore:
 
     def fenced(self, guard: Callable[[str], None]) -> ObjectStore:
         """This bucket through the same clients, with `guard(key)` called before every write and delete of
-        `key` (it raises a `StoreError` to refuse); reads are not guarded. A multipart upload under way
-        when the guard starts refusing runs on (a run lease's next owner aborts it at its first reconcile)."""
+        `key` (it raises a `StoreError` to refuse); reads are not guarded. A file upload asks the guard again
+        as its bytes go out, so one that starts refusing mid-upload stops it before the object exists (the
+        multipart upload is aborted)."""
         view = copy.copy(self)
         view._write_guard = guard
         return view
@@ -203,7 +204,7 @@ class ObjectStore:
         with self._errors(key), _transfer_progress(f"upload {path.name}", size, progress) as callback:
             self.client.upload_file(
                 str(path), self.bucket, key, ExtraArgs={"Metadata": meta},
-                Config=self._transfer, Callback=callback,
+                Config=self._transfer, Callback=self._guarded(key, callback),
             )
         return self.head(key)
 
@@ -378,6 +379,18 @@ class ObjectStore:
     def _may_write(self, key: str) -> None:
         if self._write_guard is not None:
             self._write_guard(key)
+
+    def _guarded(self, key: str, callback: Callable[[int], None] | None) -> Callable[[int], None] | None:
+        """A transfer callback that asks the write guard (if any) on every chunk sent, then calls `callback`."""
+        if self._write_guard is None:
+            return callback
+
+        def on_bytes(sent: int) -> None:
+            self._may_write(key)
+            if callback is not None:
+                callback(sent)
+
+        return on_bytes
 
     def _scratch(self) -> Path:
         scratch = self._scratch_dir or Path(tempfile.gettempdir())

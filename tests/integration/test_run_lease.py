@@ -202,6 +202,35 @@ def test_a_lease_lost_mid_run_stops_the_trainer(store, settings, prefix, tmp_pat
     assert store.get_bytes(key) == b'{"owner": "someone else"}', "the run deleted a lease that was not its own"
 
 
+def test_the_trainers_uploader_is_fenced_by_the_runs_lease(store, settings, prefix, tmp_path, one_thread) -> None:
+    """The trainer hands its lease to the uploader it starts: once the claim expires on the owner's side
+    (renewals stopped past the stale time), the uploader writes nothing into the run's checkpoints."""
+    from dflash_core.train.assemble import build_trainer
+    from dflash_core.train.config import TrainConfig
+    from dflash_core.train.data import load_corpus, read_shard_table
+    from dflash_core.train.run_lease import RunLeaseNotHeld
+
+    config = TrainConfig.model_validate(json.loads(_config(tmp_path, "fenced", tmp_path / "runs").read_text()))
+    corpus = load_corpus([(item, read_shard_table(Path(item))) for item in config.data])
+    messages: list[str] = []
+    lease = _lease(store, f"{prefix}/checkpoints/fenced/lease.json", "host-a", messages, heartbeat_every_s=0.2,
+                   stale_after_s=1.0).acquire()
+    trainer = build_trainer(config, corpus=corpus, store=store, checkpoint_prefix=f"{prefix}/checkpoints/fenced",
+                            lease=lease)
+    probe = f"{prefix}/checkpoints/fenced/step-000002/probe"
+    try:
+        trainer._start_uploader()
+        trainer.uploader.store.put_bytes(probe, b"held")  # written while the claim is held
+        _stop_beating(lease)
+        time.sleep(1.2)
+        with pytest.raises(RunLeaseNotHeld, match="not writing"):
+            trainer.uploader.store.put_bytes(probe, b"expired")
+        assert store.get_bytes(probe) == b"held"
+    finally:
+        trainer.close()
+        lease.release()
+
+
 def test_s3_down_at_the_claim_leaves_it_pending(settings, tmp_path) -> None:
     down = ObjectStore.from_settings(settings.replace(s3_endpoint_url=f"http://127.0.0.1:{free_port()}",
                                                       s3_max_attempts=1))

@@ -214,3 +214,26 @@ def test_the_uploader_writes_nothing_without_a_held_lease(store, settings, prefi
     assert not list(store.list(f"{prefix}/")), "the uploader wrote to S3 without the run's lease"
     pending.release()
 
+
+
+def test_a_file_upload_under_way_stops_once_the_guard_refuses(store, prefix, tmp_path) -> None:
+    """A multipart upload (a checkpoint's weights) asks the guard as its parts go out: one whose lease expires
+    mid-upload leaves neither an object nor an open multipart upload behind."""
+    from dflash_core.storage import MULTIPART_THRESHOLD
+    from dflash_core.storage_errors import StoreUnavailable
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * (2 * MULTIPART_THRESHOLD + 1))
+    asked: list[str] = []
+
+    def lease_expires_after_the_first_ask(key: str) -> None:
+        asked.append(key)
+        if len(asked) > 1:
+            raise StoreUnavailable(f"lease expired; not writing {key}")
+
+    key = f"{prefix}/checkpoints/r/step-000002/model.safetensors"
+    with pytest.raises(StoreUnavailable, match="lease expired; not writing"):
+        store.fenced(lease_expires_after_the_first_ask).put_file(key, weights)
+    assert len(asked) >= 2 and set(asked) == {key}
+    assert not store.exists(key)
+    assert not store.incomplete_uploads(f"{prefix}/"), "the refused multipart upload was left open"
