@@ -115,18 +115,22 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
                    "SGLang load (native, speculators), each file to S3 with a manifest." + _RERUN_FRESH),
     DeploymentSpec("provision", "flows/nodes.py:provision",
                    "Provision a node idempotently (venv on local disk, packages, GPU/disk checks, model on a RAM disk "
-                   "when its home is slow); its node record goes to S3."),
+                   "when its home is slow); its node record goes to S3." + _RETRY + " To rerun a finished run, start a new "
+                   "run: provisioning is idempotent, so what is already in place is checked and kept."),
     DeploymentSpec("preserve", "flows/nodes.py:preserve_flow",
                    "Before a node is shut down - stop our servers, upload scripts, logs, configs and a system "
-                   "inventory with manifests, write a note of what is where."),
+                   "inventory with manifests, write a note of what is where." + _RETRY + " To rerun a finished run, start a "
+                   "new run: each run makes a backup of its own."),
     DeploymentSpec("s3-audit", "flows/s3.py:s3_audit",
                    "Inventory of the bucket by kind and prefix, dead data, broken manifests, lineage graph; publishes "
                    "a cleanup plan (plan.json) to review. Its schedule weekly-mon-04-00-utc runs it every Monday at "
-                   "04:00 UTC.",
+                   "04:00 UTC." + _RERUN_FRESH,
                    schedule=ScheduleSpec("weekly-mon-04-00-utc", "0 4 * * 1")),
     DeploymentSpec("s3-cleanup", "flows/s3.py:s3_cleanup",
                    "Dry run unless confirm=true. Give plan_uri (the plan.json of an s3-audit run) to delete exactly "
-                   "what was reviewed; everything is re-checked against live manifests first.",
+                   "what was reviewed; everything is re-checked against live manifests first." + _RETRY + " To rerun a "
+                   "finished run, start a new run with the same plan_uri: objects already deleted are skipped as "
+                   "already gone, the rest are re-checked and deleted.",
                    parameters=lambda: {"params": {"confirm": False}}, concurrency_limit=1),
 )
 
