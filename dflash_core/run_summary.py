@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
+from dflash_core.evaluate.match import match_label
 from dflash_core.lineage_views import flow_run_url, node_label, node_of
 
 # Which field of the pipeline's result (dflash_core.stage_results.PipelineResult) each stage's flow returned.
@@ -165,6 +166,10 @@ def generalization_line(evaluation: dict) -> str | None:
     return f"{line}: OVERFIT: {fit['advice']}" if fit.get("overfit") else line
 
 
+def _matches(summary: dict) -> str:
+    return match_label(summary) if "all_match_target" in summary else "-"
+
+
 def drafter_table(result: dict) -> Table:
     evaluation = _stage_result(result, "evaluate")
     on = SPLIT_LABELS.get(evaluation.get("split"), "")
@@ -175,7 +180,7 @@ def drafter_table(result: dict) -> Table:
     for s in evaluation.get("summaries", []):
         table.add_row(str(s.get("mode")), str(s.get("num_responses", "-")), _number(s.get("tau"), "{:.3f}"),
                       _number(s.get("speedup"), "{:.2f}x"), _number(s.get("tokens_per_s"), "{:.1f}"),
-                      str(s.get("all_match_target", "-")))
+                      _matches(s))
     if not table.row_count:
         table.add_row("-", "-", "-", "-", "-", "no evaluation in this run")
     return table
@@ -224,7 +229,7 @@ def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: di
     summaries = evaluation.get("summaries", [])
     lines += [f"| {s.get('mode')} | {s.get('num_responses', '-')} | {_number(s.get('tau'), '{:.3f}')} | "
               f"{_number(s.get('speedup'), '{:.2f}x')} | {_number(s.get('tokens_per_s'), '{:.1f}')} | "
-              f"{s.get('all_match_target', '-')} |" for s in summaries] \
+              f"{_matches(s)} |" for s in summaries] \
         or ["| - | - | - | - | - | no evaluation in this run |"]
     fit = generalization_line(evaluation)
     lines += ["", fit] if fit else []

@@ -17,6 +17,7 @@ _HOMES = {
     "markdown_table": "report", "plot_acceptance": "report", "summarize": "report",
     "HARNESSES": "run", "evaluate_prompts": "run", "pick_harness": "run",
     "GraphedDecoder": "graphed",
+    "Divergence": "divergence", "first_divergence": "divergence", "match_label": "match",
 }
 
 __all__ = sorted(_HOMES)

@@ -14,6 +14,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from dflash_core.evaluate.divergence import Divergence
+from dflash_core.evaluate.match import match_label
 from dflash_core.evaluate.speculative import Decoded
 
 
@@ -24,6 +26,7 @@ class ResponseResult:
     decoded: Decoded
     baseline_wall_s: float
     matches_target: bool
+    divergence: Divergence | None = None  # where a response that does not match leaves the greedy output
 
 
 def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> dict[str, Any]:
@@ -54,6 +57,9 @@ def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> d
         "new_tokens": tokens,
         "target_forwards": sum(r.decoded.num_target_forwards for r in results),
         "all_match_target": all(r.matches_target for r in results),
+        "exact_matches": sum(r.matches_target for r in results),
+        "near_ties": sum(r.divergence is not None and r.divergence.near_tie for r in results),
+        "divergences": sum(not r.matches_target and not (r.divergence and r.divergence.near_tie) for r in results),
         # A round's wall time split (ms): drafting, verifying, the rest (cache updates, host work); beside what one
         # target-only step costs, which a round must beat by tau to speed decoding up.
         "round_ms": {"draft": draft_s * per_round_ms, "verify": verify_s * per_round_ms,
@@ -62,7 +68,8 @@ def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> d
         "responses": [
             {"prompt_index": r.prompt_index, "prompt_tokens": r.prompt_tokens, "new_tokens": len(r.decoded.tokens),
              "tau": r.decoded.tau, "accepted_per_round": r.decoded.accepted, "wall_s": r.decoded.wall_s,
-             "baseline_wall_s": r.baseline_wall_s, "matches_target": r.matches_target}
+             "baseline_wall_s": r.baseline_wall_s, "matches_target": r.matches_target,
+             "divergence": r.divergence.as_dict() if r.divergence else None}
             for r in results
         ],
     }
@@ -78,7 +85,7 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
         split = s.get("round_ms") or {}
         lines.append(
             f"| {s['mode']} | {s.get('harness', 'eager')} | {s['num_responses']} | {s['num_rounds']} | {s['tau']:.3f} | {s['speedup']:.2f}x | "
-            f"{s['tokens_per_s']:.1f} | {s['baseline_tokens_per_s']:.1f} | {s['all_match_target']} | "
+            f"{s['tokens_per_s']:.1f} | {s['baseline_tokens_per_s']:.1f} | {match_label(s)} | "
             f"{split.get('draft', 0):.2f} / {split.get('verify', 0):.2f} / {split.get('other', 0):.2f} | "
             f"{split.get('target_step', 0):.2f} |"
         )

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from dflash_core.evaluate.divergence import first_divergence
 from dflash_core.evaluate.graphed import GraphedDecoder, graphs_supported
 from dflash_core.evaluate.report import ResponseResult, markdown_table, summarize
 from dflash_core.evaluate.speculative import MODES, SpeculativeDecoder, greedy_decode
@@ -36,8 +37,9 @@ def evaluate_prompts(
 
     Both sides of every comparison run in one harness (`pick_harness`): eager transformers with a
     growing cache, or fixed-shape caches replayed as CUDA graphs (`graphed.py`). A response whose
-    speculative output differs from the target's greedy output is reported, not raised: in bf16 a
-    batched verify pass and one-token steps can round differently.
+    speculative output differs from the target's greedy output is reported, not raised, with where it
+    diverged and whether the target's logits there are a near-tie (`divergence.py`): in bf16 a batched
+    verify pass and one-token steps can round differently.
     """
     if not prompts:
         raise ValueError("prompts is empty")
@@ -69,6 +71,7 @@ def evaluate_prompts(
             results[mode].append(ResponseResult(
                 prompt_index=index, prompt_tokens=len(prompt), decoded=decoded, baseline_wall_s=baseline.wall_s,
                 matches_target=decoded.tokens == baseline.tokens,
+                divergence=first_divergence(target, prompt, greedy=baseline.tokens, decoded=decoded.tokens),
             ))
     summaries = [summarize(results[mode], block_size=drafter.config.block_size, mode=mode) | {"harness": harness}
                  for mode in modes]
