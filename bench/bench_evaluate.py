@@ -36,9 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.evaluate import evaluate_prompts  # noqa: E402
+from dflash_core.evaluate.inputs import load_drafter_checkpoint, prompts_from_tokenized  # noqa: E402
 from dflash_core.model import DFlashConfig  # noqa: E402
 from dflash_core.model.build import build_drafter  # noqa: E402
-from dflash_core.target import build_target, build_target_on_device, target_heads, tiny_target_config  # noqa: E402
+from dflash_core.target import (  # noqa: E402
+    build_target, build_target_on_device, load_target, target_heads, tiny_target_config,
+)
 
 
 def qwen3_8b_config():
@@ -74,7 +77,12 @@ def break_even_tau(summary: dict) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="tiny:qwen3", help="tiny:<family>, smollm2-135m or qwen3-8b")
+    parser.add_argument("--target", default="tiny:qwen3",
+                        help="tiny:<family>, smollm2-135m or qwen3-8b (random weights), or a model dir")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="a trained drafter's checkpoint dir (meta.json, model.safetensors) instead of a random one")
+    parser.add_argument("--prompts-file", type=Path, default=None,
+                        help="a tokenized .arrow shard (e.g. a held-out split) instead of random prompts")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -97,29 +105,44 @@ def main() -> None:
     if args.target in ("qwen3-8b", "smollm2-135m"):
         target_config = qwen3_8b_config() if args.target == "qwen3-8b" else smollm2_135m_config()
         target = build_target_on_device(target_config, device=device, dtype=dtype)
+    elif Path(args.target).is_dir():
+        target = load_target(args.target, device=device, dtype=dtype)
+        target_config = getattr(target.config, "text_config", None) or target.config
     else:
         target_config = tiny_target_config(args.target.removeprefix("tiny:"))
         target = build_target(target_config, device=device, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(target_config, num_layers=args.drafter_layers, block_size=args.block_size)
-    drafter = build_drafter(config, device=device).to(dtype)
+    if args.checkpoint is not None:
+        drafter = load_drafter_checkpoint(args.checkpoint, device=device).to(dtype)
+    else:
+        drafter = build_drafter(config, device=device).to(dtype)
     drafter.attach_target(target_heads(target))
     build_s = time.perf_counter() - start
     vocab = getattr(target_config, "vocab_size")
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(args.prompts)]
+    if args.prompts_file is not None:
+        prompts = prompts_from_tokenized(args.prompts_file.read_bytes(), num_prompts=args.prompts,
+                                         max_prompt_tokens=args.prompt_len)
+    else:
+        prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist()
+                   for _ in range(args.prompts)]
+    eos = getattr(target_config, "eos_token_id", None) if args.prompts_file is not None else None
+    eos = eos[0] if isinstance(eos, list) else eos
     reports = {}
     for harness in args.harness:
         modes = ("block",) if harness == "graphs" else tuple(args.modes)
         start = time.perf_counter()
         reports[harness] = evaluate_prompts(target=target, drafter=drafter, prompts=prompts, modes=modes,
                                             max_new_tokens=args.new_tokens, tree_budget=args.tree_budget,
-                                            harness=harness)
+                                            harness=harness, eos_token_id=eos)
         reports[harness]["seconds"] = time.perf_counter() - start
     print(f"target {args.target} ({sum(p.numel() for p in target.parameters()) / 1e9:.2f}B params, {dtype}, "
-          f"{device}), drafter {args.drafter_layers} layers B={args.block_size}, RANDOM weights; built in {build_s:.1f} s")
-    print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each\n")
+          f"{device}), drafter {len(drafter.layers)} layers B={drafter.config.block_size}, "
+          f"{args.checkpoint or 'RANDOM weights'}; built in {build_s:.1f} s")
+    print(f"{len(prompts)} prompts of {args.prompts_file or 'random tokens'} (at most {args.prompt_len} tokens), "
+          f"{args.new_tokens} new tokens each\n")
     for harness, report in reports.items():
         print(f"harness {harness} ({report['seconds']:.1f} s with set-up and warm-up):")
         print(report["table"])

@@ -9,8 +9,10 @@ on a StaticContextCache. A speculative round is two device programs: draft (the 
 pass and its greedy choice) and verify (the target's forward over [last token, drafts], the
 accepted length, the roll-back of the target's cache, the drafter's context update, the next last
 token). Each is captured once as a CUDA graph and replayed; the host reads one small tensor per
-target-only token or per round (the accepted length and the target's choices) and does nothing
-else. Prefill stays eager: its length varies.
+target-only token or per round (the accepted length and the target's choices), one step behind:
+every input of the next step is already on the device, so the host launches step k+1 before it
+reads step k, and the GPU never waits for Python (a step launched past the end is waited for and
+counted). Prefill stays eager: its length varies.
 
 On CPU the same steps run without graphs; the tests compare their tokens with the eager harness.
 Attention-only targets, block mode only: tree rounds change shape with the tree, and a hybrid
@@ -110,6 +112,7 @@ class GraphedDecoder:
         self._draft = _Replayed(self._draft_fn, device=device, pool=pool)
         self._verify = _Replayed(self._verify_fn, device=device, pool=pool)
         self._clock = _Clock(device)
+        self._readback = _Readback(size=self.block_size + 1, device=device)  # [accepted, choices...]
         self._capture()
 
     # -- device programs ----------------------------------------------------------------------
@@ -200,9 +203,17 @@ class GraphedDecoder:
         self._prefill(prompt, hidden=False)
         tokens = [int(self.last_token)]
         forwards = 1
-        while not _finish(tokens, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)[1]:
-            tokens.append(int(self._step()))
-            forwards += 1
+        pending = None  # the step in flight, read one step behind
+        while True:
+            done = _finish(tokens, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)[1]
+            launched = None if done else self._readback.push(self._step())
+            if pending is not None:
+                tokens.append(self._readback.read(pending)[0])
+                forwards += 1
+            pending = launched
+            if _finish(tokens, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)[1]:
+                break
+        _sync(self.device)  # a step launched past the end counts in the wall time, as it occupied the GPU
         tokens, _ = _finish(tokens, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
         return Decoded(tokens=tokens, accepted=[], wall_s=time.perf_counter() - start, num_target_forwards=forwards)
 
@@ -219,22 +230,56 @@ class GraphedDecoder:
         accepted_per_round: list[int] = []
         draft_s = verify_s = 0.0
         forwards = 1
-        while not _finish(tokens, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)[1]:
-            marks = [self._clock.mark()]
-            self._draft()
-            marks.append(self._clock.mark())
-            result = self._verify()
-            marks.append(self._clock.mark())
-            accepted, *choices = result.tolist()  # the round's one sync
-            draft_s += self._clock.seconds(marks[0], marks[1])
-            verify_s += self._clock.seconds(marks[1], marks[2])
-            new = choices[: accepted + 1]
-            kept = kept_tokens(new, room=max_new_tokens - len(tokens), eos_token_id=eos_token_id)
-            tokens.extend(new[:kept])
-            accepted_per_round.append(kept - 1)
-            forwards += 1
+        pending = None  # (readback slot, phase marks) of the round in flight, read one round behind
+        while True:
+            launched = None
+            if not _finish(tokens, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)[1]:
+                marks = [self._clock.mark()]
+                self._draft()
+                marks.append(self._clock.mark())
+                result = self._verify()
+                marks.append(self._clock.mark())
+                launched = (self._readback.push(result), marks)
+            if pending is not None:
+                slot, marks = pending
+                accepted, *choices = self._readback.read(slot)
+                draft_s += self._clock.seconds(marks[0], marks[1])
+                verify_s += self._clock.seconds(marks[1], marks[2])
+                new = choices[: accepted + 1]
+                kept = kept_tokens(new, room=max_new_tokens - len(tokens), eos_token_id=eos_token_id)
+                tokens.extend(new[:kept])
+                accepted_per_round.append(kept - 1)
+                forwards += 1
+            pending = launched
+            if _finish(tokens, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)[1]:
+                break
+        _sync(self.device)  # a round launched past the end counts in the wall time, as it occupied the GPU
         return Decoded(tokens=tokens, accepted=accepted_per_round, wall_s=time.perf_counter() - begin,
                        num_target_forwards=forwards, draft_s=draft_s, verify_s=verify_s)
+
+
+class _Readback:
+    """A replayed program's small output copied to the host one call behind: the device runs step k+1 (its
+    inputs are already on the device) while the host reads step k, so the GPU never waits for Python.
+    Two pinned buffers alternate; each copy is followed by an event the read waits for."""
+
+    def __init__(self, *, size: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.buffers = [torch.empty(size, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.turn = 0
+
+    def push(self, output: torch.Tensor) -> int:
+        slot, self.turn = self.turn, self.turn ^ 1
+        self.buffers[slot][: output.numel()].copy_(output, non_blocking=True)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+        return slot
+
+    def read(self, slot: int) -> list[int]:
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        return self.buffers[slot].tolist()
 
 
 def graphs_supported(target: torch.nn.Module, modes: tuple[str, ...]) -> str | None:
