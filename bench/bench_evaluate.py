@@ -10,16 +10,22 @@ With random weights the drafter proposes noise, so tau is ~1 and the "speedup" i
 drafting overhead (< 1): these numbers measure the harness, not a trained drafter. Needs torch and
 transformers only (no pydantic), so it runs on a bare GPU image.
 
-Measured on one H200 (torch 2.11, transformers 5.17; target Qwen3-8B-shaped, RANDOM weights;
-drafter 5 layers, B=16, RANDOM init; 256-token prompts; tree budget 32):
-  bf16, 4 prompts x 64 new tokens: block tau 1.000, 10.3 tok/s (0.60x); tree tau 1.000, 12.5 tok/s
-    (0.74x); target-only 17.0 tok/s; peak 19.3 GiB. Outputs did NOT match the target's greedy
-    decoding: a random 8B model's logits are nearly flat and bf16 rounds a 16-token verify pass
-    differently from one-token steps, so near-ties flip.
-  fp32, 2 prompts x 32 new tokens: block tau 1.000, 18.5 tok/s (0.63x); tree 19.1 tok/s (0.65x);
-    target-only 29.5 tok/s; outputs matched exactly.
-  Eager transformers at batch one is launch-bound (~17-30 tok/s for 8B), so these are harness
-  numbers, not what a served trained drafter reaches.
+Measured on one H200 (2026-12-04; the image's torch 2.11, transformers 5.24 from the node's wheelhouse;
+bf16; block mode; "matches target" judged per response by `divergence.py`):
+
+| target, drafter, prompts | harness | tau | speedup | tokens/s (target-only) | round ms: draft / verify / other | step ms | matches target |
+|---|---|---:|---:|---:|---|---:|---|
+| SmolLM2-135M, the pipeline's trained 2-layer DFlash 2 (B=8), 64 held-out x 96 | graphs | 1.663 | 1.19x | 305.1 (256.4) | 0.70 / 3.87 / 0.59 | 3.90 | 56/64 exact, 8 near-ties |
+| same, first 8 held-out | eager | 1.567 | 0.77x | 23.1 (30.1) | 20.97 / 43.92 / 1.72 | 33.23 | 6/8 exact, 2 near-ties |
+| same, first 8 held-out | graphs | 1.567 | 1.17x | 282.7 (241.0) | 0.70 / 4.01 / 0.74 | 4.15 | yes |
+| Qwen3-8B shape, RANDOM 5-layer B=16, 2 x 512-token random prompts x 96 | eager | 1.000 | 0.52x | 10.3 (19.7) | 24.91 / 71.00 / 2.46 | 50.66 | 0/2 exact, 2 near-ties |
+| same | graphs | 1.000 | 0.70x | 72.1 (102.4) | 1.83 / 11.62 / 0.56 | 9.77 | 0/2 exact, 2 near-ties |
+
+Break-even tau (a round's cost in target-only steps): SmolLM2 1.32 graphed against 2.00 eager; Qwen3-8B
+shape 1.43 graphed against 1.94 eager. The graphed verify pass costs what one target-only step costs
+(both launch- or bandwidth-bound at batch one), so the speedup is about tau / (1 + draft/step +
+other/step); "other" is mostly the eager prefill, spread over the rounds. A random 8B model's logits
+are nearly flat, so its outputs part from greedy at bf16 near-ties (within 1 ulp here).
 """
 
 from __future__ import annotations
@@ -155,7 +161,7 @@ def main() -> None:
         print(f"\npeak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
     print("\nreproduce: python bench/bench_evaluate.py " + " ".join(sys.argv[1:]))
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, **report}, indent=2))
+        args.json.write_text(json.dumps({"args": vars(args), **report}, indent=2, default=str))  # paths as text
 
 
 if __name__ == "__main__":
