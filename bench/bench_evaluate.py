@@ -115,7 +115,7 @@ def main() -> None:
         target = load_target(args.target, device=device, dtype=dtype)
         target_config = getattr(target.config, "text_config", None) or target.config
     else:
-        target_config = tiny_target_config(args.target.removeprefix("tiny:"))
+        target_config = tiny_target_config(args.target.removeprefix("tiny:"), num_layers=8)  # room for 5 taps
         target = build_target(target_config, device=device, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
