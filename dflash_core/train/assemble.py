@@ -87,6 +87,7 @@ def build_trainer(config: TrainConfig, *, store: ObjectStore | None = None, mode
     from dflash_core.train.loop import Trainer
     from dflash_core.train.parallelize import parallelize
 
+    config = config.resolved()
     dist_info = dist_info or Distributed.from_env()
     devices = devices or resolve_devices(config, dist_info)
     parts = build_training(config, devices=devices, dist_info=dist_info, store=store, models_dir=models_dir,

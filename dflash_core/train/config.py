@@ -298,6 +298,12 @@ class TrainConfig(StrictModel):
             return self.drafter.num_anchors
         return default_num_anchors(self.token_budget)
 
+    def resolved(self) -> TrainConfig:
+        """This config with its derived defaults filled in (drafter.num_anchors): what run.yaml, the
+        checkpoints' manifests and their meta record, so a reader never sees a None the run resolved."""
+        return self.model_copy(update={"drafter": self.drafter.model_copy(
+            update={"num_anchors": self.resolved_num_anchors})})
+
     @property
     def run_dir(self) -> Path:
         return self.output_dir / self.run_name

@@ -59,8 +59,7 @@ def write_run_record(config: TrainConfig) -> None:
     """run.yaml (the resolved config: defaults filled in, e.g. drafter.num_anchors from the token budget) and
     provenance.json (git SHA, versions, argv) beside the checkpoints."""
     config.run_dir.mkdir(parents=True, exist_ok=True)
-    drafter = config.drafter.model_copy(update={"num_anchors": config.resolved_num_anchors})
-    (config.run_dir / "run.yaml").write_text(config.model_copy(update={"drafter": drafter}).to_yaml())
+    (config.run_dir / "run.yaml").write_text(config.resolved().to_yaml())
     versions = {name: _version(name) for name in ("dflash-pipeline", "torch", "transformers", "prefect")}
     record = {**current_producer().model_dump(), "versions": versions, "python": sys.version.split()[0]}
     (config.run_dir / "provenance.json").write_text(json.dumps(record, indent=2))

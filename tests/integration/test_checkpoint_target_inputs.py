@@ -12,6 +12,7 @@ from dflash_core.layout import ArtifactKind
 from dflash_core.lineage import TARGET_MODEL, TOKENIZER, read_manifest, write_artifact
 from dflash_core.lineage_refs import DigestCache
 from dflash_core.storage import sha256_file
+from dflash_core.train.anchor_budget import default_num_anchors
 from dflash_core.train.checkpoint import _FILES
 from dflash_core.train.config import TrainConfig
 from tests.train_fixtures import synthetic_shard
@@ -28,8 +29,7 @@ def test_the_checkpoint_manifest_names_the_shards_then_the_targets_files(store, 
         "run_name": "with-target", "target": str(tiny_target), "data": [shard_key],
         "output_dir": str(tmp_path / "runs"),
         "token_budget": 96, "max_steps": 2, "checkpoint_every": 2, "log_every": 1, "upload_checkpoints": True,
-        "validate_capture_batches": 0, "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8,
-                                                   "loss_gamma": 4.0}})
+        "validate_capture_batches": 0, "drafter": {"num_layers": 1, "block_size": 4, "loss_gamma": 4.0}})
     digests = DigestCache(tmp_path / "cache" / "sha256.json")
     trainer = build_trainer(config, store=store, models_dir=tmp_path / "models", digests=digests,
                             checkpoint_prefix=f"{prefix}/checkpoints/with-target")
@@ -50,4 +50,5 @@ def test_the_checkpoint_manifest_names_the_shards_then_the_targets_files(store, 
         assert ref.role == (TOKENIZER if name.startswith(("tokenizer", "special_tokens", "chat_template"))
                             else TARGET_MODEL), ref
     assert all(read_manifest(store, f"{step}/{name}").inputs == weights.inputs for name in _FILES)
+    assert weights.config["drafter"]["num_anchors"] == default_num_anchors(96)  # resolved, never None
     assert str(tiny_target / "model.safetensors") in digests.path.read_text(), "the weights were not cached"
