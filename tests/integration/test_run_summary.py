@@ -121,7 +121,9 @@ def test_tau_speedup_and_folded_checkpoint_files():
                       {"uri": "s3://b/reports/train/demo-drafter/metrics.json", "kind": "report", "sha256": "c" * 64}]}
     evaluation = {"report": "s3://b/reports/evaluate/x/report.json", "split": "heldout",
                   "summaries": [{"mode": "block", "num_responses": 8, "tau": 1.2345, "speedup": 0.61,
-                                 "tokens_per_s": 9.87, "all_match_target": True}]}
+                                 "tokens_per_s": 9.87, "all_match_target": True},
+                                {"mode": "tree", "num_responses": 8, "tau": 1.5, "speedup": 0.7, "tokens_per_s": 11.0,
+                                 "all_match_target": False, "exact_matches": 6, "near_ties": 2, "divergences": 0}]}
     stages = [run_summary.StageRun("pipeline", "p", "1", "Completed", 200.0, "u0", 0),
               run_summary.StageRun("train", "p-train", "2", "Completed", 95.0, "u1", 1),
               run_summary.StageRun("evaluate", "p-evaluate", "3", "Completed", 30.0, "u2", 1),
@@ -129,7 +131,8 @@ def test_tau_speedup_and_folded_checkpoint_files():
     export = {"exports": {"native": "s3://b/exports/demo-drafter/native"}, "artifacts": []}
     text = _text(run_summary.summary({"report": "s3://b/reports/plan/p.json", "training": training,
                                       "evaluation": evaluation, "export": export}, stages))
-    assert "1.234" in text and "0.61x" in text and "True" in text and "target, on held-out prompts" in text
+    assert "1.234" in text and "0.61x" in text and "│ yes" in text and "target, on held-out prompts" in text
+    assert "6/8 exact, 2 near-ties" in text  # bf16 near-ties are told apart from a real divergence
     assert "on heldout prompts: block: tau 1.234" in text
     assert f"checkpoint {ckpt} (step 20, 1 shards)" in text
     assert "native s3://b/exports/demo-drafter/native" in text
