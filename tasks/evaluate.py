@@ -85,9 +85,9 @@ def publish_evaluation(settings: Settings, *, report: dict[str, Any], key_prefix
     body = {**report, "plot_uri": png_manifest.uri, "config": config, "measured_on": measured_on}
     manifest = write_artifact(store, f"{key_prefix}/report.json", json.dumps(body, indent=2).encode(),
                               kind=ArtifactKind.REPORT, inputs=inputs, config=config, producer=producer)
-    rows = [{k: s.get(k) for k in ("mode", "harness", "num_responses", "num_rounds", "tau", "speedup", "tokens_per_s",
-                               "baseline_tokens_per_s", "all_match_target", "exact_matches", "near_ties",
-                               "divergences")} for s in report["summaries"]]
+    columns = ("mode", "harness", "num_responses", "num_rounds", "tau", "speedup", "tokens_per_s",
+               "baseline_tokens_per_s", "all_match_target", "exact_matches", "near_ties", "divergences")
+    rows = [{k: s.get(k) for k in columns} for s in report["summaries"]]
     create_table_artifact(rows, key="drafter-evaluation",
                           description=f"tau and speedup per decoding mode, measured on {measured_on}")
     create_markdown_artifact(

@@ -59,7 +59,8 @@ def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> d
         "all_match_target": all(r.matches_target for r in results),
         "exact_matches": sum(r.matches_target for r in results),
         "near_ties": sum(r.divergence is not None and r.divergence.near_tie for r in results),
-        "divergences": sum(not r.matches_target and not (r.divergence and r.divergence.near_tie) for r in results),
+        "divergences": sum(not r.matches_target and not (r.divergence and r.divergence.near_tie)
+                           for r in results),
         # A round's wall time split (ms): drafting, verifying, the rest (cache updates, host work); beside what one
         # target-only step costs, which a round must beat by tau to speed decoding up.
         "round_ms": {"draft": draft_s * per_round_ms, "verify": verify_s * per_round_ms,
@@ -84,7 +85,8 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
     for s in summaries:
         split = s.get("round_ms") or {}
         lines.append(
-            f"| {s['mode']} | {s.get('harness', 'eager')} | {s['num_responses']} | {s['num_rounds']} | {s['tau']:.3f} | {s['speedup']:.2f}x | "
+            f"| {s['mode']} | {s.get('harness', 'eager')} | {s['num_responses']} | {s['num_rounds']} | "
+            f"{s['tau']:.3f} | {s['speedup']:.2f}x | "
             f"{s['tokens_per_s']:.1f} | {s['baseline_tokens_per_s']:.1f} | {match_label(s)} | "
             f"{split.get('draft', 0):.2f} / {split.get('verify', 0):.2f} / {split.get('other', 0):.2f} | "
             f"{split.get('target_step', 0):.2f} |"
