@@ -8,7 +8,7 @@ from dflash_core.lazy_names import lazy_getattr
 _HOMES = {
     "BlockPlan": "anchors", "plan_blocks": "anchors", "sample_anchors": "anchors",
     "DFlashConfig": "config", "tapped_layer_ids": "config",
-    "ContextCache": "drafter", "StaticContextCache": "drafter", "DFlashDraftModel": "drafter",
+    "ContextCache": "context_cache", "StaticContextCache": "context_cache", "DFlashDraftModel": "drafter",
     "DraftOutput": "drafter", "TargetHeads": "drafter",
     "chunked_lm_head_cross_entropy": "loss", "position_weights": "loss", "teacher_token_ids": "loss",
     "block_metrics": "metrics",
