@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash_core.evaluate import GraphedDecoder, SpeculativeDecoder, evaluate_prompts, greedy_decode, pick_harness
-from tests.unit.test_evaluate_speculative import _BLOCK, _NEW, _OracleDrafter, _overfit, _setup
+from tests.unit.test_evaluate_speculative import _BLOCK, _NEW, _OracleDrafter, _overfit, _selector_drafter, _setup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,14 +50,8 @@ def test_stop_rules_and_a_reused_decoder_match_the_eager_harness():
 
 
 def test_a_learned_drafter_and_a_dflash2_selector_reach_the_same_tau_in_both_harnesses():
-    from dflash_core.model.build import build_drafter
-    from dflash_core.model.dflash2 import DFlash2Config
-
     target, drafter, prompts = _setup("qwen3", num_drafter_layers=2)
-    torch.manual_seed(0)
-    config = DFlash2Config.from_dflash(drafter.config, conv_group_size=16, selector_rank=8, selector_top_k=4)
-    selector_drafter = build_drafter(config, loss=drafter.loss)
-    selector_drafter.attach_target(drafter.target_heads)
+    selector_drafter = _selector_drafter(drafter)
     for model in (drafter, selector_drafter):
         _overfit(target, model, prompts, steps=120)
         reports = {harness: evaluate_prompts(target=target, drafter=model, prompts=prompts, modes=("block",),

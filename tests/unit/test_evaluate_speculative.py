@@ -178,14 +178,20 @@ def test_a_drafter_that_learned_the_target_reaches_high_tau_and_a_random_one_doe
     assert "| block |" in after["table"] and "| tree |" in after["table"]
 
 
-def test_a_dflash2_drafter_decodes_on_its_selector_path_in_block_mode_only():
+def _selector_drafter(base):
+    """A DFlash 2 drafter (candidate selector) of `base`'s shape, attached to the same target."""
     from dflash_core.model.dflash2 import DFlash2Config
 
-    target, base, prompts = _setup("qwen3", num_drafter_layers=2)
     torch.manual_seed(0)
     config = DFlash2Config.from_dflash(base.config, conv_group_size=16, selector_rank=8, selector_top_k=4)
     drafter = build_drafter(config, loss=base.loss)
     drafter.attach_target(base.target_heads)
+    return drafter
+
+
+def test_a_dflash2_drafter_decodes_on_its_selector_path_in_block_mode_only():
+    target, base, prompts = _setup("qwen3", num_drafter_layers=2)
+    drafter = _selector_drafter(base)
     _overfit(target, drafter, prompts, steps=120)
     proposals = []
     select = drafter.draft_tokens
