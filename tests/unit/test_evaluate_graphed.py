@@ -7,7 +7,6 @@ Run: .venv/bin/python -m pytest tests/unit/test_evaluate_graphed.py -q
 """
 
 import pytest
-import torch
 
 from dflash_core.evaluate import GraphedDecoder, SpeculativeDecoder, evaluate_prompts, greedy_decode, pick_harness
 from tests.unit.test_evaluate_speculative import _BLOCK, _NEW, _OracleDrafter, _overfit, _selector_drafter, _setup
