@@ -23,11 +23,12 @@ import copy
 import hashlib
 import os
 import tempfile
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -89,8 +90,9 @@ class ObjectStore:
     """One bucket on one S3 endpoint. Build it with `ObjectStore.from_settings(settings)`."""
 
     def __init__(self, client, bucket: str, *, endpoint_url: str = "", scratch_dir: Path | None = None,
-                 probe_client=None):
+                 probe_client=None, client_factory: Callable[[], Any] | None = None):
         self.client = client
+        self._client_factory = client_factory  # a fresh client like `client`, for a fenced view
         # `check` answers within seconds: its own client retries little and gives up connecting fast.
         self.probe_client = probe_client or client
         self.bucket = bucket
@@ -122,9 +124,13 @@ class ObjectStore:
                 config=config,
             )
 
+        def data_client():
+            return client(max_attempts=settings.s3_max_attempts, connect_timeout=5, read_timeout=120)
+
         return cls(
-            client(max_attempts=settings.s3_max_attempts, connect_timeout=5, read_timeout=120),
+            data_client(),
             settings.s3_bucket,
+            client_factory=data_client,
             endpoint_url=settings.s3_endpoint_url,
             scratch_dir=settings.work_path("tmp"),
             probe_client=client(max_attempts=min(_CHECK_ATTEMPTS, settings.s3_max_attempts),
@@ -138,12 +144,16 @@ class ObjectStore:
         return f"s3://{self.bucket}/{key}"
 
     def fenced(self, guard: Callable[[str], None]) -> ObjectStore:
-        """This bucket through the same clients, with `guard(key)` called before every write and delete of
-        `key` (it raises a `StoreError` to refuse); reads are not guarded. A file upload asks the guard again
-        as its bytes go out, so one that starts refusing mid-upload stops it before the object exists (the
-        multipart upload is aborted)."""
+        """This bucket with `guard(key)` called before every write and delete of `key` (it raises a `StoreError`
+        to refuse); reads are not guarded. The view has a client of its own that asks the guard again before
+        each HTTP attempt of a write, the client's own retries and each part of a multipart upload included:
+        a write whose first attempt passed the guard cannot land on a later retry after the guard started
+        refusing (a multipart upload stopped that way is aborted before the object exists)."""
         view = copy.copy(self)
         view._write_guard = guard
+        if self._client_factory is not None:
+            view.client = self._client_factory()
+            view.client.meta.events.register("before-send.s3", view._guard_attempt)
         return view
 
     def key_of(self, uri_or_key: str) -> str:
@@ -204,7 +214,7 @@ class ObjectStore:
         with self._errors(key), _transfer_progress(f"upload {path.name}", size, progress) as callback:
             self.client.upload_file(
                 str(path), self.bucket, key, ExtraArgs={"Metadata": meta},
-                Config=self._transfer, Callback=self._guarded(key, callback),
+                Config=self._transfer, Callback=callback,
             )
         return self.head(key)
 
@@ -380,17 +390,11 @@ class ObjectStore:
         if self._write_guard is not None:
             self._write_guard(key)
 
-    def _guarded(self, key: str, callback: Callable[[int], None] | None) -> Callable[[int], None] | None:
-        """A transfer callback that asks the write guard (if any) on every chunk sent, then calls `callback`."""
-        if self._write_guard is None:
-            return callback
-
-        def on_bytes(sent: int) -> None:
-            self._may_write(key)
-            if callback is not None:
-                callback(sent)
-
-        return on_bytes
+    def _guard_attempt(self, request, **_) -> None:
+        """botocore's before-send hook of a fenced view: a write's every HTTP attempt asks the guard."""
+        if request.method in ("PUT", "POST", "DELETE"):
+            path = urllib.parse.unquote(urllib.parse.urlsplit(request.url).path)
+            self._may_write(path.lstrip("/").partition("/")[2])  # path-style: /bucket/key
 
     def _scratch(self) -> Path:
         scratch = self._scratch_dir or Path(tempfile.gettempdir())
