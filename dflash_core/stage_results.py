@@ -70,6 +70,17 @@ class ProvisionedNode(StageResult):
     record_uri: str | None = Field(None, description="The node record in S3.")
 
 
+class NodeShare(BaseModel):
+    """What one node answered of a generation across nodes (generate's `nodes`)."""
+
+    node: str
+    shards: list[str] = Field(default_factory=list, description="URIs of the completion shards it wrote.")
+    outcomes: dict[str, int] = Field(default_factory=dict, description=(
+        "Its prompts by outcome (completed, failed, generated_now, completion_tokens_now), over its runs."))
+    flow_runs: list[str] = Field(default_factory=list, description="Its generate runs, one per share it was given.")
+    lost: str | None = Field(None, description="Why the node dropped out (its shards went to the others), if it did.")
+
+
 class CompletionsDataset(StageResult):
     """generate's result: completion shards (training and held-out splits) and the generation counts."""
 
@@ -81,6 +92,8 @@ class CompletionsDataset(StageResult):
                                           description="Prompts held out at import: never trained on.")
     outcomes: dict[str, int] = Field(default_factory=dict, description="Prompts by outcome (completed, failed, ...).")
     report: str | None = Field(None, description="URI of the generation report.")
+    by_node: list[NodeShare] = Field(default_factory=list, description=(
+        "Generated across nodes: what each node answered (empty: one run answered every shard)."))
 
 
 class TokenizedDataset(StageResult):

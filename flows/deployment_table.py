@@ -89,6 +89,11 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
     DeploymentSpec("generate", "flows/generate.py:generate",
                    "On-policy generation with data-parallel inference servers (vLLM, SGLang or transformers serve); "
                    "holds out a share of the prompts for evaluation." + _RERUN_GENERATE, concurrency_limit=1),
+    DeploymentSpec("generate-node", "flows/generate.py:generate",
+                   "One node's share of a generation across nodes: the generate run whose form lists nodes starts one "
+                   "of these per node, on the node's own work queue, with that node's engine, instances, devices and "
+                   "prompt shards (prompt_shards). Press Retry here to retry one node's share; the generate run that "
+                   "started it merges the shares." + _RETRY),
     DeploymentSpec("tokenize", "flows/tokenize.py:tokenize",
                    "Tokenize a completion run (the generate stage's result, or its result.json or prefix URI) into "
                    "training and held-out shards with the quality gate; only shards whose input, tokenizer or config "

@@ -11,6 +11,7 @@ worker of the pool runs any of them.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -101,6 +102,17 @@ class StageFailed(RuntimeError):
     the pipeline)."""
 
 
+@dataclass
+class StartedStage:
+    """A stage run started by `start_stage`: its flow run (a deployment run), or its state already (in-process)."""
+
+    deployment: str
+    name: str
+    run_id: UUID | None = None
+    run_name: str | None = None
+    state: Any = None  # in-process: the final state
+
+
 def run_stage(deployment: str, params: BaseModel, *, key: str | None = None, timeout_s: float | None = None,
               work_queue: str | None = None) -> Any:
     """Run the deployment named `deployment` (flows/deployment_table.py) as a subflow of the current flow
@@ -115,18 +127,28 @@ def run_stage(deployment: str, params: BaseModel, *, key: str | None = None, tim
     A flow called directly from Python (not a deployment run: a test, a notebook) runs the stage in-process.
     Either way a stage that does not complete raises StageFailed, whose message says where to look.
     """
+    started = start_stage(deployment, params, key=key, work_queue=work_queue)
+    if started.run_id is not None:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            started.state = wait_final(client, started.run_id, timeout_s=timeout_s)
+    return stage_result(started)
+
+
+def start_stage(deployment: str, params: BaseModel, *, key: str | None = None,
+                work_queue: str | None = None) -> StartedStage:
+    """`run_stage` without the wait: several stages started this way run at once (one per node); `stage_result`
+    takes each one's result once its state is final."""
     from prefect.client.orchestration import get_client
     from prefect.runtime import deployment as current_deployment, flow_run as current
 
     spec = spec_named(deployment)
     if spec.module not in STAGE_MODULES:
         raise ValueError(f"deployment {deployment!r} runs flows/{spec.module}.py, not a pipeline stage {STAGE_MODULES}")
-    if not current_deployment.id:
-        state = _load_flow(spec.entrypoint)(params, return_state=True)
-        if not state.is_completed():
-            raise StageFailed(f"stage {deployment} ended {state.name}: {state.message or ''}")
-        return state.result()
     name = f"{flow_name(spec.entrypoint)}/{spec.name}"
+    if not current_deployment.id:
+        return StartedStage(deployment, name, state=_load_flow(spec.entrypoint)(params, return_state=True))
     with get_client(sync_client=True) as client:
         run = _create_stage_run(client, spec, name, params, parent_flow_run_id=current.id,
                                 idempotency_key=f"{current.id}:{key or deployment}",
@@ -134,10 +156,16 @@ def run_stage(deployment: str, params: BaseModel, *, key: str | None = None, tim
         state = client.read_flow_run(run.id).state
         if state is not None and state.is_final() and not state.is_completed():
             retry_flow_run(client, run.id, message=f"retried by {current.flow_name} {current.name}")
-        state = wait_final(client, run.id, timeout_s=timeout_s)
+    return StartedStage(deployment, name, run_id=run.id, run_name=run.name)
+
+
+def stage_result(started: StartedStage) -> Any:
+    """The result of a stage whose state is final; StageFailed, saying where to look, when it did not complete."""
+    state = started.state
     if not state.is_completed():
-        raise StageFailed(f"stage {deployment} ({name}, flow run {run.name} {run.id}) ended {state.name}: "
-                          f"{state.message or ''}. Fix the cause, then press Retry on that flow run (or on this one).")
+        where = f"({started.name}, flow run {started.run_name} {started.run_id}) " if started.run_id else ""
+        retry = " Fix the cause, then press Retry on that flow run (or on this one)." if started.run_id else ""
+        raise StageFailed(f"stage {started.deployment} {where}ended {state.name}: {state.message or ''}.{retry}")
     return state.result()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from dflash_core.data.prompts import DEFAULT_MAX_PROMPT_CHARS, PromptSource, TurnPolicy
 from dflash_core.data.holdout import HoldoutSpec
@@ -34,6 +34,7 @@ from dflash_core.storage import ObjectStore
 from dflash_core.strict import StrictModel
 from flows.command_line import run_from_command_line
 from flows.failures import fail_run
+from flows.generate_nodes import GenerationNode, NodesLost, answer_across_nodes, credit_shards
 from tasks.provenance import attempt_segments, flow_version
 from flows.nodes import preserve_on_failure
 from tasks.artifacts import target_inputs, ui_key
@@ -86,6 +87,36 @@ class GenerateParams(StrictModel):
         0.02, ge=0, le=1, description="Failed prompts (after the client's retries) above this fraction of all "
         "prompts fail the flow, so nothing downstream tokenizes or trains on partial data; at or below it the "
         "flow completes with a warning artifact. Failed prompts are retried by rerunning the flow.")
+    nodes: list[GenerationNode] = Field(default_factory=list, description=(
+        "Generate on these nodes at once (each from the inventory, with its engine, instances and devices): this run "
+        "imports the prompts, provisions every node and starts one generate-node run per node on the node's own "
+        "queue, each answering a share of the prompt shards in proportion to its instances; a node that drops out "
+        "hands its unanswered shards to the others. Empty: this run answers every shard where it runs."))
+    node_timeout_s: float = Field(180.0, gt=0, description=(
+        "With nodes: a node whose worker has not been heard from for this long is lost; its run is marked Crashed "
+        "and its unanswered shards go to the other nodes."))
+    prompt_shards: list[str] | None = Field(None, description=(
+        "Answer only these prompt shards (their keys under prompts/(dataset)/(version)/): a node's share, which a "
+        "generation across nodes sets; None: every shard of the prompt set."))
+
+    @model_validator(mode="after")
+    def _nodes_or_one_host(self) -> GenerateParams:
+        if not self.nodes:
+            return self
+        # compared with the defaults, not model_fields_set: a form sent from the UI carries every field
+        per_node = [name for name in ("node", "num_instances", "devices", "base_port", "prompt_shards")
+                    if getattr(self, name) != type(self).model_fields[name].default]
+        if per_node:
+            raise ValueError(f"with nodes, set {', '.join(per_node)} on each node (nodes[i]), not for the whole run")
+        if self.engine is None and any(spec.engine is None for spec in self.nodes):
+            raise ValueError("with nodes, name the engine (engine, or each node's): every node must serve the same "
+                             "model, and the embedded default lives in each host's own work dir")
+        names = [spec.provision.node.name if spec.provision.node else spec.provision.node_name
+                 for spec in self.nodes]
+        twice = sorted({name for name in names if name is not None and names.count(name) > 1})
+        if twice:
+            raise ValueError(f"nodes lists {twice} more than once: give each node once, with its num_instances")
+        return self
 
 
 def _run_dir(settings, run: str) -> Path:
@@ -117,17 +148,22 @@ def generate(params: GenerateParams) -> CompletionsDataset:
                              key=lambda key: (is_heldout_key(key), key))
         if not prompt_keys:
             raise ValueError(f"no prompt shards under {store.uri(prefix)}: pass prompt_sources to import some")
+    if params.prompt_shards is not None:
+        prompt_keys = _given_shards(store, params.prompt_shards, available=prompt_keys)
     heldout_ids = prompt_ids(settings, [key for key in prompt_keys if is_heldout_key(key)])
-
-    profile = params.engine or TransformersProfile(model=str(_embedded_model(settings)))
     output_keys = [artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, params.dataset, params.run,
                                 downstream_shard_name(key, suffix="jsonl")) for key in prompt_keys]
+    report_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "generate", params.dataset, params.run,
+                                 *attempt_segments())
+    if params.nodes:
+        return _across_nodes(settings, params, prompt_keys=prompt_keys, output_keys=output_keys,
+                             heldout_ids=heldout_ids, report_prefix=report_prefix)
+
+    profile = params.engine or TransformersProfile(model=str(_embedded_model(settings)))
     planned = GenerationTarget(urls=[], model=profile.request_model, server=profile.engine,
                                sampling=params.sampling, client=params.client)
     ui = {kind: ui_key(kind, params.dataset, params.run) for kind in ("inference-endpoints", "generation-canary",
                                                                        "generation-failures")}
-    report_prefix = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "generate", params.dataset, params.run,
-                                 *attempt_segments())
     report_key = f"{report_prefix}/summary.json"
     if not params.refresh and all(shard_is_done(store, prompt_key=p, output_key=o, target=planned)
                                   for p, o in zip(prompt_keys, output_keys)):
@@ -177,8 +213,49 @@ def generate(params: GenerateParams) -> CompletionsDataset:
                    result_key=f"{report_prefix}/{RESULT_FILE}", model=profile.model)
 
 
+def _given_shards(store: ObjectStore, keys: list[str], *, available: list[str]) -> list[str]:
+    """`prompt_shards`, each checked to be a shard of this prompt set."""
+    unknown = [key for key in keys if key not in set(available)]
+    if unknown:
+        raise ValueError(f"prompt_shards names shards that are not in this prompt set: "
+                         f"{[store.uri(key) for key in unknown]}; its shards: {[store.uri(k) for k in available]}")
+    return list(keys)
+
+
+def _across_nodes(settings, params: GenerateParams, *, prompt_keys: list[str], output_keys: list[str],
+                  heldout_ids: list[str], report_prefix: str) -> CompletionsDataset:
+    """Answer the prompt shards on the form's nodes (flows/generate_nodes.py) and merge what they made into one
+    result: every stored shard once, the held-out ids of the import, counts per node."""
+    store = ObjectStore.from_settings(settings)
+    try:
+        by_node = answer_across_nodes(settings, params, prompt_keys=prompt_keys, output_keys=output_keys)
+    except NodesLost as lost:
+        return fail_run(lost)
+    stored = [key for key in output_keys if store.exists(key)]
+    by_node = credit_shards(store, by_node, stored)
+    totals: dict[str, int] = {}
+    for share in by_node:
+        for name, count in share.outcomes.items():
+            totals[name] = totals.get(name, 0) + count
+    summary = {"shards": stored, **totals, "flow_run": str(flow_run.id or ""),
+               "by_node": [share.model_dump(mode="json") for share in by_node]}
+    if totals.get("failed"):
+        report_failures(f"{totals['failed']} prompt(s) failed on the nodes (each node's run says which; a rerun "
+                        f"retries them)", run=params.run, ui_artifact=ui_key("generation-failures", params.dataset,
+                                                                              params.run))
+    report_key = f"{report_prefix}/summary.json"
+    records = publish_generation_report(settings, key=report_key, report=summary, shard_keys=stored)
+    get_run_logger().info("generation across %d node(s): %s", len(by_node),
+                          "; ".join(f"{s.node}: {len(s.shards)} shard(s), {s.outcomes}" + (f" (lost: {s.lost})"
+                                                                                            if s.lost else "")
+                                    for s in by_node))
+    engine = params.engine or next(spec.engine for spec in params.nodes if spec.engine is not None)
+    return _result(settings, params, summary, records, report_key=report_key, heldout_ids=heldout_ids,
+                   result_key=f"{report_prefix}/{RESULT_FILE}", model=engine.model, by_node=by_node)
+
+
 def _result(settings, params: GenerateParams, summary: dict, records: list[dict], *, report_key: str,
-            heldout_ids: list[str], result_key: str, model: str) -> CompletionsDataset:
+            heldout_ids: list[str], result_key: str, model: str, by_node=()) -> CompletionsDataset:
     """The stage's typed result, stored as result.json beside the report; the served model, when it is a local
     dir, among its inputs (its files by sha256)."""
     store = ObjectStore.from_settings(settings)
@@ -189,7 +266,7 @@ def _result(settings, params: GenerateParams, summary: dict, records: list[dict]
                 if summary.get(name) is not None}
     result = CompletionsDataset(dataset=params.dataset, run=params.run, shards=shards, heldout_prompt_ids=heldout_ids,
                                 outcomes=outcomes, report=store.uri(report_key), flow_run=str(flow_run.id or ""),
-                                artifacts=records)
+                                artifacts=records, by_node=list(by_node))
     served = target_inputs(settings, model, seed=0) if Path(model).is_dir() else []
     return store_result(settings, result, key=result_key,
                         inputs=[*(InputRef(uri=s.uri, sha256=s.sha256) for s in shards), *served])

@@ -52,7 +52,7 @@ def model_field_problems(form: BaseModel, *, node_model: bool) -> list[str]:
     problems = []
     for field, path in MODEL_FIELDS:
         stage = getattr(form, field)
-        if stage is None or (path[0] == "engine" and stage.engine is None and not node_model):
+        if stage is None or (path[0] == "engine" and stage.engine is None and not node_model) or _own_nodes(stage):
             continue
         value, name = _get(stage, path), ".".join((field, *path))
         if node_model and value != MODEL_FROM_NODE and not (field in CHECKPOINT_NAMES_TARGET and value is None):
@@ -65,8 +65,9 @@ def model_field_problems(form: BaseModel, *, node_model: bool) -> list[str]:
 
 
 def on_node(field: str, params: BaseModel, node: ProvisionedNode | None) -> BaseModel:
-    """The stage's parameters with `@node` replaced by the placed model and its `node` filled in."""
-    if node is None:
+    """The stage's parameters with `@node` replaced by the placed model and its `node` filled in (not a generation
+    across nodes: each of its nodes has its own model)."""
+    if node is None or _own_nodes(params):
         return params
     for stage, path in MODEL_FIELDS:
         if stage == field and _get(params, path) == MODEL_FROM_NODE:
@@ -78,14 +79,20 @@ def on_node(field: str, params: BaseModel, node: ProvisionedNode | None) -> Base
     return params
 
 
-def queue_of(field: str, node: ProvisionedNode | None) -> str | None:
-    """The work queue a stage's run is sent to: the node's, for the stages that run on it."""
-    return node.work_queue if node is not None and field in ON_NODE_STAGES else None
+def queue_of(field: str, node: ProvisionedNode | None, params: BaseModel | None = None) -> str | None:
+    """The work queue a stage's run is sent to: the node's, for the stages that run on it (a generation across
+    nodes runs where the pipeline runs and sends each share to its own node)."""
+    return node.work_queue if node is not None and field in ON_NODE_STAGES and not _own_nodes(params) else None
+
+
+def _own_nodes(params: BaseModel) -> bool:
+    """A generation across nodes (generate's `nodes`): its nodes, not the pipeline's, run it."""
+    return bool(getattr(params, "nodes", None))
 
 
 def stage_runner(run_stage: Callable[..., Any], node: ProvisionedNode | None) -> Callable[..., Any]:
     """`run_stage(deployment, params)` for the form field `field`, on the node."""
     def run(field: str, deployment: str, params: BaseModel, **kwargs: Any) -> Any:
-        return run_stage(deployment, on_node(field, params, node), work_queue=queue_of(field, node), **kwargs)
+        return run_stage(deployment, on_node(field, params, node), work_queue=queue_of(field, node, params), **kwargs)
 
     return run

@@ -11,7 +11,9 @@ from prefect import task
 from dflash_core.lineage import Manifest
 from dflash_core.nodes import Node, NodeError, NodeRecord, PreserveConfig, PreserveResult, ProvisionConfig
 from dflash_core.nodes import preserve, provision, upload_node_record, write_node_record
-from dflash_core.nodes.worker import WORKER_DIR, NodeWorker, ensure_node_worker, node_queue, wait_for_worker
+from dflash_core.nodes.worker import (
+    WORKER_DIR, WORKER_HEARTBEAT_S, NodeWorker, ensure_node_worker, node_queue, wait_for_worker,
+)
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
 from tasks.provenance import run_producer
@@ -69,7 +71,8 @@ def start_node_worker(settings: Settings, node: Node, record: NodeRecord, *, rep
         repo = access.path(repo_dir or str(REPO_DIR))  # `~/...` would reach the pull step's chdir unexpanded
         env = {**stage_server_env(settings), "DFLASH_REPO_DIR": repo, "DFLASH_WORK_DIR": record.work_dir,
                # the node's own Prefect home, not the controller's path (which need not exist there)
-               "PREFECT_HOME": f"{record.work_dir}/{WORKER_DIR}/prefect"}
+               "PREFECT_HOME": f"{record.work_dir}/{WORKER_DIR}/prefect",
+               "PREFECT_WORKER_HEARTBEAT_SECONDS": str(WORKER_HEARTBEAT_S)}
         worker = ensure_node_worker(access, node_name=node.name, work_dir=record.work_dir,
                                     python=access.path(python or f"{record.venv.path}/bin/python"), repo_dir=repo,
                                     env=env, unset=[READY_FILE_ENV])  # the stage server's own, on a local node

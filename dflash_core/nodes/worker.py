@@ -24,6 +24,9 @@ from dflash_core.nodes.access import DetachedProcess, NodeAccess, NodeError
 WORKER_DIR = "worker"
 WORKER_NAME = "stage-worker"
 QUEUE_PREFIX = "node-"
+# Prefect's default is 30 s: a generation across nodes counts a node lost when its worker falls silent
+# (generate's node_timeout_s), so it should hear often; one small request a heartbeat.
+WORKER_HEARTBEAT_S = 10
 WORKER_READY_TIMEOUT_S = 180.0  # importing the stage server on a busy node, then its first call to the server
 
 

@@ -1,0 +1,281 @@
+"""Generation across several nodes from one generate run (its `nodes`): the run that holds the form imports the
+prompts once, provisions every node (which starts the node's own worker, on its queue `node-<name>`), deals
+the unanswered prompt shards among the nodes in proportion to their server instances
+(dflash_core/serving/shares.py) and starts one `generate-node` run per node on that node's queue, each with
+its own Retry, all at once. The results merge into one `CompletionsDataset` (flows/generate.py).
+
+A node drops out of the run, and its unanswered shards go to the nodes still in it in the next wave, when
+    - it does not answer before provisioning (unreachable), or its provision fails;
+    - its run fails or crashes (the node's worker reports that);
+    - its worker has not been heard from for `node_timeout_s` (the node died with its worker): its run is
+      marked Crashed, saying so.
+A shard's answers so far are in S3 (`<shard>.partial`, every 64 answers), so the node that takes it over
+resumes there. Every shard already answered with the same prompts, model and sampling is kept; a rerun or
+a Retry checks each shard again, probes each node again and deals only what is left, so no shard is answered
+twice and no finished one is redone. Shards whose prompts failed within `max_failed_fraction` stay as
+they are until a rerun retries those prompts, as on one node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from prefect import get_run_logger
+from prefect.runtime import flow_run
+from pydantic import Field, model_validator
+
+from dflash_core.nodes import Node
+from dflash_core.nodes.worker import node_queue
+from dflash_core.serving.generation import GenerationTarget, shard_is_done
+from dflash_core.serving.profiles import EngineProfile
+from dflash_core.serving.shares import check_shares, split_by_weight
+from dflash_core.settings import Settings
+from dflash_core.stage_results import MODEL_FROM_NODE, CompletionsDataset, NodeShare, ProvisionedNode
+from dflash_core.storage import ObjectStore
+from dflash_core.strict import StrictModel
+from flows.deployments import StageFailed, StartedStage, stage_result, start_stage
+from flows.nodes import ProvisionParams
+
+if TYPE_CHECKING:
+    from flows.generate import GenerateParams
+
+NODE_DEPLOYMENT = "generate-node"
+HEARTBEAT_CHECK_S = 5.0  # how often the waiting run asks the server when each node's worker was last heard from
+POLL_S = 1.0
+
+
+class GenerationNode(StrictModel):
+    provision: ProvisionParams = Field(description=(
+        "The node (inline, or node_name + inventory) and how to provision it; provision starts its worker, "
+        "which runs this node's share."))
+    engine: EngineProfile | None = Field(None, description=(
+        "Its server profile; None: the run's engine. Every node serves the same model (the same name in requests) "
+        "with the same engine, so a shard one node answered counts as done for the others. `@node` as its model: "
+        "the model this node's provision placed."))
+    num_instances: int = Field(1, gt=0, description="Its server instances (one per GPU); its share is in proportion.")
+    devices: list[str] | None = Field(None, description="CUDA device per instance, e.g. ['0','1'].")
+    base_port: int = Field(8100, gt=1023, lt=65000)
+
+    @model_validator(mode="after")
+    def _with_worker(self) -> GenerationNode:
+        if not self.provision.start_worker:
+            raise ValueError("a generation node needs its worker (provision.start_worker true): its share runs there")
+        return self
+
+
+class NodesLost(RuntimeError):
+    """Every node dropped out while shards were still unanswered."""
+
+
+def answer_across_nodes(settings: Settings, params: GenerateParams, *, prompt_keys: list[str],
+                        output_keys: list[str]) -> list[NodeShare]:
+    """Answer every prompt shard on the form's nodes (waves until none is left); what each node answered. When
+    every shard is already answered (and the model is named without `@node`), no node is needed."""
+    logger = get_run_logger()
+    store = ObjectStore.from_settings(settings)
+    attempt = flow_run.run_count or 1
+    resolved = {_named(spec, settings): spec for spec in params.nodes}
+    shares = {name: NodeShare(node=name) for name in resolved}
+    output_of = dict(zip(prompt_keys, output_keys))
+    finished: set[str] = set()  # answered by a run that completed in this attempt (failed prompts wait for a rerun)
+
+    def pending(planned: GenerationTarget) -> list[str]:
+        return [key for key in prompt_keys if key not in finished and not shard_is_done(
+            store, prompt_key=key, output_key=output_of[key], target=planned)]
+
+    declared = {name: spec.engine or params.engine for name, spec in resolved.items()}
+    if all(engine.model != MODEL_FROM_NODE for engine in declared.values()):
+        if not pending(_planned(params, _same_work(declared))):
+            logger.info("every shard is already generated with this model and sampling: no node needed")
+            return list(shares.values())
+    live = _provisioned(settings, resolved, shares, attempt=attempt)
+    engines = {name: _engine(params, resolved[name], node) for name, node in live.items()}
+    planned = _planned(params, _same_work(engines))
+    for wave in range(len(resolved) + 1):
+        left = pending(planned)
+        if not left:
+            break
+        if not live:
+            lost = "; ".join(f"{s.node}: {s.lost}" for s in shares.values() if s.lost)
+            raise NodesLost(f"{len(left)} prompt shard(s) unanswered and no node left to answer them ({lost}). "
+                            f"Bring a node back (or add one to nodes), then rerun: answered shards are kept.")
+        split = split_by_weight(left, {name: resolved[name].num_instances for name in live})
+        check_shares(left, split)
+        logger.info("wave %d: %s", wave, ", ".join(f"{name} {len(keys)} shard(s)" for name, keys in split.items()))
+        started = {name: start_stage(NODE_DEPLOYMENT, _share_params(params, resolved[name], live[name], keys,
+                                                                     engines[name]),
+                                     key=f"generate-{name}-attempt-{attempt}-wave-{wave}", work_queue=live[name].work_queue)
+                   for name, keys in split.items() if keys}
+        _wait_all(started, silent=lambda client, name: _silent(client, name, params.node_timeout_s))
+        for name, stage in started.items():
+            try:
+                made: CompletionsDataset = stage_result(stage)
+            except StageFailed as failed:
+                shares[name].lost = str(failed)
+                del live[name]
+                logger.warning("node %s dropped out; its unanswered shards go to the others: %s", name, failed)
+                continue
+            finished.update(split[name])
+            _add(shares[name], made)
+    return list(shares.values())
+
+
+def _planned(params: GenerateParams, work: tuple[str, str]) -> GenerationTarget:
+    """What makes a shard done (the engine kind and the model in requests, with the run's sampling)."""
+    engine, model = work
+    return GenerationTarget(urls=[], model=model, server=engine, sampling=params.sampling, client=params.client)
+
+
+def _named(spec: GenerationNode, settings: Settings) -> str:
+    return spec.provision.resolve(settings).name
+
+
+def _provisioned(settings: Settings, resolved: dict[str, GenerationNode], shares: dict[str, NodeShare], *,
+                 attempt: int) -> dict[str, ProvisionedNode]:
+    """Provision every node that answers (each its own run, all at once, again on each attempt: it is
+    idempotent, and a Retry must find out which nodes are still there); the ones that did, by name."""
+    started: dict[str, StartedStage] = {}
+    for name, spec in resolved.items():
+        problem = _unreachable(spec.provision.resolve(settings))
+        if problem:
+            shares[name].lost = problem
+            get_run_logger().warning("node %s left out: %s", name, problem)
+            continue
+        started[name] = start_stage("provision", spec.provision, key=f"provision-{name}-attempt-{attempt}")
+    _wait_all(started)
+    live = {}
+    for name, stage in started.items():
+        try:
+            live[name] = stage_result(stage)
+        except StageFailed as failed:
+            shares[name].lost = f"provision failed: {failed}"
+            get_run_logger().warning("node %s left out: %s", name, shares[name].lost)
+    return live
+
+
+def _unreachable(node: Node) -> str | None:
+    """Why `node` cannot be used now (it does not answer a command), or None."""
+    try:
+        with node.connect() as access:
+            access.run("true", timeout_s=node.connect_timeout_s + 20)
+    except Exception as error:  # noqa: BLE001 - any failure to reach it means the node is out of this run
+        return f"unreachable: {error}"
+    return None
+
+
+def _engine(params: GenerateParams, spec: GenerationNode, node: ProvisionedNode) -> EngineProfile:
+    engine = spec.engine or params.engine
+    if engine.model == MODEL_FROM_NODE:
+        if not node.model:
+            raise ValueError(f"node {node.node['name']}'s engine model is {MODEL_FROM_NODE!r}, but its provision "
+                             f"placed no model: set its provision.provision.model_dir")
+        engine = engine.model_copy(update={"model": node.model})
+    return engine
+
+
+def _same_work(engines: dict[str, EngineProfile]) -> tuple[str, str]:
+    """The one (engine kind, model in requests) every node serves; ValueError when they differ."""
+    kinds = {name: (engine.engine, engine.request_model) for name, engine in engines.items()}
+    if len(set(kinds.values())) != 1:
+        raise ValueError(f"the nodes would not answer alike (node: (engine, model in requests)): {kinds}. Serve one "
+                         f"model under one name everywhere (the same path on every node, or served_model_name with "
+                         f"vLLM or SGLang), so a shard one node answered counts as done for the others.")
+    return next(iter(kinds.values()))
+
+
+def _share_params(params: GenerateParams, spec: GenerationNode, node: ProvisionedNode, keys: list[str],
+                  engine: EngineProfile) -> GenerateParams:
+    return type(params).model_validate({
+        **params.model_dump(mode="json", exclude={"nodes", "prompt_sources", "num_instances", "devices", "base_port",
+                                                  "node", "engine", "prompt_shards"}),
+        "prompt_shards": keys, "engine": engine.model_dump(mode="json"), "num_instances": spec.num_instances,
+        "devices": spec.devices, "base_port": spec.base_port, "node": node.node})
+
+
+def _wait_all(started: dict[str, StartedStage], *,
+              silent: Callable[[object, str], str | None] | None = None) -> None:
+    """Wait until every started run is final; a run whose node `silent` says is gone is marked Crashed."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    waiting = {name: stage for name, stage in started.items() if stage.state is None}
+    last_check = time.monotonic()
+    with get_client(sync_client=True) as client:
+        while waiting:
+            check = silent is not None and time.monotonic() - last_check >= HEARTBEAT_CHECK_S
+            for name, stage in list(waiting.items()):
+                state = client.read_flow_run(stage.run_id).state
+                reason = silent(client, name) if check and not (state and state.is_final()) else None
+                if reason:
+                    client.set_flow_run_state(stage.run_id, Crashed(message=reason), force=True)
+                    state = client.read_flow_run(stage.run_id).state
+                if state is not None and state.is_final():
+                    stage.state = state
+                    del waiting[name]
+            if check:
+                last_check = time.monotonic()
+            if waiting:
+                time.sleep(POLL_S)
+
+
+def _silent(client, name: str, timeout_s: float) -> str | None:
+    """Why node `name` counts as gone (its worker silent for `timeout_s`), or None."""
+    from flows.deployment_table import WORK_POOL
+
+    queue = node_queue(name)
+    beats = [w.last_heartbeat_time for w in client.read_workers_for_work_pool(WORK_POOL)
+             if w.name.endswith(f"-{queue}") and w.last_heartbeat_time is not None]
+    if not beats:
+        return None  # never heard from: provision waits for its first heartbeat, so this is not a node of ours yet
+    age = (datetime.now(UTC) - max(beats)).total_seconds()
+    if age <= timeout_s:
+        return None
+    return (f"node {name} lost: its worker (queue {queue}) has not been heard from for {age:.0f} s (node_timeout_s "
+            f"{timeout_s:.0f}); its unanswered shards go to the other nodes")
+
+
+def _add(share: NodeShare, made: CompletionsDataset) -> None:
+    for name, count in made.outcomes.items():
+        share.outcomes[name] = share.outcomes.get(name, 0) + count
+    share.flow_runs.append(made.flow_run)
+
+
+def credit_shards(store: ObjectStore, shares: list[NodeShare], shard_keys: list[str]) -> list[NodeShare]:
+    """`shares` with each stored shard credited to the node whose run wrote it (its manifest's producer, a
+    `generate-node` run of this run or an earlier one): a node that dropped out keeps the shards it finished
+    first, and a rerun with nothing left to answer still says who answered what."""
+    from dflash_core.lineage import read_manifest
+
+    producers = {key: read_manifest(store, key).producer for key in shard_keys}
+    node_of = _node_of_runs({str(p.flow_run_id) for p in producers.values() if p is not None and p.flow_run_id})
+    named = {share.node: share for share in shares}
+    for key, producer in producers.items():
+        name = node_of.get(str(producer.flow_run_id)) if producer is not None else None
+        if name is None:
+            continue
+        share = named.setdefault(name, NodeShare(node=name))
+        if store.uri(key) not in share.shards:
+            share.shards.append(store.uri(key))
+    return list(named.values())
+
+
+def _node_of_runs(run_ids: set[str]) -> dict[str, str]:
+    """flow run id -> the node it answered on, for those of `run_ids` that are node shares (`params.node`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    found = {}
+    with get_client(sync_client=True) as client:
+        for run_id in sorted(run_ids):
+            try:
+                run = client.read_flow_run(run_id)
+            except (ObjectNotFound, ValueError):  # deleted from the server, or not a run id
+                continue
+            params = (run.parameters or {}).get("params") or {}
+            node = params.get("node") if isinstance(params, dict) else None
+            if isinstance(node, dict) and node.get("name") and params.get("prompt_shards") is not None:
+                found[run_id] = node["name"]
+    return found

@@ -1,0 +1,196 @@
+"""Generation across two nodes from one pipeline run (generate's `nodes`, flows/generate_nodes.py): a local node and
+an SSH node (tests/sshd_fixture.py, on loopback), each with its own work dir, its own worker (started by the
+provision the generate run does) and its own `transformers serve` on the embedded SmolLM2. The prompt shards are
+split between them; the SSH node is killed mid-generation (sshd, its worker, its generate run and its server),
+its unanswered shards go to the local node, and the merged dataset answers every prompt exactly once, which the
+tokenize stage after it confirms. A rerun of the same form answers nothing again and still says who answered
+what. Against the session's real Prefect server, stage server and S3.
+
+Run: `.venv/bin/python -m pytest -q -n 0 tests/integration/test_generate_across_nodes.py`
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dflash_core.nodes import local_node
+from dflash_core.nodes.worker import stop_node_worker
+from tests.sshd_fixture import start_sshd
+from tests.unit.conftest_tokenize import MODEL_CACHE
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = 20
+SHARD_SIZE = 2  # 9 training shards and 1 held-out shard: enough for each node to have several
+NODE_TIMEOUT_S = 20.0
+
+
+def _prompt_file(out: Path) -> str:
+    path = out / "prompts.jsonl"
+    rows = [{"id": f"p{i}", "conversations": [{"from": "human", "value": f"Count from {i} to {i + 9}."}]}
+            for i in range(PROMPTS)]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return str(path)
+
+
+def _kill_node(work_dir: Path) -> list[int]:
+    """SIGKILL every process of the node whose files live under `work_dir` (its worker and the flow runs it
+    started carry DFLASH_WORK_DIR; its servers run in a dir of it): what a node that dies leaves behind."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if f"DFLASH_WORK_DIR={work_dir}".encode() in environ or cwd.startswith(str(work_dir)):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def _ids(store, uri: str) -> list[str]:
+    key = uri.split("/", 3)[3]
+    return [json.loads(line)["id"] for line in store.get_bytes(key).splitlines() if line.strip()]
+
+
+def test_a_generation_across_two_nodes_survives_one_dying(stage_server, store, env_settings, monkeypatch,
+                                                          tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from dflash_core.embedded import embedded_model_dir
+    from dflash_core.services.stages import result_store_env
+    from flows.deployments import deployment_for
+    from flows.generate import GenerateParams
+    from flows.nodes import ProvisionParams
+    from flows.pipeline import PipelineParams
+    from tests.conftest import free_port
+    from tests.integration.shared_runs import children, wait_final
+
+    for key, value in result_store_env(env_settings).items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "sshd-home").mkdir()
+    sshd_run = start_sshd(tmp_path / "sshd-home")
+    sshd = next(sshd_run)
+    tag = uuid.uuid4().hex[:6]
+    local = local_node(tmp_path / "node-a", name=f"ga-{tag}")
+    remote = sshd.node(name=f"gb-{tag}", work_dir=str(tmp_path / "node-b"))
+    model_dir = str(embedded_model_dir(MODEL_CACHE))  # one path both nodes read: they answer alike
+    lenient = {"max_short_fraction": 1.0, "max_degenerate_fraction": 1.0, "max_truncated_fraction": 1.0,
+               "max_boilerplate_fraction": 1.0}
+    generation = GenerateParams(
+        dataset=f"across-{tag}", run="r1", prompt_sources=[{"path": _prompt_file(tmp_path), "name": "counting"}],
+        shard_size=SHARD_SIZE, holdout={"count": 2}, canary_prompts=0, node_timeout_s=NODE_TIMEOUT_S,
+        engine={"engine": "transformers", "model": model_dir},
+        sampling={"max_tokens": 24, "temperature": 0.0, "enable_thinking": False},
+        client={"concurrency": 2, "backoff_s": 0.1},
+        nodes=[{"provision": ProvisionParams(node=node, worker_python=sys.executable).model_dump(mode="json"),
+                "base_port": free_port()} for node in (local, remote)])
+    params = PipelineParams(generation=generation, tokenization={"workers": 1, "gate": lenient,
+                                                                 "tokenizer_dir": model_dir})
+    form = {"params": params.model_dump(mode="json")}
+    try:
+        run = run_deployment(deployment_for("pipeline"), parameters=form, timeout=0, as_subflow=False)
+        with get_client(sync_client=True) as client:
+            remote_share = _wait_for_a_shard_of(client, store, run.id, remote.name, timeout_s=300)
+            sshd_run.close()  # the node stops answering...
+            killed = _kill_node(tmp_path / "node-b")  # ...and everything it ran dies with it
+            assert killed, "nothing of the SSH node was running"
+            run = wait_final(client, run.id, timeout_s=420)
+            assert run.state.is_completed(), run.state
+            stages = [r for r in children(client, run.id)]
+            [generate_run] = [r for r in stages if client.read_deployment(r.deployment_id).name == "generate"]
+            shares = _shares(client, generate_run.id)
+        result = run.state.result()
+        made = result.generation
+        # every prompt answered exactly once across the merged shards, training and held-out
+        ids = [id_ for shard in made.shards for id_ in _ids(store, shard.uri)]
+        assert sorted(ids) == sorted(f"p{i}" for i in range(PROMPTS)), ids
+        assert len({shard.uri for shard in made.shards}) == len(made.shards) == PROMPTS // SHARD_SIZE
+        assert sorted(made.heldout_prompt_ids) == sorted(id_ for shard in made.shards if shard.split == "heldout"
+                                                         for id_ in _ids(store, shard.uri))
+        # the tokenize stage took the merged result whole: no duplicate, every sample
+        tokenized = result.tokenization
+        assert tokenized.overall["samples"] == PROMPTS and tokenized.overall["duplicate_ids"] == 0, tokenized.overall
+        # who answered what: the dead node kept the shards it finished, the other took over the rest
+        by_node = {share.node: share for share in made.by_node}
+        assert set(by_node) == {local.name, remote.name}
+        assert "lost" in (by_node[remote.name].lost or "") or "Crashed" in (by_node[remote.name].lost or ""), \
+            by_node[remote.name]
+        assert remote_share in by_node[remote.name].shards
+        assert sorted(by_node[local.name].shards + by_node[remote.name].shards) == sorted(s.uri for s in made.shards)
+        assert by_node[local.name].lost is None and by_node[local.name].outcomes["completed"] > 0
+        # the local node ran two shares (its own, then the dead node's leftovers); the dead one's run was crashed
+        assert [name for name, state in shares if state == "Completed"].count(local.name) == 2, shares
+        assert (remote.name, "Crashed") in shares, shares
+
+        # A rerun of the same form: every shard is already answered, so no node is needed and nothing is redone
+        again = run_deployment(deployment_for("pipeline"), parameters=form, timeout=0, as_subflow=False)
+        with get_client(sync_client=True) as client:
+            again = wait_final(client, again.id, timeout_s=300)
+        assert again.state.is_completed(), again.state
+        rerun = again.state.result().generation
+        assert [s.model_dump() for s in rerun.shards] == [s.model_dump() for s in made.shards]
+        assert rerun.outcomes.get("generated_now", 0) == 0
+        assert {s.node: sorted(s.shards) for s in rerun.by_node} == {s.node: sorted(s.shards) for s in made.by_node}
+    finally:
+        sshd_run.close()
+        _kill_node(tmp_path / "node-b")
+        with local.connect() as access:
+            stop_node_worker(access, work_dir=access.path(local.work_dir))
+
+
+def _wait_for_a_shard_of(client, store, pipeline_run_id, node_name: str, *, timeout_s: float) -> str:
+    """The URI of the first completion shard a run on `node_name` stored, while that run still has shards to go."""
+    from dflash_core.lineage import read_manifest
+    from tests.integration.shared_runs import children
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for stage in children(client, pipeline_run_id):
+            for share in children(client, stage.id):
+                params = (share.parameters or {}).get("params") or {}
+                if (params.get("node") or {}).get("name") != node_name or not params.get("prompt_shards"):
+                    continue
+                done = [key for key in _output_keys(store, params) if store.exists(key)
+                        and str(read_manifest(store, key).producer.flow_run_id) == str(share.id)]
+                if done:
+                    assert len(done) < len(params["prompt_shards"]), "the node finished its share before the kill"
+                    return store.uri(done[0])
+        time.sleep(0.5)
+    raise TimeoutError(f"no run on {node_name} stored a shard within {timeout_s} s")
+
+
+def _output_keys(store, params: dict) -> list[str]:
+    from dflash_core.layout import ArtifactKind, artifact_key, downstream_shard_name
+    from dflash_core.settings import load_settings
+
+    prefixes = load_settings().s3_prefixes
+    return [artifact_key(prefixes, ArtifactKind.COMPLETIONS, params["dataset"], params["run"],
+                         downstream_shard_name(key, suffix="jsonl")) for key in params["prompt_shards"]]
+
+
+def _shares(client, generate_run_id) -> list[tuple[str, str]]:
+    """(node, final state name) of every node share the generate run started."""
+    from tests.integration.shared_runs import children
+
+    found = []
+    for run in children(client, generate_run_id):
+        params = (run.parameters or {}).get("params") or {}
+        if params.get("prompt_shards") is not None:
+            found.append((params["node"]["name"], run.state.name))
+    return found
