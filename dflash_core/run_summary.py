@@ -233,6 +233,7 @@ def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: di
         or ["| - | - | - | - | - | no evaluation in this run |"]
     fit = generalization_line(evaluation)
     lines += ["", fit] if fit else []
+    lines += node_lines(_stage_result(result, "generate").get("by_node") or [])
     lines += ["", "## Artifacts (each with a .manifest.json beside it)", "", "| kind | where | files | lineage |",
               "|---|---|---:|---|"]
     groups: dict[tuple[str, str], int] = defaultdict(int)
@@ -245,6 +246,20 @@ def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: di
         lines.append("| - | nothing stored | 0 | |")
     lines += ["", "## Running a stage again", "", RERUN_ADVICE]
     return "\n".join(lines) + "\n"
+
+
+def node_lines(by_node: list[dict]) -> list[str]:
+    """A generation across nodes, node by node (markdown): its shards, completions, tokens, and why it dropped out."""
+    if not by_node:
+        return []
+    lines = ["", "## Generation, by node", "", "| node | shards | completions | failed | tokens generated now | runs | "
+             "dropped out |", "|---|---:|---:|---:|---:|---:|---|"]
+    for share in by_node:
+        outcomes = share.get("outcomes") or {}
+        lines.append(f"| {share['node']} | {len(share.get('shards', []))} | {outcomes.get('completed', 0):,} | "
+                     f"{outcomes.get('failed', 0):,} | {outcomes.get('completion_tokens_now', 0):,} | "
+                     f"{len(share.get('flow_runs', []))} | {_cell((share.get('lost') or '-')[:200])} |")
+    return lines
 
 
 def _cell(text: str) -> str:
@@ -260,6 +275,10 @@ def _made(run: StageRun, result: dict) -> str:
     """One line on what a stage made, from its part of the pipeline's result."""
     if run.depth == 0:
         return f"plan report {result['report']}" if result.get("report") else ""
+    if run.depth > 1:  # a stage's own runs: a generation across nodes' provisions and node shares
+        share = next((s for s in _stage_result(result, "generate").get("by_node") or []
+                      if run.id in s.get("flow_runs", [])), None) if run.stage == "generate" else None
+        return f"node {share['node']}: {share.get('outcomes', {}).get('completed', 0)} completions" if share else ""
     part = _stage_result(result, run.stage)
     if not part:
         return ""
@@ -268,9 +287,11 @@ def _made(run: StageRun, result: dict) -> str:
         heldout = sum(1 for s in shards if isinstance(s, dict) and s.get("split") == "heldout")
         outcomes = part.get("outcomes") or {}
         made = f"{len(shards)} shards ({heldout} held out)"
+        nodes = part.get("by_node") or []
+        across = f" on {len(nodes)} nodes (table below)" if nodes else ""
         if outcomes.get("completed") is None:
-            return f"{made}, all generated before (no server started)"
-        return f"{outcomes['completed']} completions ({outcomes.get('failed', 0)} failed) in {made}"
+            return f"{made}, all generated before ({'no node needed' if nodes else 'no server started'})"
+        return f"{outcomes['completed']} completions ({outcomes.get('failed', 0)} failed) in {made}{across}"
     if run.stage == "tokenize":
         samples = (part.get("overall") or {}).get("samples")
         return (f"{samples if samples is not None else '?'} samples in {len(part.get('train_shards', []))} training + "

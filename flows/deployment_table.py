@@ -93,7 +93,8 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
                    "One node's share of a generation across nodes: the generate run whose form lists nodes starts one "
                    "of these per node, on the node's own work queue, with that node's engine, instances, devices and "
                    "prompt shards (prompt_shards). Press Retry here to retry one node's share; the generate run that "
-                   "started it merges the shares." + _RETRY),
+                   "started it merges the shares." + _RERUN_GENERATE + " To rerun a generation across nodes, rerun "
+                   "the generate run that lists them: it deals only the shards still unanswered."),
     DeploymentSpec("tokenize", "flows/tokenize.py:tokenize",
                    "Tokenize a completion run (the generate stage's result, or its result.json or prefix URI) into "
                    "training and held-out shards with the quality gate; only shards whose input, tokenizer or config "

@@ -74,6 +74,11 @@ def answer_across_nodes(settings: Settings, params: GenerateParams, *, prompt_ke
                         output_keys: list[str]) -> list[NodeShare]:
     """Answer every prompt shard on the form's nodes (waves until none is left); what each node answered. When
     every shard is already answered (and the model is named without `@node`), no node is needed."""
+    from prefect.runtime import deployment
+
+    if not deployment.id:
+        raise RuntimeError("a generation across nodes runs as a deployment run (`dflash run generate`, the pipeline "
+                           "deployment or the UI): each node's share is a run that the node's own worker picks up")
     logger = get_run_logger()
     store = ObjectStore.from_settings(settings)
     attempt = flow_run.run_count or 1

@@ -34,7 +34,7 @@ from dflash_core.planner import PRESETS, PlanInputs
 from dflash_core.run_summary import StageRun, settle_pipeline
 from dflash_core.s3audit import Retention
 from dflash_core.settings import Settings, load_settings
-from dflash_core.stage_results import Checkpoint, PipelineResult, ProvisionedNode
+from dflash_core.stage_results import Checkpoint, CompletionsDataset, PipelineResult, ProvisionedNode
 from dflash_core.strict import StrictModel
 from flows.command_line import run_from_command_line
 from flows.demo import demo_stages
@@ -203,7 +203,9 @@ def _publish_evidence(settings: Settings, params: PipelineParams, result: Pipeli
     stages = stage_runs(settings, flow_run_id=str(flow_run.id), return_state=True)
     runs = _settled(stages.result(), failed=failed) if stages.is_completed() else []
     key = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "usage", *attempt_segments(), "usage.json")
-    usage = publish_usage(settings, run_ids=[run.id for run in runs] or [str(flow_run.id)], key=key,
+    by_node = [share.model_dump(mode="json") for share in result.generation.by_node] \
+        if isinstance(result.generation, CompletionsDataset) else []
+    usage = publish_usage(settings, run_ids=[run.id for run in runs] or [str(flow_run.id)], key=key, by_node=by_node,
                           retention=params.audit.retention if params.audit else Retention(), return_state=True)
     if usage.is_completed():
         result.artifacts.append(artifact_record(usage.result()))

@@ -32,12 +32,13 @@ def stage_runs(settings: Settings, *, flow_run_id: str) -> list[StageRun]:
 
 
 @task(retries=3, retry_delay_seconds=[5, 15, 30], retry_condition_fn=retry_store_outage)
-def publish_usage(settings: Settings, *, run_ids: list[str], retention: Retention, key: str) -> Manifest:
-    """Audit the bucket (no hash checks), then the usage of the runs `run_ids` as usage.json at `key` and as a
-    markdown and a chart artifact."""
+def publish_usage(settings: Settings, *, run_ids: list[str], retention: Retention, key: str,
+                  by_node: list[dict] | None = None) -> Manifest:
+    """Audit the bucket (no hash checks), then the usage of the runs `run_ids` (and, for a generation across
+    nodes, what each node generated) as usage.json at `key` and as a markdown and a chart artifact."""
     store = ObjectStore.from_settings(settings)
     inventory, report, plan = audit(store, settings.s3_prefixes, retention=retention, verify_hashes=False)
-    usage = run_usage(inventory, report, plan, run_ids=run_ids)
+    usage = run_usage(inventory, report, plan, run_ids=run_ids, by_node=by_node)
     manifest = write_artifact(store, key, usage.model_dump_json(indent=2).encode(), kind=ArtifactKind.REPORT,
                               config={"retention": retention.model_dump()}, producer=run_producer())
     create_markdown_artifact(usage_markdown(usage) + f"\nStored as `{manifest.uri}`.\n", key=USAGE_KEY,

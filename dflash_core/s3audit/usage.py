@@ -42,10 +42,14 @@ class RunUsage(BaseModel):
     dead_by_rule: list[dict[str, Any]]
     protected: int
     retention: Retention
+    generated_by_node: list[dict[str, Any]] = []  # node, shards, bytes, completion_tokens: a generation across nodes
 
 
-def run_usage(inventory: Inventory, report: AuditReport, plan: CleanupPlan, *, run_ids: list[str]) -> RunUsage:
-    """The usage of the runs `run_ids` (a pipeline's flow run and its stages') in the audited bucket."""
+def run_usage(inventory: Inventory, report: AuditReport, plan: CleanupPlan, *, run_ids: list[str],
+              by_node: list[dict[str, Any]] | None = None) -> RunUsage:
+    """The usage of the runs `run_ids` (a pipeline's flow run and its stages') in the audited bucket; with `by_node`
+    (a generation across nodes: each node's `shards` as URIs and its `outcomes`), the shards and bytes each node
+    generated."""
     ids = set(run_ids)
     written = {key for key, m in inventory.manifests.items() if m.producer.flow_run_id in ids}
     mine = inventory.artifacts.filter(pl.col("key").is_in(list(written)))  # as report.by_kind: no manifests
@@ -59,7 +63,19 @@ def run_usage(inventory: Inventory, report: AuditReport, plan: CleanupPlan, *, r
                    for row in report.by_group[:USAGE_PREFIXES]],
         num_prefixes=len(report.by_group), unmanifested=report.unmanifested,
         unmanifested_bytes=report.unmanifested_bytes, dead_objects=report.dead_objects, dead_bytes=report.dead_bytes,
-        dead_by_rule=report.dead_by_rule, protected=report.protected, retention=plan.retention)
+        dead_by_rule=report.dead_by_rule, protected=report.protected, retention=plan.retention,
+        generated_by_node=_generated_by_node(inventory, by_node or []))
+
+
+def _generated_by_node(inventory: Inventory, by_node: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    sizes = dict(zip(inventory.artifacts["key"].to_list(), inventory.artifacts["bytes"].to_list()))
+    rows = []
+    for share in by_node:
+        keys = [uri.split("/", 3)[3] for uri in share.get("shards", []) if uri.count("/") >= 3]
+        rows.append({"node": share["node"], "shards": len(keys), "bytes": sum(sizes.get(key, 0) for key in keys),
+                     "completion_tokens": (share.get("outcomes") or {}).get("completion_tokens_now", 0),
+                     "lost": share.get("lost")})
+    return rows
 
 
 def usage_markdown(usage: RunUsage) -> str:
@@ -84,6 +100,11 @@ def usage_markdown(usage: RunUsage) -> str:
         *[f"| {r['kind']} | {r['objects']:,} | {binary_bytes(r['bytes'])} |" for r in usage.written_by_kind],
         *(["| (nothing new: every stage reused earlier work) | 0 | 0 B |"] if not usage.written_by_kind else []),
         "",
+        *(["## Generated, by node", "", "| node | completion shards | size | tokens generated now | dropped out |",
+            "|---|---:|---:|---:|---|",
+            *[f"| {r['node']} | {r['shards']:,} | {binary_bytes(r['bytes'])} | {r['completion_tokens']:,} | "
+              f"{(r['lost'] or '-').replace('|', '/')[:160]} |" for r in usage.generated_by_node], ""]
+          if usage.generated_by_node else []),
         "## The bucket, by kind",
         "",
         "| kind | objects | size | unmanifested | oldest | newest |",

@@ -3,8 +3,8 @@ an SSH node (tests/sshd_fixture.py, on loopback), each with its own work dir, it
 provision the generate run does) and its own `transformers serve` on the embedded SmolLM2. The prompt shards are
 split between them; the SSH node is killed mid-generation (sshd, its worker, its generate run and its server),
 its unanswered shards go to the local node, and the merged dataset answers every prompt exactly once, which the
-tokenize stage after it confirms. A rerun of the same form answers nothing again and still says who answered
-what. Against the session's real Prefect server, stage server and S3.
+tokenize stage after it confirms. A rerun after a shard is lost from the bucket finds the dead node unreachable
+and has the live one answer that shard alone. Against the session's real Prefect server, stage server and S3.
 
 Run: `.venv/bin/python -m pytest -q -n 0 tests/integration/test_generate_across_nodes.py`
 """
@@ -28,8 +28,8 @@ from tests.unit.conftest_tokenize import MODEL_CACHE
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = 20
-SHARD_SIZE = 2  # 9 training shards and 1 held-out shard: enough for each node to have several
+PROMPTS = 16
+SHARD_SIZE = 2  # 7 training shards and 1 held-out shard: enough for each node to have several
 NODE_TIMEOUT_S = 20.0
 
 
@@ -96,7 +96,7 @@ def test_a_generation_across_two_nodes_survives_one_dying(stage_server, store, e
         dataset=f"across-{tag}", run="r1", prompt_sources=[{"path": _prompt_file(tmp_path), "name": "counting"}],
         shard_size=SHARD_SIZE, holdout={"count": 2}, canary_prompts=0, node_timeout_s=NODE_TIMEOUT_S,
         engine={"engine": "transformers", "model": model_dir},
-        sampling={"max_tokens": 24, "temperature": 0.0, "enable_thinking": False},
+        sampling={"max_tokens": 16, "temperature": 0.0, "enable_thinking": False},
         client={"concurrency": 2, "backoff_s": 0.1},
         nodes=[{"provision": ProvisionParams(node=node, worker_python=sys.executable).model_dump(mode="json"),
                 "base_port": free_port()} for node in (local, remote)])
@@ -137,16 +137,32 @@ def test_a_generation_across_two_nodes_survives_one_dying(stage_server, store, e
         # the local node ran two shares (its own, then the dead node's leftovers); the dead one's run was crashed
         assert [name for name, state in shares if state == "Completed"].count(local.name) == 2, shares
         assert (remote.name, "Crashed") in shares, shares
+        # the S3 usage and the run summary say it node by node
+        [usage_uri] = [r["uri"] for r in result.artifacts if r["uri"].endswith("/usage.json")]
+        usage = json.loads(store.get_bytes(usage_uri.split("/", 3)[3]))
+        assert {r["node"]: r["shards"] for r in usage["generated_by_node"]} == \
+            {name: len(share.shards) for name, share in by_node.items()}
+        assert all(r["bytes"] > 0 for r in usage["generated_by_node"]), usage["generated_by_node"]
+        summary = _summary(client_factory=get_client, run_id=run.id)
+        assert "## Generation, by node" in summary and f"| {remote.name} | {len(by_node[remote.name].shards)} |" in summary
 
-        # A rerun of the same form: every shard is already answered, so no node is needed and nothing is redone
+        # A rerun of the same form after one shard was lost from the bucket: the dead node does not answer, so
+        # the live one answers that shard alone; every other shard is kept as it was
+        lost_uri = by_node[remote.name].shards[0]
+        store.delete_many([lost_uri.split("/", 3)[3], lost_uri.split("/", 3)[3] + ".manifest.json"])
         again = run_deployment(deployment_for("pipeline"), parameters=form, timeout=0, as_subflow=False)
         with get_client(sync_client=True) as client:
             again = wait_final(client, again.id, timeout_s=300)
         assert again.state.is_completed(), again.state
         rerun = again.state.result().generation
-        assert [s.model_dump() for s in rerun.shards] == [s.model_dump() for s in made.shards]
-        assert rerun.outcomes.get("generated_now", 0) == 0
-        assert {s.node: sorted(s.shards) for s in rerun.by_node} == {s.node: sorted(s.shards) for s in made.by_node}
+        kept = {s.uri: s.sha256 for s in made.shards if s.uri != lost_uri}
+        assert {s.uri: s.sha256 for s in rerun.shards if s.uri != lost_uri} == kept
+        assert sorted(id_ for shard in rerun.shards for id_ in _ids(store, shard.uri)) == \
+            sorted(f"p{i}" for i in range(PROMPTS))
+        assert rerun.outcomes["generated_now"] == SHARD_SIZE
+        again_by_node = {share.node: share for share in rerun.by_node}
+        assert (again_by_node[remote.name].lost or "").startswith("unreachable"), again_by_node[remote.name]
+        assert lost_uri in again_by_node[local.name].shards
     finally:
         sshd_run.close()
         _kill_node(tmp_path / "node-b")
@@ -173,6 +189,18 @@ def _wait_for_a_shard_of(client, store, pipeline_run_id, node_name: str, *, time
                     return store.uri(done[0])
         time.sleep(0.5)
     raise TimeoutError(f"no run on {node_name} stored a shard within {timeout_s} s")
+
+
+def _summary(*, client_factory, run_id) -> str:
+    """The pipeline run's summary artifact (markdown)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    from tasks.pipeline_report import SUMMARY_KEY
+
+    with client_factory(sync_client=True) as client:
+        [artifact] = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[SUMMARY_KEY]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+    return artifact.data
 
 
 def _output_keys(store, params: dict) -> list[str]:

@@ -78,3 +78,20 @@ def test_the_real_run_example_fills_every_stage_of_the_pipeline_form():
                                                                 "evaluation", "export", "preserve", "audit"))
     assert params.training.config.data == [] and params.tokenization.completions is None  # the DAG fills them
     assert params.generation.engine.engine == "vllm" and params.training.nproc_per_node == 4
+
+
+def test_the_four_node_example_generates_across_its_nodes_and_trains_on_the_first():
+    import json
+    from pathlib import Path
+
+    from flows.deployments import REPO_DIR
+    from flows.node_stages import queue_of
+    from flows.pipeline import PipelineParams
+
+    raw = json.loads((Path(REPO_DIR) / "infra/examples/qwen3.6-27b-4-nodes.json").read_text())
+    params = PipelineParams.model_validate(raw)
+    nodes = params.generation.nodes
+    assert [spec.provision.node_name for spec in nodes] == ["gpu-1", "gpu-2", "gpu-3", "gpu-4"]
+    assert {spec.num_instances for spec in nodes} == {4} and params.generation.engine.served_model_name
+    assert params.training.config.target == "@node" and params.provision.node_name == "gpu-1"
+    assert queue_of("generation", None, params.generation) is None
