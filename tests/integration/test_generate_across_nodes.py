@@ -150,7 +150,8 @@ def test_a_generation_across_two_nodes_survives_one_dying(stage_server, store, e
         # the live one answers that shard alone; every other shard is kept as it was
         lost_uri = by_node[remote.name].shards[0]
         store.delete_many([lost_uri.split("/", 3)[3], lost_uri.split("/", 3)[3] + ".manifest.json"])
-        again = run_deployment(deployment_for("pipeline"), parameters=form, timeout=0, as_subflow=False)
+        rerun_form = {"params": PipelineParams(generation=generation).model_dump(mode="json")}  # the same generation
+        again = run_deployment(deployment_for("pipeline"), parameters=rerun_form, timeout=0, as_subflow=False)
         with get_client(sync_client=True) as client:
             again = wait_final(client, again.id, timeout_s=300)
         assert again.state.is_completed(), again.state
