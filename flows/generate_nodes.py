@@ -97,6 +97,8 @@ def answer_across_nodes(settings: Settings, params: GenerateParams, *, prompt_ke
             logger.info("every shard is already generated with this model and sampling: no node needed")
             return list(shares.values())
     live = _provisioned(settings, resolved, shares, attempt=attempt)
+    if not live:
+        raise NodesLost(_none_left(shares, "the prompt shards are"))
     engines = {name: _engine(params, resolved[name], node) for name, node in live.items()}
     planned = _planned(params, _same_work(engines))
     for wave in range(len(resolved) + 1):
@@ -104,9 +106,7 @@ def answer_across_nodes(settings: Settings, params: GenerateParams, *, prompt_ke
         if not left:
             break
         if not live:
-            lost = "; ".join(f"{s.node}: {s.lost}" for s in shares.values() if s.lost)
-            raise NodesLost(f"{len(left)} prompt shard(s) unanswered and no node left to answer them ({lost}). "
-                            f"Bring a node back (or add one to nodes), then rerun: answered shards are kept.")
+            raise NodesLost(_none_left(shares, f"{len(left)} prompt shard(s) are"))
         split = split_by_weight(left, {name: resolved[name].num_instances for name in live})
         check_shares(left, split)
         logger.info("wave %d: %s", wave, ", ".join(f"{name} {len(keys)} shard(s)" for name, keys in split.items()))
@@ -126,6 +126,12 @@ def answer_across_nodes(settings: Settings, params: GenerateParams, *, prompt_ke
             finished.update(split[name])
             _add(shares[name], made)
     return list(shares.values())
+
+
+def _none_left(shares: dict[str, NodeShare], what: str) -> str:
+    lost = "; ".join(f"{share.node}: {share.lost}" for share in shares.values() if share.lost)
+    return (f"{what} unanswered and no node is left to answer them ({lost}). Bring a node back (or add one to "
+            f"nodes), then rerun: answered shards are kept.")
 
 
 def _planned(params: GenerateParams, work: tuple[str, str]) -> GenerationTarget:
@@ -207,6 +213,8 @@ def _wait_all(started: dict[str, StartedStage], *,
     from prefect.states import Crashed
 
     waiting = {name: stage for name, stage in started.items() if stage.state is None}
+    if not waiting:  # run in-process, or nothing started
+        return
     last_check = time.monotonic()
     with get_client(sync_client=True) as client:
         while waiting:
