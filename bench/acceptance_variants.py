@@ -141,6 +141,9 @@ def variants() -> dict[str, Variant]:
         Variant("default+target_fp8+fast_accum", "the default, trained on the target's FP8 GEMMs with Hopper's "
                 "fast accumulation (TrainConfig.target_fp8_fast_accum)", drafter=_default(),
                 train={"target_fp8": True, "target_fp8_fast_accum": True}),
+        Variant("default+drafter_fp8", "the default, its own linears trained in FP8 through torchao's float8 "
+                "training (TrainConfig.drafter_fp8, its default recipe); needs torchao and an sm89+ GPU",
+                drafter=_default(), train={"drafter_fp8": True}),
         Variant("default+warmup=20", "the default, warmup 20 steps instead of 100 (half of a 200-step budget)",
                 drafter=_default(), optim={"warmup_steps": 20}),
         Variant("default+warmup=20+lr=1.2e-3", "the default, warmup 20 and twice the learning rate",
@@ -212,6 +215,7 @@ SUITES = {
                "default+dpace=selector+codebooks=embedding",
                "default+dpace=selector+codebooks=embedding+anchors=stratified"],
     "fp8": ["default", "default+target_fp8", "default+target_fp8+fast_accum"],
+    "drafter_fp8": ["default", "default+drafter_fp8"],
     # The learning rate on all three recipes at once (the baselines at 6e-4 are the core rows).
     "schedule": [f"{base}+lr={lr}" for lr in ("3e-4", "1.2e-3")
                  for base in ("default", "speculators", "speculators-dflash2")],

@@ -81,12 +81,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from dflash_core.train.config import TrainConfig  # noqa: E402
 from dflash_core.train.data import TokenizedCorpus  # noqa: E402
 from dflash_core.train.assemble import build_trainer  # noqa: E402
-from bench_train_step import measure_matmul_peak  # noqa: E402
+from bench_train_step import measure_fp8_matmul_peak, measure_matmul_peak  # noqa: E402
 
-def useful_tflop(trainer, args) -> float:
-    """bench_train_step's useful-FLOP count of one step, for a plan like the trainer's: each packed
-    sample a document with its first eighth prompt, the row's anchors shared out evenly."""
-    from bench_train_step import step_flops
+def useful_tflop_parts(trainer, args) -> dict[str, float]:
+    """bench_train_step's useful-FLOP count of one step by kind of work (TFLOP), for a plan like the
+    trainer's: each packed sample a document with its first eighth prompt, the row's anchors shared out evenly."""
+    from bench_train_step import step_flops_parts
     from dflash_core.model.anchors import plan_blocks
 
     samples = args.token_budget // args.sample_len
@@ -95,8 +95,19 @@ def useful_tflop(trainer, args) -> float:
     plan = plan_blocks(loss_mask_BT=loss_mask, num_anchors=args.anchors // samples, block_size=args.block_size,
                        generator=torch.Generator().manual_seed(0))
     target_config = getattr(trainer.target.config, "text_config", trainer.target.config)
-    return step_flops(target_config=target_config, config=trainer.drafter_config, plans=[plan], batch=samples,
-                      seq_len=args.sample_len) / 1e12
+    parts = step_flops_parts(target_config=target_config, config=trainer.drafter_config, plans=[plan],
+                             batch=samples, seq_len=args.sample_len)
+    return {name: flops / 1e12 for name, flops in parts.items()}
+
+
+def precision_floor_ms(parts: dict[str, float], *, target_fp8: bool, drafter_fp8: bool, bf16_peak: float,
+                       fp8_peak: float) -> float:
+    """ms one step's useful FLOPs take with each part at the measured peak of the precision it runs in:
+    the target's linears and the drafter's own linears in FP8 where those options are on; attention and
+    both LM heads in bf16. MFU against it = this / the measured step."""
+    fp8_parts = {"target_linears"} if target_fp8 else set()
+    fp8_parts |= {"drafter_linears"} if drafter_fp8 else set()
+    return 1e3 * sum(tflop / (fp8_peak if name in fp8_parts else bf16_peak) for name, tflop in parts.items())
 
 
 PHASES = ("dflash.prepare_batch", "dflash.target_forward", "dflash.drafter_step", "dflash.optimizer")
@@ -279,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8)")
     parser.add_argument("--exact-fp8-accum", dest="fp8_fast_accum", action="store_false",
                         help="with --target-fp8: FP8 GEMMs without use_fast_accum (TrainConfig.target_fp8_fast_accum)")
+    parser.add_argument("--drafter-fp8", nargs="?", const="tensorwise", choices=["rowwise", "tensorwise"],
+                        help="the drafter's own linears in FP8 through torchao's float8 training, with this "
+                             "scaling recipe (default tensorwise; TrainConfig.drafter_fp8, drafter_fp8_recipe)")
     parser.add_argument("--sync-debug", action="store_true", help="count synchronizing CUDA calls in the timed steps")
     parser.add_argument("--json", type=Path, help="write the result row here")
     args = parser.parse_args(argv)
@@ -300,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
                  "loss_target": args.teacher, "variant": args.variant}, prefetch_batches=args.prefetch,
         target_fp8=args.target_fp8, target_fp8_fast_accum=args.fp8_fast_accum,
+        drafter_fp8=args.drafter_fp8 is not None, drafter_fp8_recipe=args.drafter_fp8 or "tensorwise",
     )
     started = time.perf_counter()
     trainer = build_trainer(config, corpus=corpus)
@@ -355,16 +370,24 @@ def main(argv: list[str] | None = None) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     last = records[-1]
     selector_tau = last.get("selector_acceptance_length", float("nan"))  # DFlash 2 only
-    tflop = useful_tflop(trainer, args)
+    tflop_parts = useful_tflop_parts(trainer, args)
+    tflop = sum(tflop_parts.values())
     peak_tflops = measure_matmul_peak(device="cuda") if cuda else float("nan")
+    fp8_peak_tflops = measure_fp8_matmul_peak(device="cuda") if cuda else float("nan")
     mfu = tflop / (median_ms / 1e3) / peak_tflops
+    floor_ms = precision_floor_ms(tflop_parts, target_fp8=args.target_fp8, drafter_fp8=args.drafter_fp8 is not None,
+                                  bf16_peak=peak_tflops, fp8_peak=fp8_peak_tflops)
+    precisions = {"target_gemms": "fp8 rowwise" if args.target_fp8 else "bf16",
+                  "drafter_gemms": f"fp8 {args.drafter_fp8}" if args.drafter_fp8 else "bf16"}
     row = {
         "target": args.target, "variant": args.variant, "tokens_per_row": args.token_budget, "anchors": args.anchors,
         "ms_per_step": median_ms, "wall_ms_per_step": wall_ms, "tokens_per_s": real_tokens / median_ms * 1e3,
         "peak_gib": peak, "host_prepare_ms": host["prepare"], "host_dispatch_ms": host["dispatch"],
         "host_wait_ms": host["wait"], "loss": last["loss"], "acceptance_length": last["acceptance_length"],
         "selector_acceptance_length": selector_tau, "setup_s": setup_s, "per_step_ms": step_ms,
-        "useful_tflop": tflop, "matmul_peak_tflops": peak_tflops, "mfu": mfu, "sync_debug_warnings": syncs if args.sync_debug and cuda else None,
+        "useful_tflop": tflop, "matmul_peak_tflops": peak_tflops, "mfu": mfu,
+        "useful_tflop_parts": tflop_parts, "fp8_matmul_peak_tflops": fp8_peak_tflops, "precisions": precisions,
+        "precision_floor_ms": floor_ms, "mfu_at_precision": floor_ms / median_ms, "sync_debug_warnings": syncs if args.sync_debug and cuda else None,
         "drafter_parameters": sum(p.numel() for p in trainer.drafter.parameters()),
         "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         "compile": config.compile, "torch": torch.__version__,
@@ -379,6 +402,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.log_every} steps; wall {wall_ms:.1f} ms/step over the timed window; useful {tflop:.1f} TFLOP/step, "
           f"MFU {mfu:.1%} of the measured bf16 matmul peak {peak_tflops:.0f} TFLOP/s (FLOP limit "
           f"{tflop / peak_tflops * 1e3:.0f} ms)")
+    print(f"GEMM precisions: target {precisions['target_gemms']}, drafter {precisions['drafter_gemms']}; measured "
+          f"FP8 peak {fp8_peak_tflops:.0f} TFLOP/s; each part at the peak of its precision: {floor_ms:.0f} ms, MFU "
+          f"against it {floor_ms / median_ms:.1%}")
     print(f"per-step ms after warmup: {[round(x) for x in step_ms]}")
     if args.sync_debug and cuda:
         print(f"synchronizing CUDA calls in {args.steps} timed steps: {syncs}")

@@ -65,15 +65,49 @@ def measure_matmul_peak(*, device, size: int = 8192, repeats: int = 20) -> float
     return 2 * size**3 / statistics.median(times) / 1e12
 
 
+def measure_fp8_matmul_peak(*, device, size: int = 8192, repeats: int = 20) -> float:
+    """Median e4m3 TFLOP/s of a size^3 torch._scaled_mm (row-wise scales, fast accumulation: the fastest
+    FP8 GEMM the step uses), the FP8 GEMMs' MFU denominator."""
+    a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device=device).to(torch.float8_e4m3fn).t()
+    scale_a = torch.ones(size, 1, device=device)
+    scale_b = torch.ones(1, size, device=device)
+
+    def gemm():
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
+    for _ in range(3):
+        gemm()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        gemm()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * size**3 / statistics.median(times) / 1e12
+
+
 def step_flops(*, target_config, config: DFlashConfig, plans, batch: int, seq_len: int) -> float:
     """Useful FLOPs of one step (matmuls and visible attention pairs; backward = 2x forward, except
     fc and the LM head, whose input resp. weight need no gradient)."""
+    return sum(step_flops_parts(target_config=target_config, config=config, plans=plans, batch=batch,
+                                seq_len=seq_len).values())
+
+
+def step_flops_parts(*, target_config, config: DFlashConfig, plans, batch: int, seq_len: int) -> dict[str, float]:
+    """`step_flops` by the kind of work, so each part can be held against the peak of the precision it
+    runs in: target_linears (the decoder layers' GEMMs), target_attention, teacher (the target's LM head
+    at the needed positions), drafter_linears (block projections and MLPs, context K/V, fc: forward and
+    backward), drafter_attention, lm_head (the drafter's loss against the vocabulary)."""
     t = target_config
     hidden, heads, kv_heads, head_dim = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, config.head_dim
     per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * t.intermediate_size
     tokens = batch * seq_len
     target = 2 * tokens * per_layer * t.num_hidden_layers
-    target += t.num_hidden_layers * 4 * batch * seq_len * (seq_len + 1) / 2 * heads * head_dim
+    target_attention = t.num_hidden_layers * 4 * batch * seq_len * (seq_len + 1) / 2 * heads * head_dim
     plan = plans[0]
     block = config.block_size
     anchors = plan.anchors[plan.anchor_valid].double()
@@ -86,8 +120,9 @@ def step_flops(*, target_config, config: DFlashConfig, plans, batch: int, seq_le
     attention = layers * 4 * visible_pairs * heads * head_dim
     fc = 2 * tokens * config.num_tapped_layers * hidden * hidden
     lm_head = 2 * plan.label_valid.numel() * hidden * t.vocab_size
-    drafter = 3 * (block_linear + context_kv + attention) + 2 * fc + 2 * lm_head
-    return target + teacher + drafter
+    return {"target_linears": target, "target_attention": target_attention, "teacher": teacher,
+            "drafter_linears": 3 * (block_linear + context_kv) + 2 * fc, "drafter_attention": 3 * attention,
+            "lm_head": 2 * lm_head}
 
 
 def make_batches(*, num_batches, batch, seq_len, vocab, prompt_len, anchors_per_seq, block_size, seed):

@@ -9,7 +9,8 @@
 #     into one staging dir: bash infra/node-install.sh STAGING WORK_DIR (docs/real-gpus.md, "An offline node").
 # .carry/node/  what the GPU benches carry in one transfer (bench/bench_train_e2e.py, bench/bench_hybrid_step.py):
 #   controller/    pydantic, typer + rich, pyyaml (what the Trainer's config and `provision --local` import)
-#   wheelhouse/    the project's GPU extra (flash-linear-attention, fla-core, einops) for hybrid targets
+#   wheelhouse/    the project's GPU extra (flash-linear-attention, fla-core, einops) for hybrid targets, and torchao
+#                  for drafter_fp8 (torchao 0.18 is an abi3 wheel: --python-version does not exclude it)
 #   transformers/  the project's transformers pin (+ a huggingface-hub it accepts) for images with an older one
 #     (the H200 image has 5.17, whose Qwen3.5 GDN layer repeats q and k up to the value heads before the kernel:
 #     15 ms a step on the 27B hybrid; huggingface-hub 1.x, since 2.x needs httpx2, which such images lack)
@@ -27,6 +28,6 @@ download() {
 download "$out/controller" pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
   typing-extensions==4.16.0 typer==0.29.1 annotated-doc==0.0.7 click==8.5.1 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 \
   pygments==2.21.0 shellingham==1.5.4 pyyaml==6.0.3
-download "$out/wheelhouse" flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.1
+download "$out/wheelhouse" flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.1 torchao==0.18.0
 download "$out/transformers" transformers==5.24.0 huggingface-hub==1.33.0
 du -sh .carry/node-pipeline/part-* "$out/controller" "$out/wheelhouse" "$out/transformers"

@@ -67,6 +67,8 @@ def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Dis
     drafter_config = drafter_config_for(config, target_config=target.config, corpus=corpus,
                                         tokenizer=load_target_tokenizer(config.target, models_dir=models_dir))
     drafter = _build_drafter(drafter_config, target, config=config, devices=devices)
+    if config.drafter_fp8:  # before compiling (parallelize) and before the optimizer takes its parameters
+        convert_drafter(drafter, recipe=config.drafter_fp8_recipe, log=dist_info.is_main)
     if config.target_fp8:  # after the drafter copied what it needs (heads, init layers) from the target
         quantize_target(target, device=devices.target, log=dist_info.is_main,
                         fast_accum=config.target_fp8_fast_accum)
@@ -108,6 +110,17 @@ def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool,
     quantized, kept = quantize_decoder_layers_fp8(target, fast_accum=fast_accum)
     if log:
         print(f"target GEMMs: fp8 ({quantized} linears; {kept} kept in their dtype: unaligned or narrow)",
+              file=sys.stderr, flush=True)
+
+
+def convert_drafter(drafter: torch.nn.Module, *, recipe: str, log: bool) -> None:
+    """The drafter's own linears to torchao float8 training (dflash_core.drafter_fp8), or a ValueError
+    saying why this device or installation cannot."""
+    from dflash_core.drafter_fp8 import convert_drafter_linears
+
+    converted, kept = convert_drafter_linears(drafter, recipe=recipe)
+    if log:
+        print(f"drafter GEMMs: fp8 {recipe} ({converted} linears; {kept} kept in bf16: unaligned or narrow)",
               file=sys.stderr, flush=True)
 
 

@@ -263,6 +263,14 @@ class TrainConfig(StrictModel):
         True, description="With target_fp8: the FP8 GEMMs accumulate in Hopper's fast, reduced-precision mode "
         "(torch._scaled_mm use_fast_accum): 3.5% faster 8B steps at the same acceptance (docs/benchmarks.md); "
         "false for the exact accumulation.")
+    drafter_fp8: bool = Field(
+        False, description="Run the drafter's own linears (its layers' projections and MLPs, fc) in FP8 in training, "
+        "forward and backward, through torchao's float8 training (dflash_core.drafter_fp8; needs torchao, the gpu "
+        "extra, and a CUDA GPU of compute capability >= 8.9, >= 9.0 for rowwise); fp32 master weights and optimizer "
+        "as without it; the LM-head loss and attention stay bf16.")
+    drafter_fp8_recipe: Literal["rowwise", "tensorwise"] = Field(
+        "tensorwise", description="With drafter_fp8: torchao's scaling recipe, one dynamic scale per tensor "
+        "(tensorwise) or per row/column (rowwise); docs/benchmarks.md has both measured.")
     checkpoint_every: int = Field(200, ge=1, description="Save a checkpoint every this many steps (and at the "
                                   "end).")
     keep_last: int = Field(3, ge=1, description="Local checkpoints kept; older ones are deleted.")

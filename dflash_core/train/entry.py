@@ -73,15 +73,18 @@ def _version(name: str) -> str | None:
 
 
 def refuse_unsupported_fp8(config: TrainConfig, devices: TrainDevices) -> None:
-    """target_fp8 on a device without row-wise FP8 GEMMs: an `error:` line before the target loads (the
-    flow reads it as a refusal, which no retry can fix)."""
+    """target_fp8 on a device without row-wise FP8 GEMMs, or drafter_fp8 on one torchao's float8 training
+    cannot use: an `error:` line before the target loads (the flow reads it as a refusal, which no retry
+    can fix)."""
+    from dflash_core.drafter_fp8 import supports_drafter_fp8
     from dflash_core.fp8 import supports_fp8
 
-    if not config.target_fp8:
-        return
-    why = supports_fp8(devices.target)
+    why = supports_fp8(devices.target) if config.target_fp8 else None
     if why is not None:
         raise SystemExit(f"error: target_fp8: {why}; set target_fp8: false to keep the target in its own dtype")
+    why = supports_drafter_fp8(devices.drafter, config.drafter_fp8_recipe) if config.drafter_fp8 else None
+    if why is not None:
+        raise SystemExit(f"error: drafter_fp8: {why}; set drafter_fp8: false to train the drafter's GEMMs in bf16")
 
 
 def main(argv: list[str] | None = None) -> int:
