@@ -19,6 +19,11 @@ carry=[".carry/node"]; a wheel is a zip, so no pip):
   python3 bench/bench_train_e2e.py --variant dflash2        (the same step for a DFlash 2 drafter)
   python3 bench/bench_train_e2e.py --prefetch 0 --log-every 1   (the old loop: inline packing, a sync a step)
   python3 bench/bench_train_e2e.py --target-fp8    (the target's decoder-layer GEMMs in FP8: TrainConfig.target_fp8)
+  python3 bench/bench_train_e2e.py --drafter-fp8 [tensorwise|rowwise]   (the drafter's own linears in FP8 through
+      torchao: TrainConfig.drafter_fp8; needs torchao on the path: `bash infra/node-wheelhouse.sh` puts its wheel in
+      .carry/node/wheelhouse/, which the line above unzips)
+The row's MFU is against the bf16 matmul peak; "MFU against it" holds each part of the useful FLOPs against the
+measured peak of the precision it runs in (bf16, or an e4m3 torch._scaled_mm for the FP8 options' GEMMs).
 CPU smoke: .venv/bin/python bench/bench_train_e2e.py --tiny [--variant dflash2] [--profile]
 
 --profile: after the timed steps, one profiler warm-up step, then --profile-steps steps under
@@ -56,6 +61,8 @@ Session 8 (2026-12-01, one call, `--variant dflash2 --warmup 4 --steps 12 [--tar
   --target-fp8 (252 linears):   315.0 ms/step, 26.0K tokens/s, peak 35.8 GiB, host dispatch 298 ms
   FP8 reaches the 26K goal in this one call (machines differ ~3%); the host's dispatch (298 of 315 ms) is
   now within 6% of the critical path.
+2026-12-04 (issue #43, `--variant dflash2 --target-fp8 --drafter-fp8 tensorwise`): 288.6 ms/step, 28.4K tokens/s,
+  31.6 GiB, against 308.2 ms with the bf16 drafter in the same call (docs/benchmarks.md has every row).
 """
 
 from __future__ import annotations
