@@ -266,7 +266,7 @@ class TrainConfig(StrictModel):
     drafter_fp8: bool = Field(
         False, description="Run the drafter's own linears (its layers' projections and MLPs, fc) in FP8 in training, "
         "forward and backward, through torchao's float8 training (dflash_core.drafter_fp8; needs torchao, the gpu "
-        "extra, and a CUDA GPU of compute capability >= 8.9, >= 9.0 for rowwise); fp32 master weights and optimizer "
+        "extra, and a CUDA GPU of compute capability 8.9 or newer, 9.0 or newer for rowwise); fp32 master weights and optimizer "
         "as without it; the LM-head loss and attention stay bf16.")
     drafter_fp8_recipe: Literal["rowwise", "tensorwise"] = Field(
         "tensorwise", description="With drafter_fp8: torchao's scaling recipe, one dynamic scale per tensor "
