@@ -25,7 +25,8 @@ whose GDN layer repeats q and k to the value heads before the kernel (15 ms a st
 The Trainer's first line says which kernels ran (`target kernels: GDN recurrence: fla, conv: fla`);
 without fla on the path the GDN layers run transformers' torch path (a warning says why): the
 same table, slower.
---target-fp8 runs the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8; rows below).
+--target-fp8 runs the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8; rows below); --drafter-fp8
+[tensorwise|rowwise] the drafter's own linears (TrainConfig.drafter_fp8, torchao on the path; not measured here yet).
 CPU smoke (tiny:qwen3_5 target, 512-token rows, < 1 min): .venv/bin/python bench/bench_hybrid_step.py --tiny
 --profile prints the top ops, the copies, concatenations and fills by the code that asked for them,
 the GPU's idle time with its longest gaps, and where the host waited on the GPU.
@@ -185,6 +186,7 @@ def run_one(args, *, packing: str, corpus: TokenizedCorpus, cuda: bool) -> dict:
         output_dir=Path(tempfile.mkdtemp()), token_budget=args.token_budget, max_steps=steps, log_every=args.log_every,
         upload_checkpoints=False, compile=cuda and not args.no_compile, validate_capture_batches=1,
         max_samples_per_batch=None if packed else 1, target_fp8=args.target_fp8,
+        drafter_fp8=args.drafter_fp8 is not None, drafter_fp8_recipe=args.drafter_fp8 or "tensorwise",
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
                  "loss_target": "teacher", **({"variant": args.variant} if args.variant else {})},
     )
@@ -291,6 +293,9 @@ def main(argv=None) -> None:
                         help="the Trainer's metrics sync (one device->host copy) every N steps, as in a run")
     parser.add_argument("--target-fp8", action="store_true",
                         help="the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8)")
+    parser.add_argument("--drafter-fp8", nargs="?", const="tensorwise", choices=["rowwise", "tensorwise"],
+                        help="the drafter's own linears in FP8 through torchao (TrainConfig.drafter_fp8; not "
+                             "measured on this bench yet)")
     parser.add_argument("--no-compile", action="store_true", help="leave the drafter and attention layers eager")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--profile", action="store_true",
