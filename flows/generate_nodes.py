@@ -84,6 +84,11 @@ def answer_across_nodes(settings: Settings, params: GenerateParams, *, prompt_ke
     attempt = flow_run.run_count or 1
     resolved = {_named(spec, settings): spec for spec in params.nodes}
     shares = {name: NodeShare(node=name) for name in resolved}
+    if attempt > 1:  # a Retry: an earlier attempt's node runs may outlive it (its process died, theirs did not)
+        stopped = stop_earlier_shares(str(flow_run.id), timeout_s=params.node_timeout_s)
+        if stopped:
+            logger.info("stopped %d node run(s) of an earlier attempt before dealing again: %s", len(stopped),
+                        ", ".join(stopped))
     output_of = dict(zip(prompt_keys, output_keys))
     finished: set[str] = set()  # answered by a run that completed in this attempt (failed prompts wait for a rerun)
 
@@ -232,6 +237,33 @@ def _wait_all(started: dict[str, StartedStage], *,
                 last_check = time.monotonic()
             if waiting:
                 time.sleep(POLL_S)
+
+
+def stop_earlier_shares(parent_id: str, *, timeout_s: float, poll_s: float = POLL_S) -> list[str]:
+    """Cancel every node share of `parent_id` that is not final yet and wait until each is; one still not final
+    after `timeout_s` (its node is gone, so no worker ends it) is marked Crashed. Otherwise a share dealt again
+    would be answered twice, by its old node and its new one. The names of the runs stopped."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.states import Cancelling, Crashed
+
+    with get_client(sync_client=True) as client:
+        runs = [run for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+                if ((run.parameters or {}).get("params") or {}).get("prompt_shards") is not None
+                and not (run.state and run.state.is_final())]
+        for run in runs:
+            client.set_flow_run_state(run.id, Cancelling(message="a Retry of the generation deals its shards again"),
+                                      force=True)
+        deadline = time.monotonic() + timeout_s
+        waiting = list(runs)
+        while waiting and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            waiting = [run for run in waiting if not client.read_flow_run(run.id).state.is_final()]
+        for run in waiting:
+            client.set_flow_run_state(run.id, Crashed(message=f"not stopped within {timeout_s:.0f} s of a Retry's "
+                                                              f"cancel: its node is gone"), force=True)
+    return [run.name for run in runs]
 
 
 def _silent(client, name: str, timeout_s: float) -> str | None:
