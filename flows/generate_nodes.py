@@ -12,8 +12,9 @@ A node drops out of the run, and its unanswered shards go to the nodes still in 
 A shard's answers so far are in S3 (`<shard>.partial`, every 64 answers), so the node that takes it over
 resumes there. Every shard already answered with the same prompts, model and sampling is kept; a rerun or
 a Retry checks each shard again, probes each node again and deals only what is left, so no shard is answered
-twice and no finished one is redone; a Retry first stops the node runs an earlier attempt left running. Shards whose prompts failed within `max_failed_fraction` stay as
-they are until a rerun retries those prompts, as on one node.
+twice and no finished one is redone (a Retry first stops the node runs an earlier attempt left running).
+Shards whose prompts failed within `max_failed_fraction` stay as they are until a rerun retries those
+prompts, as on one node.
 """
 
 from __future__ import annotations
