@@ -27,7 +27,8 @@ TINY = [("tiny", 4_096, 32, 120, 4)]
 READS = {"index": lambda table, ids: table[ids], "embedding": lambda table, ids: F.embedding(ids, table)}
 
 
-def _timed(fn, *, repeats: int, device: torch.device) -> float:
+def timed_ms(fn, *, repeats: int, device: torch.device) -> float:
+    """Median wall time of `fn` in ms (CUDA events on a GPU)."""
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -80,7 +81,7 @@ def main() -> None:
                 grad = _gradient(read, table, ids, upstream)
                 again = _gradient(read, table, ids, upstream)
                 same = torch.allclose(grad, reference, rtol=1e-5, atol=1e-5)
-                ms = _timed(lambda: torch.autograd.grad(read(table, ids), table, upstream),
+                ms = timed_ms(lambda: torch.autograd.grad(read(table, ids), table, upstream),
                             repeats=args.repeats, device=device)
                 deterministic = torch.equal(grad, again)
                 print(f"| {name} | {read_name} | {ids_name} | {ms:.3f} | {same} | {deterministic} |")
@@ -99,7 +100,7 @@ def main() -> None:
         reference = ways["einsum over gathered rows"]().float()
         for way, fn in ways.items():
             diff = (fn().float() - reference).abs().max().item()
-            print(f"| {name} | {way} | {_timed(fn, repeats=args.repeats, device=device):.3f} | {diff:.2e} |")
+            print(f"| {name} | {way} | {timed_ms(fn, repeats=args.repeats, device=device):.3f} | {diff:.2e} |")
     print("command: python3 bench/bench_codebook_backward.py")
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from dflash_core.target import HiddenStateCapture, build_target, language_model, tiny_target_config  # noqa: E402
 from dflash_core.target_runtime import compile_decoder_layers, quantize_decoder_layers_fp8, use_flex_attention  # noqa: E402
+from bench_codebook_backward import timed_ms  # noqa: E402
 
 VARIANTS = ("bf16", "ours", "ours-exact-accum", "torchao")
 
@@ -58,25 +58,6 @@ def quantize(target: torch.nn.Module, variant: str) -> None:
 
         for layer in language_model(target).layers:  # the decoder layers only, as ours
             quantize_(layer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-
-
-def timed_ms(fn, *, cuda: bool, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            started = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - started))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -115,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             states = forward().tapped_hidden.float()  # also compiles
             forward()
-            ms = timed_ms(forward, cuda=cuda, repeats=args.repeats)
+            ms = timed_ms(forward, repeats=args.repeats, device=torch.device("cuda" if cuda else "cpu"))
             if reference is None and variant == "bf16":
                 reference = states
             error = float((states - reference).norm() / reference.norm()) if reference is not None else float("nan")
