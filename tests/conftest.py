@@ -177,10 +177,9 @@ def prefect_server(settings: Settings, early, request: pytest.FixtureRequest):
     saved = {key: os.environ.get(key) for key in local.prefect_client_env(settings)}
     os.environ.update(local.prefect_client_env(settings))
     # Prefect snapshots its settings when first imported; override them too in case it already was.
-    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: settings.prefect_api_url,
-                                     PREFECT_CLIENT_MAX_RETRIES: local.PREFECT_CLIENT_RETRIES}):
+    with temporary_settings(updates={PREFECT_API_URL: settings.prefect_api_url}):
         yield service
     for key, value in saved.items():
         if value is None:

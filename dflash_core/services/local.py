@@ -36,7 +36,6 @@ from dflash_core.services.process import (
 from dflash_core.settings import Settings
 
 S3_READY_TIMEOUT_S = 60.0
-PREFECT_CLIENT_RETRIES = 10
 PREFECT_READY_TIMEOUT_S = 120.0  # generous: a fresh SQLite DB on a busy 2-core machine starts slowly
 
 
@@ -210,9 +209,6 @@ def prefect_client_env(settings: Settings) -> dict[str, str]:
         "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_HOME": str(settings.work_path("services", "prefect", "home")),
-        # The server answers 503 when SQLite is busy (a write that lost a race in WAL mode fails at once); the client
-        # retries those with backoff. Prefect's 5 tries ran out once under a full test run on 2 cores.
-        "PREFECT_CLIENT_MAX_RETRIES": str(PREFECT_CLIENT_RETRIES),
     }
 
 
