@@ -56,7 +56,31 @@ def register_deployments(*, work_pool: str = WORK_POOL) -> dict[str, UUID]:
     with get_client(sync_client=True) as client:
         _ensure_process_pool(client, work_pool)
         return {name: deployment_id for name, deployment_id in
-                (_register(client, spec, work_pool=work_pool) for spec in DEPLOYMENTS)}
+                (_register_retrying(client, spec, work_pool=work_pool) for spec in DEPLOYMENTS)}
+
+
+REGISTER_TRIES = 12  # each try is one request: a busy SQLite server refuses a large upsert now and then
+
+
+def _register_retrying(client, spec: DeploymentSpec, *, work_pool: str) -> tuple[str, UUID]:
+    """`_register`, tried again soon after a 503. On SQLite the server answers 503 when the upsert's transaction
+    lost a race with another writer (WAL mode refuses it at once). A large deployment (the pipeline's form) takes
+    seconds to upsert and loses that race often on a busy server, and Prefect's own retries back off
+    exponentially (2, 4, ... 32 s, then give up); short, jittered retries of the one upsert get through."""
+    import random
+
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    for attempt in range(1, REGISTER_TRIES + 1):
+        try:
+            with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+                return _register(client, spec, work_pool=work_pool)
+        except PrefectHTTPStatusError as error:
+            if error.response.status_code != 503 or attempt == REGISTER_TRIES:
+                raise
+            time.sleep(random.uniform(0.2, 1.5))
+    raise AssertionError("unreachable")
 
 
 def _ensure_process_pool(client, name: str) -> None:
