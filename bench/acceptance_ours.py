@@ -36,7 +36,8 @@ def _forced_mask_token(token_id: int | None):
 def run_ours(job: Job, variant: Variant) -> dict:
     run_dir = Path(WORKER["work"]) / "runs"
     config = train_config(job, variant, run_dir)
-    shutil.rmtree(config.run_dir, ignore_errors=True)
+    if not WORKER.get("resume"):
+        shutil.rmtree(config.run_dir, ignore_errors=True)
     with _forced_mask_token(variant.force_mask_token_id), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from dflash_core.train.assemble import build_trainer
@@ -44,6 +45,7 @@ def run_ours(job: Job, variant: Variant) -> dict:
         corpus = corpus_for_worker(getattr(job, "data_multiplier", None))
         trainer = build_trainer(config, models_dir=Path(WORKER["models_dir"]), corpus=corpus)
     check_recipe_applied(config, trainer.drafter_config, trainer.drafter.loss)
+    resumed_from = trainer.step if WORKER.get("resume") and trainer.resume() else 0  # exact: sampler, RNG, optimizer
     logged: list[tuple[int, float]] = []  # (step, time) of each record: steady-state steps/s between them
     sync_device()
     start = time.perf_counter()
@@ -57,7 +59,8 @@ def run_ours(job: Job, variant: Variant) -> dict:
     del trainer
     shutil.rmtree(config.run_dir, ignore_errors=True)
     window = last.get("window") or last
-    return {"train_s": train_s, "steps_per_s": steady_rate(logged, job.steps, train_s), "train_loss": window["loss"],
+    return {"train_s": train_s, "steps_per_s": steady_rate(logged, job.steps - resumed_from, train_s),
+            "resumed_from_step": resumed_from, "train_loss": window["loss"],
             "train_tau": window["acceptance_length_empirical"], "mask_token_id": drafter_config.mask_token_id,
             "mask_rule": "ours" if variant.force_mask_token_id is None else "forced",
             "target_layer_ids": drafter_config.target_layer_ids, **evaluate_drafter(drafter)}

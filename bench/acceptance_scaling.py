@@ -46,18 +46,6 @@ def cap_multipliers(multipliers: list[int], *, available: int, base: int, log=pr
     return sorted({min(m, largest) for m in multipliers})
 
 
-def scaled_prompts(pool, tokenizer, shape, multipliers: list[int] | None, *, log=print):
-    """(train, eval, multipliers): split_prompts for the largest multiplier the pool allows."""
-    from acceptance_data import split_prompts
-
-    if not multipliers:
-        return (*split_prompts(pool, tokenizer, shape), multipliers)
-    wanted = dataclasses.replace(shape, train_prompts=shape.train_prompts * max(multipliers))
-    train, evaluation = split_prompts(pool, tokenizer, wanted, at_least=shape.train_prompts)
-    multipliers = cap_multipliers(multipliers, available=len(train), base=shape.train_prompts, log=log)
-    return train[: shape.train_prompts * max(multipliers)], evaluation, multipliers
-
-
 # ---- the report ---------------------------------------------------------------------------------
 
 def curves(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:

@@ -19,7 +19,7 @@ import torch
 
 from acceptance_variants import SPECULATORS_KINDS
 from acceptance_worker import (
-    WORKER, corpus_for_worker, eval_target, evaluate_drafter, steady_rate, sync_device, train_config,
+    WORKER, checkpoint_every, corpus_for_worker, eval_target, evaluate_drafter, steady_rate, sync_device, train_config,
 )
 
 if TYPE_CHECKING:
@@ -188,6 +188,9 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     sampler = PackedBatchSampler(corpus.lengths, token_budget=config.token_budget, seed=job.seed,
                                  drop_samples_without_loss=~samples_with_loss(corpus), packing=config.packing)
     batches = iter(sampler)
+    state_path = Path(WORKER["work"]) / "runs" / f"{config.run_name}.speculators.pt"
+    first_step = _resume(state_path, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches)
+    every = checkpoint_every(job)
     eager_forward = getattr(model_class.forward, "_torchdynamo_orig_callable", model_class.forward)
     forward = model_class.forward if WORKER["speculators_compile"] else eager_forward
     compiled = forward is not eager_forward
@@ -196,7 +199,7 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     log_every = max(1, min(25, job.steps // 4))
     sync_device()
     start = time.perf_counter()
-    for step in range(job.steps):
+    for step in range(first_step, job.steps):
         tensors = batch_tensors(collate(corpus, next(batches), token_budget=config.token_budget), device)
         captured = capture_batch(capture, tensors)
         torch.manual_seed(hash((job.seed, step)) & 0x7FFF_FFFF)  # its anchors come from the global RNG
@@ -223,18 +226,45 @@ def run_speculators(job: Job, variant: Variant) -> dict:
         if (step + 1) % log_every == 0 or step + 1 == job.steps:
             sync_device()
             marks.append((step + 1, time.perf_counter()))
+        if (step + 1) % every == 0 and step + 1 < job.steps:
+            _save(state_path, model=model, optimizer=optimizer, scheduler=scheduler, step=step + 1)
     sync_device()
     train_s = time.perf_counter() - start
+    state_path.unlink(missing_ok=True)
     capture.close()
     drafter = ours_from_speculators(model, target_config=target.config, native_ids=native_ids, mask=mask,
                                     config=config, device=device)
     del target
     check_conversion(model, drafter, native_ids, device)
     del model
-    return {"train_s": train_s, "steps_per_s": steady_rate(marks, job.steps, train_s), "compiled": compiled,
+    return {"train_s": train_s, "steps_per_s": steady_rate(marks, job.steps - first_step, train_s),
+            "compiled": compiled, "resumed_from_step": first_step,
             "train_loss": float(torch.stack(losses).mean()), "train_tau": float(torch.stack(eals).mean()),
             "mask_token_id": mask, "mask_rule": mask_rule, "target_layer_ids": native_ids,
             **evaluate_drafter(drafter)}
+
+
+def _save(path: Path, *, model, optimizer, scheduler, step: int) -> None:
+    """The loop's state after `step` steps (the batches and anchors follow from the seed and the step)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "step": step}, tmp)
+    tmp.replace(path)  # a job killed mid-write keeps its previous state
+
+
+def _resume(path: Path, *, model, optimizer, scheduler, batches) -> int:
+    """With `--resume` and a saved state: load it, move the batches past the steps it covers, and return its
+    step (the loop's next); else 0."""
+    if not WORKER.get("resume") or not path.is_file():
+        return 0
+    state = torch.load(path, map_location=next(model.parameters()).device, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    for _ in range(state["step"]):
+        next(batches)
+    return state["step"]
 
 
 def ours_from_speculators(model, *, target_config, native_ids, mask, config, device):

@@ -40,6 +40,11 @@ SPECULATORS_KINDS = {"speculators": "dflash", "speculators-dflash2": "dflash2"} 
 # The schedule speculators rows can share with ours (their loop runs AdamW on our lr_factor schedule).
 SPECULATORS_OPTIM = {"lr", "warmup_steps", "warmup_fraction", "min_lr_ratio", "betas", "weight_decay"}
 MASK_CHOICES = (None, "eos")
+SPECULATORS_TAPS = (1, 14, 26)  # what speculators' trainer taps on the 30-layer SmolLM2 (its rows' target_layer_ids)
+# A third drafter layer at the same layer parameters as the default's two on SmolLM2 (7,399,680 against
+# 7,421,440; tests/unit/test_bench_acceptance.py checks it): 2 x (attention + conv + 3 x 576 x 1,536) =
+# 3 x (attention + conv + 3 x 576 x I), rounded down to a multiple of 16.
+NARROW_MLP = 816
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +149,9 @@ def variants() -> dict[str, Variant]:
         Variant("default+drafter_fp8", "the default, its own linears trained in FP8 through torchao's float8 "
                 "training (TrainConfig.drafter_fp8, its default recipe); needs torchao and an sm89+ GPU",
                 drafter=_default(), train={"drafter_fp8": True}),
+        Variant("default+target_fp8+drafter_fp8", "the default, trained on the target's FP8 GEMMs with its own "
+                "linears in FP8 too (TrainConfig.target_fp8 and drafter_fp8); evaluated against the bf16 target",
+                drafter=_default(), train={"target_fp8": True, "drafter_fp8": True}),
         Variant("default+warmup=20", "the default, warmup 20 steps instead of 100 (half of a 200-step budget)",
                 drafter=_default(), optim={"warmup_steps": 20}),
         Variant("default+warmup=20+lr=1.2e-3", "the default, warmup 20 and twice the learning rate",
@@ -178,6 +186,19 @@ def variants() -> dict[str, Variant]:
         Variant("default+dpace=selector+codebooks=embedding+anchors=stratified", "both selector levers and "
                 "stratified anchors", drafter=_default(dpace_source="selector", selector_codebook_init="embedding",
                                                         anchor_sampling="stratified")),
+        # Issue #45 item 2: what the default adds over speculators' DFlash 2, one part at a time taken back to
+        # speculators' choice, and two structural changes at the same draft cost.
+        Variant("default+exp_decay", "the default without D-PACE: fixed exp-decay slot weights (speculators' DFlash "
+                "2's)", drafter=_default(loss_weighting="exp_decay")),
+        Variant("default+anchors=128", "the default at speculators' anchor density (128 per 2,048-token row, its "
+                "512 per 8,192)", drafter=_default(num_anchors=128)),
+        Variant("default+taps=speculators", f"the default reading speculators' 3 taps on SmolLM2 ({SPECULATORS_TAPS}) "
+                "instead of its 2", drafter=_default(target_layer_ids=list(SPECULATORS_TAPS))),
+        Variant("default+taps=5", "structural: the default reading 5 tapped layers (the context projection grows; "
+                "a draft round's cost barely moves)", drafter=_default(num_tapped_layers=5)),
+        Variant("default+layers=3+narrow", f"structural: 3 drafter layers with {NARROW_MLP}-wide MLPs instead of 2 "
+                f"with the target's 1,536 (the layers' parameters within 0.3%: the same GEMM work per drafted token), "
+                "the same 2 taps", drafter=_default(num_layers=3, num_tapped_layers=2, intermediate_size=NARROW_MLP)),
         Variant("speculators", "speculators 0.9 DFlashDraftModel, its trainer's defaults (D-PACE + CE, its 3 taps, "
                 "its 512 anchors per 8,192 tokens); mask: its rule, the EOS fallback replaced", kind="speculators"),
         Variant("speculators+mask=eos", "speculators DFlash with its literal mask fallback (pad = EOS on SmolLM2)",
@@ -215,14 +236,23 @@ SUITES = {
                "default+dpace=selector+codebooks=embedding",
                "default+dpace=selector+codebooks=embedding+anchors=stratified"],
     "fp8": ["default", "default+target_fp8", "default+target_fp8+fast_accum"],
-    "drafter_fp8": ["default", "default+drafter_fp8"],
+    "drafter_fp8": ["default", "default+drafter_fp8", "default+target_fp8+drafter_fp8"],
     # The learning rate on all three recipes at once (the baselines at 6e-4 are the core rows).
     "schedule": [f"{base}+lr={lr}" for lr in ("3e-4", "1.2e-3")
                  for base in ("default", "speculators", "speculators-dflash2")],
+    # Issue #45's curve: each recipe at its two learning rates (6e-4, the library's, and 3e-4), 6 rows.
+    "scale": ["default", "default+lr=3e-4", "speculators", "speculators+lr=3e-4", "speculators-dflash2",
+              "speculators-dflash2+lr=3e-4"],
     # Where the default memorizes (2,000 steps over 1,024 completions: training tau 4.08, held out 1.556):
     # the levers against overfitting, six jobs for one call.
     "overfit": ["default", "default+codebooks=embedding", "default+selector_rank=64", "default+kl",
                 "default+dropout=0.1", "default+noise=0.2"],
+    # Issue #45 item 2, at the curve's largest point: each part of the default taken back to speculators' DFlash
+    # 2's choice (D-PACE, anchor density, taps, the unary loss, the selector's rank, the learning rate), then two
+    # structural changes at the same draft cost; against speculators' DFlash 2 at its best lr.
+    "ablate": ["default", "default+exp_decay", "default+anchors=128", "default+taps=speculators", "default+kl",
+               "default+selector_rank=64", "default+lr=3e-4", "default+taps=5", "default+layers=3+narrow",
+               "speculators-dflash2+lr=3e-4"],
 }
 DEFAULT_VARIANTS = list(variants())
 LONG_VARIANTS = ["default", "speculators"]

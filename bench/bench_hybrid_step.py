@@ -174,7 +174,8 @@ def planner_peak_gib(trainer: Trainer, *, preset: str | None, token_budget: int,
     inputs = PlanInputs(target=shape, samples=1, mean_tokens=2000, token_budget=token_budget,
                         anchors_per_1k_tokens=anchors * 1000 / token_budget, drafter_layers=d.num_layers,
                         block_size=d.block_size, tapped_layers=len(trainer.drafter_config.target_layer_ids),
-                        variant=d.variant, target_fp8=trainer.config.target_fp8)
+                        variant=d.variant, target_fp8=trainer.config.target_fp8,
+                        drafter_fp8=trainer.config.drafter_fp8)
     return plan(inputs).layouts[0].peak_bytes_per_gpu / 2**30
 
 

@@ -88,6 +88,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from dflash_core.train.config import TrainConfig  # noqa: E402
 from dflash_core.train.data import TokenizedCorpus  # noqa: E402
 from dflash_core.train.assemble import build_trainer  # noqa: E402
+from dflash_core.target import real_shape_config  # noqa: E402
 from bench_train_step import measure_fp8_matmul_peak, measure_matmul_peak  # noqa: E402
 
 def useful_tflop_parts(trainer, args) -> dict[str, float]:
@@ -288,6 +289,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--log-every", type=int, default=10, help="metrics synced every N steps (a run's default)")
     parser.add_argument("--prefetch", type=int, default=2, help="batches packed ahead on a thread (0: inline)")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                        default="default", help="torch.compile's mode (TrainConfig.compile_mode; reduce-overhead: "
+                        "each compiled layer replayed as a CUDA graph)")
     parser.add_argument("--variant", choices=["dflash", "dflash2"], default="dflash",
                         help="drafter variant (drafter.variant in the run config)")
     parser.add_argument("--profile", action="store_true", help="profile steps after the timed ones (see above)")
@@ -308,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.layers, args.block_size, args.warmup, args.steps = 1, 8, 1, 3
         args.log_every, args.profile_steps = min(args.log_every, 2), min(args.profile_steps, 2)
     cuda = torch.cuda.is_available() and not args.tiny
-    vocab = 151936 if args.target == "random:qwen3-8b" else 256
+    vocab = real_shape_config(args.target.split(":", 1)[1]).vocab_size if args.target.startswith("random:") else 256
     extra = 1 + args.profile_steps if args.profile else 0
     max_steps = args.warmup + args.steps + extra
     corpus = synthetic_corpus(num_samples=(max_steps + 2) * args.token_budget // args.sample_len,
@@ -317,7 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = TrainConfig(
         run_name="bench-e2e", target=args.target, data=["synthetic"], output_dir=output_dir,
         token_budget=args.token_budget, max_steps=max_steps, log_every=args.log_every, upload_checkpoints=False,
-        checkpoint_every=max_steps + 1, compile=cuda and not args.no_compile, validate_capture_batches=1,
+        checkpoint_every=max_steps + 1, compile=cuda and not args.no_compile, compile_mode=args.compile_mode,
+        validate_capture_batches=1,
         drafter={"num_layers": args.layers, "block_size": args.block_size, "num_anchors": args.anchors,
                  "loss_target": args.teacher, "variant": args.variant}, prefetch_batches=args.prefetch,
         target_fp8=args.target_fp8, target_fp8_fast_accum=args.fp8_fast_accum,
@@ -398,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sync_debug_warnings": syncs if args.sync_debug and cuda else None,
         "drafter_parameters": sum(p.numel() for p in trainer.drafter.parameters()),
         "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
-        "compile": config.compile, "torch": torch.__version__,
+        "compile": config.compile, "compile_mode": config.compile_mode, "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
     }
     print(f"{'target':<18}{'variant':<9}{'tokens/row':>11}{'anchors':>8}{'ms/step':>9}{'tokens/s':>10}"

@@ -51,6 +51,7 @@ def plan(
     tapped_layers: Annotated[int, typer.Option(help="Target layers the drafter reads.")] = DEFAULT_NUM_LAYERS,
     dtype_bytes: Annotated[int, typer.Option(help="Bytes per stored value (bf16 = 2).")] = 2,
     target_fp8: Annotated[bool, typer.Option(help="Target decoder-layer weights in FP8 (train's target_fp8).")] = False,
+    drafter_fp8: Annotated[bool, typer.Option(help="The drafter's linears in FP8 (train's drafter_fp8).")] = False,
     samples: Annotated[float, typer.Option(help="Training samples (1e6 is fine).")] = 100_000,
     mean_tokens: Annotated[float, typer.Option(help="Mean tokens per sample.")] = 2000,
     mean_completion_tokens: Annotated[Optional[float], typer.Option(help="Mean generated tokens per sample.")] = None,
@@ -69,7 +70,8 @@ def plan(
     try:
         shape = _resolve_shape(preset, model_config, hidden_size, num_layers, target_params)
         inputs = planner.PlanInputs(
-            target=shape, tapped_layers=tapped_layers, dtype_bytes=dtype_bytes, target_fp8=target_fp8, samples=samples,
+            target=shape, tapped_layers=tapped_layers, dtype_bytes=dtype_bytes, target_fp8=target_fp8,
+            drafter_fp8=drafter_fp8, samples=samples,
             mean_tokens=mean_tokens, mean_completion_tokens=mean_completion_tokens,
             anchors_per_sample=anchors_per_sample, drafter_layers=drafter_layers, block_size=block_size,
             token_budget=token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,
@@ -152,6 +154,9 @@ def planner_table(result: planner.Plan) -> Table:
         ("drafter weights+grads+AdamW", binary_bytes(result.drafter_state_bytes), "16 bytes/param"),
         ("target activations / batch", binary_bytes(result.target_activation_bytes), "estimate"),
         ("drafter activations / batch", binary_bytes(result.drafter_activation_bytes), "estimate"),
+        *([("drafter_fp8 saves", binary_bytes(result.drafter_fp8_saved_bytes),
+            "no bf16 copies of the drafter's linear weights and their gradients (measured)")]
+          if result.drafter_fp8_saved_bytes else []),
         ("hidden-state transfer / batch", binary_bytes(result.transfer_bytes_per_batch),
          f"{result.transfer_ms_per_batch:.2f} ms (pair layout)"),
         ("generation wall time", f"{result.generation_hours:,.1f} h", "all samples, all instances"),

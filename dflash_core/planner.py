@@ -36,6 +36,12 @@ _TARGET_TRANSIENT_PER_I = 3
 _TRAINABLE_BYTES_PER_PARAM = 16
 # CUDA context, allocator fragmentation, NCCL buffers.
 _RESERVED_BYTES = 4 * GiB
+# What FP8 drafter linears (drafter_fp8, torchao's Float8Linear) save per linear parameter: a bf16 linear under
+# autocast keeps a bf16 copy of its weight from forward to backward and makes a bf16 weight gradient before the
+# fp32 one; a Float8Linear casts the fp32 master straight to FP8 for each GEMM. Measured on one H200
+# (2026-12-04, bench/results/drafter-fp8-2026-12-04): -4.2 GiB on the Qwen3-8B DFlash 2 drafter (1.09B linear
+# parameters: 4.1 bytes each), -6.4 GiB on the Qwen3.5-27B one (1.90B: 3.6 bytes each); the lower, rounded down.
+_DRAFTER_FP8_SAVED_PER_LINEAR_PARAM = 3.5
 # Input ranges: many times any model, dataset or cluster of today, and narrow enough that every figure of a
 # plan stays finite (`dflash plan --json` must stay JSON: no Infinity, no NaN).
 MAX_SIZE = 10**7  # widths, vocabulary, counts (layers, heads, GPUs, instances), GiB of a GPU, GB/s of a link
@@ -142,6 +148,8 @@ class PlanInputs(BaseModel):
     target_fp8: bool = Field(False, description="The target's decoder-layer weights in FP8 (1 byte each; the "
                              "embedding and LM head stay at dtype_bytes; the whole target is loaded first, a peak "
                              "of its own): TrainConfig.target_fp8.")
+    drafter_fp8: bool = Field(False, description="The drafter's own linears in FP8 (torchao float8 training; "
+                              "fp32 masters and optimizer state as before): TrainConfig.drafter_fp8.")
     samples: int = Field(gt=0, le=MAX_SAMPLES)
     mean_tokens: float = Field(gt=0, le=MAX_TOKENS, description="Mean tokens per sample (prompt + completion).")
     mean_completion_tokens: float | None = Field(None, gt=0, le=MAX_TOKENS,
@@ -203,6 +211,8 @@ class Plan(BaseModel):
     drafter_state_bytes: int
     target_activation_bytes: int
     drafter_activation_bytes: int
+    drafter_fp8_saved_bytes: int = Field(0, description="What drafter_fp8 takes off the peaks: no bf16 working "
+                                         "copies of the drafter's linear weights and their gradients.")
     layouts: list[LayoutVerdict]
     transfer_bytes_per_batch: int
     transfer_ms_per_batch: float
@@ -229,6 +239,15 @@ def drafter_params(shape: ModelShape, *, drafter_layers: int, tapped_layers: int
     return total
 
 
+def drafter_linear_params(shape: ModelShape, **drafter: object) -> int:
+    """The drafter's parameters in linears (what drafter_fp8 converts): all but DFlash 2's selector codebooks,
+    which are embedding tables. The norms and conv kernels left in are a rounding error."""
+    total = drafter_params(shape, **drafter)
+    if drafter.get("variant") == "dflash2":
+        total -= 2 * (shape.vocab_size or 0) * int(drafter.get("selector_rank", 256))
+    return total
+
+
 def _embedding_params(shape: ModelShape) -> int:
     """Embedding + LM head parameters (0 when the vocabulary is unknown)."""
     if shape.vocab_size is None:
@@ -236,7 +255,8 @@ def _embedding_params(shape: ModelShape) -> int:
     return shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
 
 
-def plan(inputs: PlanInputs) -> Plan:
+def plan(inputs: PlanInputs, *, suggest: bool = True) -> Plan:
+    """The plan for `inputs`; with `suggest`, a layout that does not fit says which FP8 option would make it."""
     shape = inputs.target
     hidden = shape.hidden_size
     intermediate = shape.intermediate_size or math.ceil(hidden * 8 / 3)
@@ -251,9 +271,10 @@ def plan(inputs: PlanInputs) -> Plan:
     loaded_target_weights = target_weights
     if target_weights is not None and inputs.target_fp8 and shape.vocab_size is not None:
         target_weights -= (target_params - _embedding_params(shape)) * (inputs.dtype_bytes - 1)
-    draft_params = drafter_params(shape, drafter_layers=inputs.drafter_layers, tapped_layers=inputs.tapped_layers,
-                                  variant=inputs.variant, conv_kernel_size=inputs.conv_kernel_size,
-                                  conv_group_size=inputs.conv_group_size, selector_rank=inputs.selector_rank)
+    drafter = dict(drafter_layers=inputs.drafter_layers, tapped_layers=inputs.tapped_layers, variant=inputs.variant,
+                   conv_kernel_size=inputs.conv_kernel_size, conv_group_size=inputs.conv_group_size,
+                   selector_rank=inputs.selector_rank)
+    draft_params = drafter_params(shape, **drafter)
     drafter_state = draft_params * _TRAINABLE_BYTES_PER_PARAM
 
     budget = inputs.token_budget
@@ -269,14 +290,17 @@ def plan(inputs: PlanInputs) -> Plan:
         query_tokens * (_DRAFTER_SAVED_PER_H * hidden + _DRAFTER_SAVED_PER_I * intermediate)
         + budget * 2 * hidden  # projected K/V of the target context, per layer
     ) + budget * (inputs.tapped_layers + 1) * hidden * 2
+    # Capped at the drafter's activations: the constants above were fitted to bf16 runs, where the working copies
+    # hid in them; a small batch on a wide drafter must not come out below its activations' floor.
+    fp8_saved = min(drafter_activations, math.floor(
+        drafter_linear_params(shape, **drafter) * _DRAFTER_FP8_SAVED_PER_LINEAR_PARAM)) if inputs.drafter_fp8 else 0
 
     transfer_bytes = budget * (inputs.tapped_layers + 1) * hidden * inputs.dtype_bytes
-    layouts = _layouts(inputs, target_weights, drafter_state, target_activations, drafter_activations,
+    layouts = _layouts(inputs, target_weights, drafter_state, target_activations, drafter_activations - fp8_saved,
                        transfer_bytes, loaded_target_weights=loaded_target_weights,
                        drafter_weights=draft_params * 4)  # fp32 weights, before any optimizer state
-    if not inputs.target_fp8 and any(v.fits is False and v.replicas > 0 for v in layouts):
-        with_fp8 = {v.layout: v for v in plan(inputs.model_copy(update={"target_fp8": True})).layouts}
-        layouts = [_suggest_fp8(v, with_fp8[v.layout]) for v in layouts]
+    if suggest and any(v.fits is False and v.replicas > 0 for v in layouts):
+        layouts = _suggest_fp8(inputs, layouts)
     completion = inputs.mean_completion_tokens or inputs.mean_tokens
     generation_s = inputs.samples * completion / (inputs.generation_tokens_per_s * inputs.inference_instances)
     return Plan(
@@ -291,6 +315,7 @@ def plan(inputs: PlanInputs) -> Plan:
         drafter_state_bytes=drafter_state,
         target_activation_bytes=target_activations,
         drafter_activation_bytes=drafter_activations,
+        drafter_fp8_saved_bytes=fp8_saved,
         layouts=layouts,
         transfer_bytes_per_batch=transfer_bytes,
         transfer_ms_per_batch=transfer_bytes / (inputs.interconnect_gb_s * 1e9) * 1e3,
@@ -314,12 +339,30 @@ def _data_passes(inputs: PlanInputs, total_tokens: int) -> dict:
     return {"data_passes": passes, "data_note": note}
 
 
-def _suggest_fp8(verdict: LayoutVerdict, with_fp8: LayoutVerdict) -> LayoutVerdict:
-    """A layout that does not fit in the target's dtype but does with FP8 decoder layers says so."""
-    if verdict.fits is not False or not with_fp8.fits:
-        return verdict
-    return verdict.model_copy(update={"note": f"{verdict.note}; or set target_fp8: true (FP8 target GEMMs, compute "
-                                              f"capability >= 9.0), which fits with {with_fp8.note}"})
+_FP8_OPTIONS = {
+    "target_fp8": "target_fp8: true (FP8 target GEMMs, compute capability >= 9.0)",
+    "drafter_fp8": "drafter_fp8: true (the drafter's linears in FP8 through torchao, compute capability >= 8.9)",
+}
+
+
+def _suggest_fp8(inputs: PlanInputs, layouts: list[LayoutVerdict]) -> list[LayoutVerdict]:
+    """Each layout that does not fit as asked but does with FP8 says which option makes it fit: the target's
+    FP8 layers first (the larger saving on a large target), then the drafter's, then both."""
+    unset = [flag for flag in _FP8_OPTIONS if not getattr(inputs, flag)]
+    options = [[flag] for flag in unset] + ([unset] if len(unset) == 2 else [])
+    tried = {tuple(flags): {v.layout: v for v in plan(inputs.model_copy(update=dict.fromkeys(flags, True)),
+                                                       suggest=False).layouts} for flags in options}
+    suggested = []
+    for verdict in layouts:
+        fitting = next(((flags, by_layout[verdict.layout]) for flags, by_layout in tried.items()
+                        if verdict.fits is False and by_layout[verdict.layout].fits), None)
+        if fitting is not None:
+            flags, with_fp8 = fitting
+            options_text = " and ".join(_FP8_OPTIONS[flag] for flag in flags)
+            verdict = verdict.model_copy(update={"note": f"{verdict.note}; or set {options_text}, which fits with "
+                                                         f"{with_fp8.note}"})
+        suggested.append(verdict)
+    return suggested
 
 
 def _layouts(inputs: PlanInputs, target_weights: int | None, drafter_state: int, target_act: int,

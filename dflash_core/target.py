@@ -83,7 +83,14 @@ def real_shape_config(name: str) -> Any:
             num_key_value_heads=4, head_dim=256, vocab_size=248320, linear_num_key_heads=16,
             linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
         )
-    raise ValueError(f"unknown real shape {name!r}; use qwen3-8b or qwen3.5-27b")
+    if name == "smollm2-135m":  # the embedded target's shape (Llama): the acceptance bench's step, timed alone
+        return transformers.LlamaConfig(
+            hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+            rms_norm_eps=1e-5, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 100_000.0},
+        )
+    raise ValueError(f"unknown real shape {name!r}; use qwen3-8b, qwen3.5-27b or smollm2-135m")
 
 
 def freeze(model: nn.Module) -> nn.Module:

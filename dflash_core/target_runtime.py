@@ -11,7 +11,7 @@ from torch import nn
 from dflash_core.target import language_model
 
 
-def compile_decoder_layers(model: nn.Module) -> None:
+def compile_decoder_layers(model: nn.Module, *, mode: str = "default") -> None:
     """torch.compile each decoder layer's forward with static shapes; capture hooks stay eager, outside
     it. A Gated DeltaNet layer's own forward stays eager: it takes each batch's document segments
     (dflash_core.hybrid), which a static-shape graph would recompile for, and its fla kernels are
@@ -20,13 +20,13 @@ def compile_decoder_layers(model: nn.Module) -> None:
     for layer in language_model(model).layers:
         linear_attn = getattr(layer, "linear_attn", None)
         if linear_attn is None:
-            layer.forward = torch.compile(layer.forward, dynamic=False)
+            layer.forward = torch.compile(layer.forward, dynamic=False, mode=mode)
             continue
         fp8_projections = [m for m in linear_attn.children() if type(m).__name__ == "Fp8Linear"]
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp,
                        getattr(linear_attn, "norm", None), *fp8_projections):
             if module is not None:  # an FP8 projection: its input's per-row quantization fuses into one kernel
-                module.forward = torch.compile(module.forward, dynamic=False)
+                module.forward = torch.compile(module.forward, dynamic=False, mode=mode)
 
 
 def quantize_decoder_layers_fp8(model: nn.Module, *, fast_accum: bool = False) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from dflash_core.storage import ObjectStore
 from dflash_core.train.config import TrainConfig
 from flows.evaluate import EvaluateParams
 from flows.export import ExportParams
-from flows.generate import GenerateParams
+from flows.generate_params import GenerateParams
 from flows.tokenize import TokenizeParams
 from flows.train import TrainFlowParams
 

@@ -22,49 +22,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 from prefect import get_run_logger
 from prefect.runtime import flow_run
-from pydantic import Field, model_validator
 
 from dflash_core.nodes import Node
 from dflash_core.nodes.worker import node_queue
 from dflash_core.serving.generation import GenerationTarget, shard_is_done
 from dflash_core.serving.profiles import EngineProfile
 from dflash_core.serving.shares import check_shares, split_by_weight
+from dflash_core.services.stages import WORK_POOL
 from dflash_core.settings import Settings
 from dflash_core.stage_results import MODEL_FROM_NODE, CompletionsDataset, NodeShare, ProvisionedNode
 from dflash_core.storage import ObjectStore
-from dflash_core.strict import StrictModel
 from flows.deployments import StageFailed, StartedStage, stage_result, start_stage
-from flows.nodes import ProvisionParams
-
-if TYPE_CHECKING:
-    from flows.generate import GenerateParams
+from flows.generate_params import GenerateParams, GenerationNode
 
 NODE_DEPLOYMENT = "generate-node"
 HEARTBEAT_CHECK_S = 5.0  # how often the waiting run asks the server when each node's worker was last heard from
 POLL_S = 1.0
-
-
-class GenerationNode(StrictModel):
-    provision: ProvisionParams = Field(description=(
-        "The node (inline, or node_name + inventory) and how to provision it; provision starts its worker, "
-        "which runs this node's share."))
-    engine: EngineProfile | None = Field(None, description=(
-        "Its server profile; None: the run's engine. Every node serves the same model (the same name in requests) "
-        "with the same engine, so a shard one node answered counts as done for the others. `@node` as its model: "
-        "the model this node's provision placed."))
-    num_instances: int = Field(1, gt=0, description="Its server instances (one per GPU); its share is in proportion.")
-    devices: list[str] | None = Field(None, description="CUDA device per instance, e.g. ['0','1'].")
-    base_port: int = Field(8100, gt=1023, lt=65000)
-
-    @model_validator(mode="after")
-    def _with_worker(self) -> GenerationNode:
-        if not self.provision.start_worker:
-            raise ValueError("a generation node needs its worker (provision.start_worker true): its share runs there")
-        return self
 
 
 class NodesLost(RuntimeError):
@@ -269,8 +245,6 @@ def stop_earlier_shares(parent_id: str, *, timeout_s: float, poll_s: float = POL
 
 def _silent(client, name: str, timeout_s: float) -> str | None:
     """Why node `name` counts as gone (its worker silent for `timeout_s`), or None."""
-    from flows.deployment_table import WORK_POOL
-
     queue = node_queue(name)
     beats = [w.last_heartbeat_time for w in client.read_workers_for_work_pool(WORK_POOL)
              if w.name.endswith(f"-{queue}") and w.last_heartbeat_time is not None]

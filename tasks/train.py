@@ -88,7 +88,7 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
                              drafter_layers=drafter.num_layers, block_size=drafter.block_size,
                              anchors_per_1k_tokens=config.resolved_num_anchors * 1000 / config.token_budget,
                              token_budget=config.token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,
-                             target_fp8=config.target_fp8, variant=drafter.variant,
+                             target_fp8=config.target_fp8, drafter_fp8=config.drafter_fp8, variant=drafter.variant,
                              conv_kernel_size=drafter.conv_kernel_size, conv_group_size=drafter.conv_group_size,
                              selector_rank=drafter.selector_rank, max_steps=config.max_steps,
                              tokens_per_step=config.token_budget * config.optim.grad_accum * ranks))

@@ -42,8 +42,12 @@ def free_port(*, grpc_offset: bool = False) -> int:
             return port
 
 
-PREFECT_LANE = "prefect"  # the xdist group of the modules on the Prefect server
+# The xdist groups of the modules on a Prefect server: those that read the stage server or a shared run, and the
+# others, each on its own worker with its own Prefect server (the shared runs are made once, in the first lane).
+PREFECT_LANE = "prefect"
+PREFECT_SOLO_LANE = "prefect-solo"
 SHARED_SETUPS = {"stage_server", "whole_run", "retried_pipeline"}  # made after the Prefect server
+_RUNNING: dict[str, pytest.Item] = {}  # the test being set up: its lane says which session setups to start
 
 
 def _xdist_worker(config: pytest.Config) -> bool:
@@ -71,16 +75,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     stage server or a shared run last, so that the setups tests/early.py starts run beside the tests that need
     none of them. A module's tests stay together (its module-scoped fixtures are made once).
 
-    Under pytest-xdist (`--dist loadgroup`, pyproject's addopts) the modules on the Prefect server are one
-    group, the Prefect lane: one worker runs all of them on one Prefect server, stage server and pair of
-    shared runs, while the other workers take every other test one at a time."""
+    Under pytest-xdist (`--dist loadgroup`, pyproject's addopts) the modules on the Prefect server are two
+    groups, the Prefect lanes: the modules that read the stage server or a shared run (one worker runs them
+    on one Prefect server, stage server and pair of shared runs), and the others (another worker, on a Prefect
+    server of its own); the workers take every other test one at a time beside them. One lane held both
+    until 2026-12-04: 1,529 s of the suite's 2,728 s of test time on one worker, the other idle for the
+    last ~5 minutes."""
     on_prefect = {getattr(item, "module", None) for item in items if "prefect_server" in item.fixturenames}
+    on_shared = {getattr(item, "module", None) for item in items if SHARED_SETUPS & set(item.fixturenames)}
     for item in items:
         if "prefect_server" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
-        if getattr(item, "module", None) in on_prefect:
-            item.add_marker(pytest.mark.xdist_group(PREFECT_LANE))
-    on_shared = {getattr(item, "module", None) for item in items if SHARED_SETUPS & set(item.fixturenames)}
+        module = getattr(item, "module", None)
+        if module in on_prefect:
+            item.add_marker(pytest.mark.xdist_group(PREFECT_LANE if module in on_shared else PREFECT_SOLO_LANE))
     unit = f"{os.sep}tests{os.sep}unit{os.sep}"
 
     def lane_order(item: pytest.Item) -> int:
@@ -92,6 +100,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lane_order)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _RUNNING["item"] = item  # before its fixtures: `prefect_server` reads the lane of the test that asks first
+
+
+def lane_of(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return None if marker is None else (marker.args[0] if marker.args else marker.kwargs.get("name"))
+
+
+def lane_items(request: pytest.FixtureRequest) -> list[pytest.Item]:
+    """The tests whose session setups this process makes: all of them in one process; under xdist those of
+    the lane of the test being set up (the other lane's worker makes its own)."""
+    items = request.session.items
+    running = _RUNNING.get("item")
+    if not _xdist_worker(request.config) or running is None:
+        return items
+    return [item for item in items if lane_of(item) == lane_of(running)]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def early(request: pytest.FixtureRequest):
     """The session's slowest setups, started now in the background if a selected test needs them (tests/early.py)."""
@@ -99,7 +127,7 @@ def early(request: pytest.FixtureRequest):
 
     setups = Early()
     if not _xdist_worker(request.config):
-        setups.start(request)  # in an xdist worker the lane's first test starts them (prefect_server)
+        setups.start(request, request.session.items)  # in an xdist worker a lane's first test starts them
     yield setups
     setups.close()
 
@@ -166,7 +194,7 @@ def prefect_server(settings: Settings, early, request: pytest.FixtureRequest):
     via PREFECT_API_URL."""
     from dflash_core.services import local
 
-    early.start(request)
+    early.start(request, lane_items(request))
 
     def start_now():
         service = local.prefect_service(settings)

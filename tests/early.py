@@ -1,10 +1,10 @@
 """The session's slowest setups, started in one background thread so that they run beside tests that need
 none of them: the Prefect server, the stage server and the two shared runs of
 tests/integration/shared_runs.py. In one process they start at the session's first test (tests/conftest.py
-runs the unit tests first); in an xdist worker at the Prefect lane's first test, since only the worker that
-runs that lane needs them. Each job starts only if a selected test needs its fixture; that fixture then
-waits for the job (`Early.get`) instead of doing the work itself. These setups are mostly waits on
-processes, which another core runs.
+runs the unit tests first); in an xdist worker at a Prefect lane's first test, each worker starting only what
+its lane's tests need (the shared runs only in the lane that reads them). Each job starts only if a selected
+test needs its fixture; that fixture then waits for the job (`Early.get`) instead of doing the work itself.
+These setups are mostly waits on processes, which another core runs.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ class Early:
         self._started = False
         self.services: list[local.LocalService] = []
 
-    def start(self, request) -> None:
-        """Queue the setups the session's tests need (submit_session_setups), once."""
+    def start(self, request, items) -> None:
+        """Queue the setups that `items` (this process's tests) need (submit_session_setups), once."""
         if not self._started:
             self._started = True
-            needed = {name for item in request.session.items for name in item.fixturenames}
+            needed = {name for item in items for name in item.fixturenames}
             submit_session_setups(self, request, needed)
 
     def submit(self, name: str, fn: Callable[..., Any], *args: Any) -> None:

@@ -128,6 +128,14 @@ class DFlashDraftModel(nn.Module):
             layer.self_attn.key_value = torch.compile(layer.self_attn.key_value, **compile_kwargs)
         self._layers_compiled = True  # the loss then calls its compiled per-chunk kernels
 
+    def uncompile_layers(self) -> None:
+        """Back to eager after training with compile_layers: decoding's varying shapes (and an evaluator that
+        captures its own CUDA graphs) must not go through the training step's fixed-shape compiled layers."""
+        for layer in self.layers:
+            layer._compiled_call_impl = None  # what nn.Module.compile set
+            layer.self_attn.__dict__.pop("key_value", None)  # the method again
+        self._layers_compiled = False
+
     # -- shared pieces ----------------------------------------------------------------------
     def fuse_target_features(self, target_hidden_BTX: torch.Tensor) -> torch.Tensor:
         """[B, T, L*H] concatenated tapped states -> [B, T, H] context features."""

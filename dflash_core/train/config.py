@@ -38,6 +38,10 @@ class DrafterSettings(StrictModel):
     mask_token_id: int | None = Field(
         None, ge=0, description="None: a row no text uses (past the tokenizer's vocabulary, else an unused special "
         "token); an end-of-turn/EOS token is refused.")
+    intermediate_size: int | None = Field(
+        None, ge=1, description="Width of each drafter layer's MLP; None: the target's. A narrower MLP pays for "
+        "more layers at the same draft cost (bench/acceptance_variants.py: default+layers=3+narrow). Servable as "
+        "it is: the exported config carries it. Not with init: target, which copies the target's MLPs.")
     num_tapped_layers: int | None = Field(
         None, ge=1, description="Target layers the drafter reads, spread by the reference formula; None: as many as "
         "the drafter has layers (the z-lab reference).")
@@ -255,6 +259,11 @@ class TrainConfig(StrictModel):
         "auto", description="Drafter attention in training: flex (flex_attention block mask, GPU), sdpa (dense "
         "mask, CPU or debugging); auto: flex on GPU, sdpa on CPU.")
     compile: bool = Field(False, description="torch.compile the drafter layers and the target's decoder layers (GPU).")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="With compile: torch.compile's mode. reduce-overhead replays each compiled layer as a "
+        "CUDA graph (a fixed-shape step whose host dispatch, not the GPU, sets its time: a small target such as the "
+        "acceptance bench's; docs/benchmarks.md 'The acceptance bench's step, alone on the GPU'); not measured on a "
+        "GPU yet. On CPU the mode changes nothing.")
     target_fp8: bool = Field(
         False, description="Run the target's decoder-layer GEMMs in FP8 (row-wise scales, dflash_core.fp8; H100/H200 "
         "or newer, or CPU): faster and half the target's weight memory, but the drafter then learns from an FP8 "

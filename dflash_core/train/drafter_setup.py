@@ -58,8 +58,13 @@ def drafter_config_for(config: TrainConfig, *, target_config, corpus: TokenizedC
     mask_token_id = resolve_mask_token_id(d.mask_token_id, target_config=target_config, tokenizer=tokenizer,
                                           token_counts=counts)
     layer_ids = d.tapped_layer_ids(num_target_layers=text.num_hidden_layers)
+    if d.intermediate_size not in (None, text.intermediate_size) and d.init == "target":
+        raise ValueError(f"drafter.intermediate_size {d.intermediate_size} with drafter.init 'target': its layers "
+                         f"start as the target's, whose MLPs are {text.intermediate_size} wide; leave "
+                         "intermediate_size unset or use init 'random'")
     base = DFlashConfig.from_target(
         target_config, num_layers=d.num_layers, block_size=d.block_size, num_tapped_layers=len(layer_ids),
         mask_token_id=mask_token_id, layer_types=d.layer_types, sliding_window=d.sliding_window)
-    base = dataclasses.replace(base, target_layer_ids=layer_ids)
+    base = dataclasses.replace(base, target_layer_ids=layer_ids,
+                               intermediate_size=d.intermediate_size or base.intermediate_size)
     return drafter_config(d.variant, base, **(d.dflash2_fields() if d.variant == "dflash2" else {}))

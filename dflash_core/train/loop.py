@@ -221,6 +221,7 @@ class Trainer:
         started = time.perf_counter()
         tokens_since_log = 0
         window = MetricsWindow()
+        graphed_layers = config.compile and config.compile_mode == "reduce-overhead"
         self._start_uploader()
         try:
             while self.step < config.max_steps and not self._stop_agreed():
@@ -230,6 +231,8 @@ class Trainer:
                 if self.uploader is not None:
                     self.uploader.raise_if_failed()
                 timing = StepTiming()
+                if graphed_layers:  # a new iteration: the last step's graph outputs may be overwritten
+                    torch.compiler.cudagraph_mark_step_begin()
                 metrics, tokens = self.steps.step(self.step, timing)
                 self.step += 1
                 tokens_since_log += tokens

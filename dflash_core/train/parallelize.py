@@ -15,8 +15,9 @@ def parallelize(parts: TrainingParts, *, world_size: int) -> torch.nn.Module:
     if parts.config.compile:
         from dflash_core.target_runtime import compile_decoder_layers
 
-        parts.drafter.compile_layers()
-        compile_decoder_layers(parts.target)
+        mode = parts.config.compile_mode
+        parts.drafter.compile_layers(mode=mode)
+        compile_decoder_layers(parts.target, mode=mode)
     if world_size == 1:
         return parts.drafter
     from torch.nn.parallel import DistributedDataParallel

@@ -173,6 +173,7 @@ def test_a_generation_across_two_nodes_survives_one_dying(stage_server, store, e
 
 def _wait_for_a_shard_of(client, store, pipeline_run_id, node_name: str, *, timeout_s: float) -> str:
     """The URI of the first completion shard a run on `node_name` stored, while that run still has shards to go."""
+    from dflash_core.layout import manifest_key
     from dflash_core.lineage import read_manifest
     from tests.integration.shared_runs import children
 
@@ -183,7 +184,8 @@ def _wait_for_a_shard_of(client, store, pipeline_run_id, node_name: str, *, time
                 params = (share.parameters or {}).get("params") or {}
                 if (params.get("node") or {}).get("name") != node_name or not params.get("prompt_shards"):
                     continue
-                done = [key for key in _output_keys(store, params) if store.exists(key)
+                # A shard counts once its manifest is there: the data object is stored first.
+                done = [key for key in _output_keys(store, params) if store.exists(manifest_key(key))
                         and str(read_manifest(store, key).producer.flow_run_id) == str(share.id)]
                 if done:
                     assert len(done) < len(params["prompt_shards"]), "the node finished its share before the kill"

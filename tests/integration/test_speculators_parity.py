@@ -7,6 +7,7 @@ skips cleanly when it is absent.
 Run: .venv/bin/python -m pytest tests/integration/test_speculators_parity.py -q
 """
 
+import dataclasses
 import warnings
 
 import pytest
@@ -25,7 +26,7 @@ _SEQ, _BLOCK = 24, 4
 _ANCHORS = [3, 9, 15]
 
 
-def _drafter_and_target(tmp_path, *, layer_types=None, sliding_window=None, family="qwen3"):
+def _drafter_and_target(tmp_path, *, layer_types=None, sliding_window=None, family="qwen3", intermediate_size=None):
     torch.manual_seed(0)
     target_config = tiny_target_config(family, **({"num_layers": 8} if family == "qwen3_5" else {}))
     target = build_target(target_config)
@@ -35,6 +36,8 @@ def _drafter_and_target(tmp_path, *, layer_types=None, sliding_window=None, fami
         target_config, num_layers=2, block_size=_BLOCK, num_tapped_layers=2,
         layer_types=layer_types, sliding_window=sliding_window,
     )
+    if intermediate_size is not None:  # drafter.intermediate_size: an MLP narrower than the target's
+        config = dataclasses.replace(config, intermediate_size=intermediate_size)
     drafter = build_drafter(config, loss=LossSpec(loss_gamma=2.0))
     with torch.no_grad():  # norms start at 1: perturb them so a skipped norm would show
         for name, parameter in drafter.named_parameters():
@@ -79,14 +82,14 @@ def _our_logits(drafter, target, config, input_ids):
 
 
 @pytest.mark.parametrize(
-    ("family", "layer_types", "window"),
-    [("qwen3", None, None), ("qwen3", ["sliding_attention", "full_attention"], 64), ("llama", None, None),
-     ("qwen3_5", None, None)],
-    ids=["qwen3", "qwen3-sliding-window-carried", "llama", "qwen3_5-hybrid"],
+    ("family", "layer_types", "window", "mlp"),
+    [("qwen3", None, None, None), ("qwen3", ["sliding_attention", "full_attention"], 64, None),
+     ("llama", None, None, None), ("qwen3_5", None, None, None), ("qwen3", None, None, 48)],
+    ids=["qwen3", "qwen3-sliding-window-carried", "llama", "qwen3_5-hybrid", "qwen3-narrow-mlp"],
 )
-def test_speculators_loads_our_export_and_gives_the_same_logits(tmp_path, family, layer_types, window):
+def test_speculators_loads_our_export_and_gives_the_same_logits(tmp_path, family, layer_types, window, mlp):
     target, target_config, drafter, verifier_dir = _drafter_and_target(
-        tmp_path, layer_types=layer_types, sliding_window=window, family=family
+        tmp_path, layer_types=layer_types, sliding_window=window, family=family, intermediate_size=mlp
     )
     paths = export_drafter(drafter, target_config=target_config, out_dir=tmp_path / "export",
                            verifier_name_or_path=str(verifier_dir), formats=("speculators",))

@@ -153,3 +153,137 @@ def test_every_variant_is_a_valid_run_and_levers_must_reach_the_drafter(bench):
     assert tapped.drafter.target_layer_ids == [1, 28]
     with pytest.raises(RuntimeError, match="tapping"):
         bench.check_recipe_applied(tapped, built, tapped.drafter.loss_spec())  # [1, 2] built, [1, 28] asked
+
+
+def test_the_bench_evaluates_alike_in_both_harnesses_and_says_which_ran(bench):
+    import acceptance_worker as worker
+
+    from dflash_core.evaluate import greedy_decode
+    from tests.unit.test_evaluate_speculative import _overfit, _setup
+
+    target, drafter, prompts = _setup("llama", num_drafter_layers=1)
+    _overfit(target, drafter, prompts, steps=60)  # long enough acceptances that a bookkeeping slip would show
+    eval_set = [{"id": f"sharegpt:{i}" if i else "own-code-1", "prompt": p,
+                 "baseline": greedy_decode(target, p, max_new_tokens=12).tokens, "baseline_wall_s": 0.1}
+                for i, p in enumerate(prompts)]
+    saved = dict(worker.WORKER)
+    try:
+        rows = {}
+        for harness in ("eager", "graphs"):
+            worker.WORKER.update(eval_target=target, eval_set=eval_set, eval_new_tokens=12, eos_id=None,
+                                 eval_harness=harness)
+            rows[harness] = worker.evaluate_drafter(drafter)
+    finally:
+        worker.WORKER.clear()
+        worker.WORKER.update(saved)
+    assert rows["eager"]["eval_harness"] == "eager" and rows["graphs"]["eval_harness"] == "graphs"
+    assert rows["eager"]["all_match_target"] and rows["graphs"]["all_match_target"]
+    for key in ("tau", "acceptance_per_position", "num_rounds", "tau_by_source"):
+        assert rows["graphs"][key] == rows["eager"][key], key
+    assert rows["eager"]["tau"] > 1.5
+
+
+def test_a_speculators_job_resumes_where_its_saved_state_left_off(bench, tmp_path):
+    import acceptance_speculators as spec
+    import acceptance_worker as worker
+    import torch
+
+    def loop():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        return model, optimizer, scheduler, iter([torch.full((3, 4), float(i)) for i in range(6)])
+
+    def train(model, optimizer, scheduler, batches, steps):
+        for _ in range(steps):
+            model(next(batches)).square().mean().backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+    path = tmp_path / "job.speculators.pt"
+    saved = dict(worker.WORKER)
+    try:
+        worker.WORKER.update(resume=True)
+        reference = loop()
+        train(*reference, steps=5)
+        first = loop()
+        train(*first, steps=3)
+        spec._save(path, model=first[0], optimizer=first[1], scheduler=first[2], step=3)
+        model, optimizer, scheduler, batches = loop()  # a new process: fresh model, batches from the start
+        assert spec._resume(path, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches) == 3
+        train(model, optimizer, scheduler, batches, steps=2)
+        assert torch.equal(model.weight, reference[0].weight) and scheduler.last_epoch == 5
+        worker.WORKER["resume"] = False  # without --resume a saved state is ignored
+        assert spec._resume(path, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches) == 0
+    finally:
+        worker.WORKER.clear()
+        worker.WORKER.update(saved)
+
+
+def test_the_ablation_rows_change_one_part_each_and_the_structural_ones_keep_the_draft_cost(bench):
+    """Issue #45 item 2: every `ablate` row is a valid run config, and the structural rows cost what the default
+    costs per drafted token (layer parameters within 1%; taps only grow the context projection)."""
+    import torch
+
+    import acceptance_variants as rows
+    from dflash_core.model import build_drafter
+    from dflash_core.target import real_shape_config
+    from dflash_core.train.config import TrainConfig
+    from dflash_core.train.drafter_setup import drafter_config_for
+
+    known = rows.variants()
+    assert all(name in known for name in rows.SUITES["ablate"])
+    target = real_shape_config("smollm2-135m")
+
+    def built(name: str):
+        variant = known[name]
+        config = TrainConfig(run_name="ablate", target="embedded", data=["<in-memory>"], optim=variant.optim,
+                             drafter={"num_layers": 2, "block_size": 8, "mask_token_id": 5, **variant.drafter})
+        drafter_config = drafter_config_for(config, target_config=target)
+        with torch.device("meta"):
+            drafter = build_drafter(drafter_config)
+        return drafter_config, sum(p.numel() for n, p in drafter.named_parameters() if n.startswith("layers."))
+
+    (default, default_layers), (narrow, narrow_layers) = built("default"), built("default+layers=3+narrow")
+    assert (narrow.num_layers, narrow.intermediate_size, narrow.target_layer_ids) == (3, rows.NARROW_MLP, [1, 27])
+    assert default.target_layer_ids == [1, 27] and abs(narrow_layers / default_layers - 1) < 0.01
+    taps, taps_layers = built("default+taps=5")
+    assert len(taps.target_layer_ids) == 5 and taps_layers == default_layers
+    assert built("default+taps=speculators")[0].target_layer_ids == list(rows.SPECULATORS_TAPS)
+    for name in rows.SUITES["ablate"]:
+        if known[name].kind == "ours":
+            built(name)
+
+
+def test_a_narrow_mlp_cannot_start_from_the_targets_layers():
+    from dflash_core.target import real_shape_config
+    from dflash_core.train.config import TrainConfig
+    from dflash_core.train.drafter_setup import drafter_config_for
+
+    config = TrainConfig(run_name="narrow", target="embedded", data=["<in-memory>"],
+                         drafter={"intermediate_size": 816, "init": "target", "mask_token_id": 5})
+    with pytest.raises(ValueError, match="intermediate_size 816 with drafter.init 'target'.*1536 wide"):
+        drafter_config_for(config, target_config=real_shape_config("smollm2-135m"))
+
+
+@pytest.mark.parametrize("shape_name, default_anchors, speculators_anchors", [("FULL", 512, 128), ("TINY", 64, 16)])
+def test_a_variants_anchors_keep_their_density_at_the_tiny_shape(bench, tmp_path, shape_name, default_anchors,
+                                                                 speculators_anchors):
+    """Variants give anchors per 2,048-token row; the tiny smoke's 256-token rows get the same density (512 anchors
+    on a 256-token row would be more anchors than tokens, and a 5-minute smoke)."""
+    import dataclasses
+
+    import acceptance_variants as rows
+    import acceptance_worker as worker
+
+    shape = getattr(rows, shape_name)
+    worker.WORKER.update(shape=dataclasses.asdict(shape), attention="sdpa", device="cpu")
+    try:
+        known = rows.variants()
+        job = rows.Job("default", 0, 4)
+        assert worker.train_config(job, known["default"], tmp_path).drafter.num_anchors == default_anchors
+        assert worker.train_config(job, known["speculators"], tmp_path).drafter.num_anchors == speculators_anchors
+    finally:
+        worker.WORKER.clear()

@@ -44,17 +44,20 @@ class _Tokenizer:
 
 
 def test_training_subsets_are_nested_and_the_worker_takes_its_multiple(bench, tmp_path):
-    import acceptance_scaling as scaling
+    import acceptance_data as data
     import acceptance_worker as worker
 
     pool = [(f"sharegpt:{i}", f"prompt {i} " + "word " * (i % 5)) for i in range(400)]
     shape = bench.Shape(train_prompts=50, eval_prompts=2, max_prompt_tokens=8)
-    one_x, held, _ = scaling.scaled_prompts(pool, _Tokenizer(), shape, None)
-    train, held_too, sizes = scaling.scaled_prompts(pool, _Tokenizer(), shape, [1, 2, 4, 8], log=lambda _: None)
+    one_x, held, _ = data.scaled_prompts(pool, _Tokenizer(), shape, None)
+    train, held_too, sizes = data.scaled_prompts(pool, _Tokenizer(), shape, [1, 2, 4, 8], log=lambda _: None)
     assert train[:50] == one_x and held_too == held  # 1x is today's set; the held-out prompts are unchanged
     assert sizes == [1, 2, 4, 7] and len(train) == 7 * 50  # the pool holds 391 training prompts
     records = [{"id": i, "prompt": ids, "completion": [1, 2]} for i, ids in train]
-    (tmp_path / "data.json").write_text(json.dumps(records))
+    chunks = [tmp_path / "chunk-a.json", tmp_path / "chunk-b.json"]  # what prepare_data's index names
+    chunks[0].write_text(json.dumps(records[:120]))
+    chunks[1].write_text(json.dumps(records[120:]))
+    (tmp_path / "data.json").write_text(json.dumps({"chunks": [str(path) for path in chunks]}))
     worker.WORKER.update(data_path=str(tmp_path / "data.json"), shape={"train_prompts": 50})
     try:
         corpora = {m: worker.corpus_for_worker(m) for m in sizes}
@@ -137,12 +140,115 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time(bench):
     eos = reference[2][4]  # a token some rows reach early, so rows end at different steps
     reference = [greedy_decode(model, ids, max_new_tokens=20, eos_token_id=eos).tokens for _, ids in prompts]
     assert any(len(r) < 20 for r in reference) and any(len(r) == 20 for r in reference)
-    for batch_size in (1, 4, 16):
+    for batch_size, static_width in ((1, None), (4, None), (16, None), (4, 12), (16, 12)):
+        # static_width: fixed-shape batches (pad rows, left padding to 12) on a static cache: the same tokens
         records = data.greedy_completions(model, prompts, max_new_tokens=20, eos_id=eos, pad_id=0,
-                                          batch_size=batch_size)
+                                          batch_size=batch_size, static_width=static_width)
         assert [r["id"] for r in records] == [i for i, _ in prompts]  # prompt order, whatever the batching
-        assert [r["completion"] for r in records] == reference
+        assert [r["completion"] for r in records] == reference, (batch_size, static_width)
+    with pytest.raises(ValueError, match="wider than static_width 4"):
+        data.greedy_completions(model, prompts, max_new_tokens=2, eos_id=eos, pad_id=0, batch_size=4, static_width=4)
     every_row_ends = [(i, ids) for (i, ids), r in zip(prompts, reference) if len(r) < 20]
     records = data.greedy_completions(model, every_row_ends, max_new_tokens=20, eos_id=eos, pad_id=0,
                                       batch_size=8)  # every row of the batch ends at its EOS
     assert [r["completion"] for r in records] == [r for r in reference if len(r) < 20]
+
+
+def test_the_pool_takes_first_turns_first_then_later_turns_held_out_with_their_conversation(bench, tmp_path):
+    import gzip
+
+    import acceptance_data as data
+
+    def turns(*pairs):
+        return [{"from": pair[0], "value": pair[1]} if isinstance(pair, tuple) else pair for pair in pairs]
+
+    records = [
+        {"id": "a_0", "conversations": turns(("human", "first question of a"), ("gpt", "answer"),
+                                              ("human", "a follow-up question of a"), ("gpt", "x"),
+                                              ("human", "short"))},  # < 16 characters: left out
+        {"id": "a_1", "conversations": turns(("gpt", "the split part starts with the assistant"),
+                                              ("human", "a question in the second part of a"))},
+        {"id": "b_0", "conversations": turns(("human", "first question of b"),
+                                              ("human", "first question of a"),  # a first turn's text: once
+                                              "not a turn")},
+        {"id": "c_0", "conversations": turns(("human", "a follow-up question of a"))},  # first turn wins
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+    pool = data.sharegpt_pool(100, path=path)
+    assert pool == [("sharegpt:a_0", "first question of a"), ("sharegpt:b_0", "first question of b"),
+                    ("sharegpt:c_0", "a follow-up question of a"),
+                    ("sharegpt:a_1#t1", "a question in the second part of a")]
+    assert data.sharegpt_pool(2, path=path) == pool[:2]
+
+    # A held-out conversation's later turns never train, also from its other split records.
+    stem = next(f"s{i}" for i in range(10_000) if data.held_out(f"sharegpt:s{i}_0")
+                and not data.held_out(f"sharegpt:s{i}_1"))
+    assert data.held_out(f"sharegpt:{stem}_1#t3") and not data.held_out(f"sharegpt:{stem}_1")
+    kept = next(f"k{i}" for i in range(10_000) if not any(data.held_out(f"sharegpt:k{i}_{p}") for p in (0, 1)))
+    assert not data.held_out(f"sharegpt:{kept}_1#t3")
+
+    (tmp_path / "b").mkdir()
+    with gzip.open(tmp_path / "b" / "prompts.jsonl.gz", "wt") as handle:
+        handle.writelines(json.dumps({"id": i, "text": t}) + "\n" for i, t in pool)
+    assert data.load_pool(tmp_path) == pool and data.load_pool(tmp_path, limit=1) == pool[:1]
+
+
+def test_completions_are_cached_by_chunk_and_a_deadline_keeps_what_was_generated(bench, tmp_path):
+    import random
+    import time
+
+    import acceptance_data as data
+
+    model = _tiny_model()
+    rng = random.Random(1)
+    prompts = [(f"p{i}", [rng.randrange(3, 64) for _ in range(rng.randrange(1, 9))]) for i in range(7)]
+    whole = data.greedy_completions(model, prompts, max_new_tokens=6, eos_id=1, pad_id=0, batch_size=16)
+    common = dict(work=tmp_path, max_new_tokens=6, eos_id=1, pad_id=0, batch_size=2, tag="float32", chunk=3)
+    logged = []
+    assert data.cached_completions(model, prompts[:6], log=logged.append, **common) == whole[:6]
+    assert len(logged) == 2 and len(list((tmp_path / "completions").glob("chunk-*.json"))) == 2
+    with pytest.raises(SystemExit, match="2 of 3 chunks"):  # the grown list keeps both chunks; the third waits
+        data.cached_completions(model, prompts, stop_at=time.time() - 1, log=logged.append, **common)
+    assert len(logged) == 2
+    assert data.cached_completions(model, prompts, log=logged.append, **common) == whole
+    assert len(logged) == 3 and not list((tmp_path / "completions").glob("*.tmp"))
+    # the workers read the chunks through an index (prepare_data's), not a second copy of the corpus
+    paths = data.chunk_files(prompts, work=tmp_path, max_new_tokens=6, tag="float32", chunk=3)
+    assert all(path.is_file() for path in paths) and len(paths) == 3
+    (tmp_path / "index.json").write_text(json.dumps({"chunks": [str(path) for path in paths]}))
+    assert data.read_completions(tmp_path / "index.json") == whole
+
+
+def test_completions_generated_in_one_session_are_carried_into_the_next(bench, tmp_path):
+    """A chunk generated now is also written gzipped to `export` ($OUT); a later session's machine, which lost
+    --work, takes it from the carried copy instead of generating it again."""
+    import random
+
+    import acceptance_data as data
+
+    model = _tiny_model()
+    rng = random.Random(2)
+    prompts = [(f"p{i}", [rng.randrange(3, 64) for _ in range(rng.randrange(1, 9))]) for i in range(5)]
+    common = dict(max_new_tokens=6, eos_id=1, pad_id=0, batch_size=2, tag="float32", chunk=3)
+    first = data.cached_completions(model, prompts, work=tmp_path / "first", export=tmp_path / "out",
+                                    log=lambda _: None, **common)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+        sorted(f"{p.name}.gz" for p in data.chunk_files(prompts, work=tmp_path / "first", max_new_tokens=6,
+                                                         tag="float32", chunk=3))
+
+    class _NoGeneration:
+        def parameters(self):
+            raise AssertionError("a carried chunk was generated again")
+
+    logged = []
+    again = data.cached_completions(_NoGeneration(), prompts, work=tmp_path / "next", carried=tmp_path / "out",
+                                    log=logged.append, **common)
+    assert again == first and len(logged) == 2 and all("taken from" in line for line in logged)
+    # a chunk the carried folder lacks is generated, the others taken
+    second = data.chunk_files(prompts, work=tmp_path, max_new_tokens=6, tag="float32", chunk=3)[1]
+    (tmp_path / "out" / f"{second.name}.gz").unlink()
+    logged.clear()
+    assert data.cached_completions(model, prompts, work=tmp_path / "third", carried=tmp_path / "out",
+                                   log=logged.append, **common) == first
+    assert ["taken from" in line for line in logged] == [True, False]

@@ -90,6 +90,23 @@ def test_compile_layers_compiles_only_its_own_drafters_loss():
     assert compiled._layers_compiled and not eager._layers_compiled
 
 
+def test_uncompile_layers_brings_a_trained_drafter_back_to_eager():
+    """What the acceptance bench does before decoding with a drafter trained compiled (--train-compile)."""
+    from dflash_core.model import DFlashConfig
+
+    config = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, vocab_size=128, target_layer_ids=[1], mask_token_id=5, block_size=8,
+                          num_layers=1)
+    drafter = build_drafter(config)
+    method = type(drafter.layers[0].self_attn).key_value
+    drafter.compile_layers(mode="reduce-overhead")  # lazy: nothing compiles
+    assert drafter.layers[0]._compiled_call_impl is not None
+    drafter.uncompile_layers()
+    layer = drafter.layers[0]
+    assert layer._compiled_call_impl is None and not drafter._layers_compiled
+    assert layer.self_attn.key_value.__func__ is method
+
+
 def test_a_compiled_drafters_loss_runs_the_compiled_kernels(monkeypatch):
     """The flag `compile_layers` sets reaches the loss: the drafter then asks for the compiled kernels,
     another drafter keeps the eager ones (layers left eager here: CPU compiles are slow)."""

@@ -70,4 +70,5 @@ def test_the_acceptance_bench_has_the_variant():
         sys.path.pop(0)
     variant = variants()["default+drafter_fp8"]
     assert variant.train == {"drafter_fp8": True}
-    assert SUITES["drafter_fp8"] == ["default", "default+drafter_fp8"]
+    assert variants()["default+target_fp8+drafter_fp8"].train == {"target_fp8": True, "drafter_fp8": True}
+    assert SUITES["drafter_fp8"] == ["default", "default+drafter_fp8", "default+target_fp8+drafter_fp8"]

@@ -21,14 +21,18 @@ from dflash_core.target import tiny_target_config
 _DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
 
-def _drafter(family="qwen3", *, dflash2: dict | None = None, loss: dict | None = None, **overrides):
-    """A tiny drafter (DFlash 2 with the `dflash2` fields; `loss`: training loss options)."""
+def _drafter(family="qwen3", *, dflash2: dict | None = None, loss: dict | None = None,
+             intermediate_size: int | None = None, **overrides):
+    """A tiny drafter (DFlash 2 with the `dflash2` fields; `loss`: training loss options; `intermediate_size`:
+    an MLP of its own width, drafter.intermediate_size)."""
     target_config = tiny_target_config(family, num_layers=8 if family == "qwen3_5" else 6)
     kwargs = dict(num_layers=2, block_size=4, num_tapped_layers=2)
     kwargs.update(overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = DFlashConfig.from_target(target_config, **kwargs)
+    if intermediate_size is not None:
+        config = dataclasses.replace(config, intermediate_size=intermediate_size)
     if dflash2 is not None:
         config = DFlash2Config.from_dflash(config, **dflash2)
     torch.manual_seed(0)
@@ -59,6 +63,7 @@ def _assert_equal_drafters(a, b):
         ("qwen3", ("native", "speculators"), {"loss": {"loss_type": "kl"}}),  # training settings ride along
         ("qwen3", ("native", "speculators"), {"loss": {"loss_weighting": "dpace", "dpace_alpha": 0.3}}),
         ("qwen3", ("native", "speculators"), {"dflash2": _DFLASH2}),
+        ("qwen3", ("native", "speculators"), {"dflash2": _DFLASH2, "num_layers": 3, "intermediate_size": 48}),
         ("llama", ("native", "speculators"), {"dflash2": {**_DFLASH2, "selector_loss_weight": 0.5},
                                               "layer_types": ["sliding_attention", "full_attention"],
                                               "sliding_window": 8}),

@@ -200,6 +200,32 @@ def test_planner_suggests_fp8_where_only_fp8_fits():
     assert already.fits is False and "target_fp8" not in already.note
 
 
+def test_planner_takes_the_measured_drafter_fp8_saving_off_the_peaks():
+    inputs = dict(target=PRESETS["qwen3.5-27b"], samples=1, mean_tokens=2000, num_gpus=2, target_fp8=True)
+    bf16, fp8 = (plan(PlanInputs(**inputs, drafter_fp8=flag)) for flag in (False, True))
+    assert bf16.drafter_fp8_saved_bytes == 0
+    # 3.5 bytes per linear parameter of the 1.90B in the 5-layer DFlash 2 drafter of this shape
+    assert fp8.drafter_fp8_saved_bytes == pytest.approx(1.90e9 * 3.5, rel=0.01)
+    for before, after in zip(bf16.layouts, fp8.layouts):
+        assert before.peak_bytes_per_gpu - after.peak_bytes_per_gpu == fp8.drafter_fp8_saved_bytes
+    assert fp8.drafter_state_bytes == bf16.drafter_state_bytes  # fp32 masters and AdamW state as before
+    # a tiny batch on a wide drafter: the saving never takes the drafter below its own activations' floor
+    tiny = plan(PlanInputs(**inputs, drafter_fp8=True, token_budget=16, anchors_per_1k_tokens=64))
+    assert tiny.drafter_fp8_saved_bytes == tiny.drafter_activation_bytes
+
+
+def test_planner_says_which_fp8_options_make_a_27b_fit():
+    inputs = dict(target=PRESETS["qwen3.5-27b"], samples=1, mean_tokens=2000, gpu_memory_gib=98.0)
+    neither_alone = plan(PlanInputs(**inputs)).layouts[0]  # target FP8 alone: 101.5 GiB, drafter alone: 118
+    assert neither_alone.fits is False
+    assert "or set target_fp8: true (FP8 target GEMMs, compute capability >= 9.0) and drafter_fp8: true" \
+        in neither_alone.note
+    with_target_fp8 = plan(PlanInputs(**inputs, target_fp8=True)).layouts[0]
+    assert with_target_fp8.fits is False and "or set drafter_fp8: true" in with_target_fp8.note
+    assert "target_fp8" not in with_target_fp8.note
+    assert plan(PlanInputs(**inputs, target_fp8=True, drafter_fp8=True)).layouts[0].fits
+
+
 def test_fast_accum_reaches_every_quantized_gemm(monkeypatch):
     layers = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 256))
     x = torch.randn(5, 64)

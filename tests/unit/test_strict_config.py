@@ -40,7 +40,7 @@ CONFIG_MODELS = [TrainConfig, DrafterSettings, OptimSettings, Rendezvous, Tokeni
 def _flow_params() -> list[type[BaseModel]]:
     from flows.evaluate import EvaluateParams
     from flows.export import ExportParams
-    from flows.generate import GenerateParams, PromptSourceParam
+    from flows.generate_params import GenerateParams, PromptSourceParam
     from flows.nodes import PreserveParams, ProvisionParams
     from flows.pipeline import PipelineParams
     from flows.s3 import S3AuditParams, S3CleanupParams

@@ -1,0 +1,178 @@
+"""Issue #45's curve: does our recipe's lead hold as data and steps grow? tau - 1 of the three recipes (our
+default, speculators' DFlash, speculators' DFlash 2) against training tokens, each recipe at its best learning
+rate at every (completions, steps) point, merged from any bench_acceptance result files (several calls,
+sessions and machines: a seed run twice counts once, its first result).
+
+    python bench/acceptance_curve.py RESULTS.jsonl [...] --out DIR
+
+writes DIR/curve.md (the table: point, recipe, lr, seeds, tau, tau - 1 +- sd, acc@1..4, ratio of our
+default's tau - 1 to each speculators recipe, both at their best lr, and whether every decoded output equalled
+greedy decoding) and DIR/curve.png (tau - 1 against
+training tokens, log x, one line per recipe through the curve's points). Rows of other variants are left out;
+rows from before the data-scaling runs (no data multiplier) trained on the 1x set of 1,024 completions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from acceptance_report import NUM_ACC, aggregate  # noqa: E402
+from acceptance_variants import FULL  # noqa: E402
+
+RECIPES = {"default": "ours (default)", "speculators": "speculators DFlash",
+           "speculators-dflash2": "speculators DFlash 2"}
+LIBRARY_LR = 6e-4  # rows without "+lr=": TrainConfig's default, which speculators' rows share in the bench
+# The curve's line runs through these (completions, steps): the first measured point and the issue's three
+# (its largest as far as the prompt pool goes); other points are in the table only.
+CURVE_POINTS = ((1024, 200), (4096, 2000), (16384, 8000), (32768, 20000), (46592, 20000))
+
+
+def recipe_and_lr(variant: str) -> tuple[str, float] | None:
+    """("speculators", 3e-4) for "speculators+lr=3e-4"; None for a variant that changes more than the lr."""
+    recipe, _, rest = variant.partition("+")
+    if recipe not in RECIPES:
+        return None
+    if not rest:
+        return recipe, LIBRARY_LR
+    key, _, value = rest.partition("=")
+    if key != "lr" or "+" in value:
+        return None
+    try:
+        return recipe, float(value)
+    except ValueError:
+        return None
+
+
+def lr_text(lr: float) -> str:
+    """6e-4, 1.2e-3: as the variants spell them."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
+def load(paths: list[Path]) -> list[dict]:
+    """The result rows of the three recipes in `paths`, each with its data size filled in."""
+    rows = []
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise SystemExit(f"{path}:{number}: not a JSON result row ({error.msg})") from None
+            if recipe_and_lr(row.get("variant", "")) is None:
+                continue
+            if not row.get("data_multiplier"):
+                row = {**row, "data_multiplier": 1, "train_completions": FULL.train_prompts}
+            rows.append(row)
+    return rows
+
+
+def curve_rows(results: list[dict], *, tokens_per_step: int = FULL.token_budget) -> list[dict]:
+    """aggregate()'s rows (mean and sd over seeds) with recipe, lr, point and training tokens; within a point
+    and recipe the best lr (highest mean tau) is marked `best`, and our default's best row carries its ratio
+    of tau - 1 to each speculators recipe's best row."""
+    rows = []
+    for row in aggregate(results):
+        recipe, lr = recipe_and_lr(row["variant"])
+        rows.append({**row, "recipe": recipe, "lr": lr, "point": (row["train_completions"], row["steps"]),
+                     "training_tokens": row["steps"] * tokens_per_step, "best": False, "ratios": {}})
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["point"], row["recipe"])
+        if key not in best or row["gain_mean"] > best[key]["gain_mean"]:
+            best[key] = row
+    for row in best.values():
+        row["best"] = True
+    for (point, recipe), row in best.items():
+        if recipe == "default":
+            row["ratios"] = {other: row["gain_mean"] / best[(point, other)]["gain_mean"]
+                             for other in RECIPES if other != "default" and (point, other) in best
+                             and best[(point, other)]["gain_mean"] > 0}
+    order = list(RECIPES)
+    return sorted(rows, key=lambda r: (r["steps"], r["train_completions"], order.index(r["recipe"]), r["lr"]))
+
+
+def curve_table(rows: list[dict]) -> str:
+    accs = " | ".join(f"acc@{k}" for k in range(1, NUM_ACC + 1))
+    lines = ["| completions | steps | training tokens | recipe | lr | seeds | tau | tau - 1 +- sd | "
+             f"{accs} | ours / spec. DFlash | ours / spec. DFlash 2 | outputs = greedy |",
+             "|---:|---:|---:|---|---:|---|---:|---:|" + "---:|" * NUM_ACC + "---:|---:|---|"]
+    for r in rows:
+        mark = "**" if r["best"] else ""
+        ratios = [f"**{r['ratios'][o]:.2f}x**" if o in r["ratios"] else "" for o in ("speculators",
+                                                                                     "speculators-dflash2")]
+        accept = " | ".join(f"{a:.3f}" for a in r["acceptance_per_position"][:NUM_ACC])
+        on_curve = "" if r["point"] in CURVE_POINTS else " (off the curve)"
+        lines.append(f"| {r['train_completions']:,} | {r['steps']:,}{on_curve} | {r['training_tokens'] / 1e6:.2f}M | "
+                     f"{mark}{RECIPES[r['recipe']]}{mark} | {lr_text(r['lr'])} | {', '.join(map(str, r['seeds']))} | "
+                     f"{r['tau_mean']:.3f} | {mark}{r['gain_mean']:.3f} +- {r['gain_sd']:.3f}{mark} | {accept} | "
+                     f"{' | '.join(ratios)} | {'yes' if r['all_match_target'] else 'NO'} |")
+    return ("Each recipe's best learning rate at a point in bold; ratios: our default's tau - 1 over the "
+            "speculators recipe's, each at its best lr.\n\n" + "\n".join(lines))
+
+
+def plot_curve(path: Path, rows: list[dict]) -> bool:
+    """tau - 1 against training tokens (log x), one line per recipe at its best lr through CURVE_POINTS, sd
+    bars; False when matplotlib is missing (the GPU image): run this module again where it is."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    ticks: dict[int, str] = {}
+    for recipe, label in RECIPES.items():
+        points = sorted((r for r in rows if r["best"] and r["recipe"] == recipe and r["point"] in CURVE_POINTS),
+                        key=lambda r: r["training_tokens"])
+        if not points:
+            continue
+        axis.errorbar([p["training_tokens"] for p in points], [p["gain_mean"] for p in points],
+                      yerr=[p["gain_sd"] for p in points], marker="o", capsize=3, label=label)
+        ticks.update({p["training_tokens"]: f"{p['training_tokens'] / 1e6:.1f}M\n{p['steps']:,} steps\n"
+                                            f"{p['train_completions']:,} compl." for p in points})
+    axis.set_xscale("log")
+    axis.set_xticks(sorted(ticks), [ticks[x] for x in sorted(ticks)], fontsize=7)
+    axis.minorticks_off()
+    axis.set(xlabel="training tokens (steps x 2,048-token rows)", ylabel="tau - 1 (accepted drafts per round)",
+             title="held-out acceptance as data and steps grow (embedded SmolLM2)")
+    axis.grid(alpha=0.3, which="both")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", type=Path, help="bench_acceptance result files (.jsonl)")
+    parser.add_argument("--out", type=Path, required=True, help="where curve.md and curve.png go")
+    args = parser.parse_args(argv)
+    missing = [str(p) for p in args.results if not p.is_file()]
+    if missing:
+        raise SystemExit(f"no such result file: {', '.join(missing)}")
+    rows = curve_rows(load(args.results))
+    if not rows:
+        raise SystemExit(f"none of {len(args.results)} files holds a row of {', '.join(RECIPES)} (alone or +lr=X)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = curve_table(rows)
+    drawn = plot_curve(args.out / "curve.png", rows)
+    command = "python bench/acceptance_curve.py " + " ".join(map(str, args.results)) + f" --out {args.out}"
+    text += "\n\n" + ("![tau - 1 against training tokens](curve.png)" if drawn else
+                      "(no matplotlib here: run the command again where it is installed to draw curve.png)")
+    text += f"\n\nCommand: `{command}`\n"
+    (args.out / "curve.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
