@@ -8,7 +8,7 @@ Run everything: `.venv/bin/python -m pytest -q`
 from __future__ import annotations
 
 import os
-import socket
+import random
 import uuid
 from pathlib import Path
 
@@ -17,29 +17,45 @@ import pytest
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
 
-_used_ports: set[int] = set()
+# Test ports come from a block of its own for each xdist worker, below the kernel's ephemeral range (32768-60999
+# on Linux). A port the kernel hands out (`bind(0)`, an outgoing connection's source port) can be taken by anyone
+# between our check and a server's bind, which once made a `transformers serve` instance fail with EADDRINUSE;
+# nothing else draws from these blocks. SeaweedFS opens gRPC at port + 10000, which lands at 22000-31999: below the
+# ephemeral range too, and outside every block.
+PORT_BLOCK_SIZE = 2000
+FIRST_PORT_BLOCK = 12000
+WORKER_BLOCKS = 4  # addopts' --maxprocesses; the plain (non-xdist) process takes the block after them
+GRPC_OFFSET = 10000
+_given_ports: set[int] = set()
+_cursor: dict[int, int] = {}  # block start -> where the next walk begins
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def port_block(worker: str | None = None) -> range:
+    """The ports this process's tests take: xdist worker gwN gets block N; a plain run the block after them."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "") if worker is None else worker
+    index = int(worker[2:]) % WORKER_BLOCKS if worker.startswith("gw") else WORKER_BLOCKS
+    start = FIRST_PORT_BLOCK + index * PORT_BLOCK_SIZE
+    return range(start, start + PORT_BLOCK_SIZE)
 
 
-def free_port(*, grpc_offset: bool = False) -> int:
-    """A free loopback port; with grpc_offset also port+10000 (SeaweedFS opens gRPC there)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if grpc_offset and (port + 10000 > 65535 or not _free(port + 10000)):
+def free_port(*, grpc_offset: bool = False, count: int = 1) -> int:
+    """The first of `count` consecutive free loopback ports from this process's block, none given out before; with
+    grpc_offset each port + 10000 is free too (SeaweedFS opens gRPC there). The walk starts at a random place in the
+    block, so two sessions on one machine rarely probe the same ports."""
+    from dflash_core.services.process import port_is_free
+
+    block = port_block()
+    cursor = _cursor.setdefault(block.start, random.randrange(len(block)))
+    for step in range(len(block)):
+        base = block.start + (cursor + step) % len(block)
+        ports = range(base, base + count)
+        if ports.stop > block.stop or not _given_ports.isdisjoint(ports):
             continue
-        if port not in _used_ports:
-            _used_ports.add(port)
-            return port
+        if all(port_is_free(port) and (not grpc_offset or port_is_free(port + GRPC_OFFSET)) for port in ports):
+            _given_ports.update(ports)
+            _cursor[block.start] = (ports.stop - block.start) % len(block)
+            return base
+    raise RuntimeError(f"no {count} consecutive free loopback ports left in {block}")
 
 
 # The xdist groups of the modules on a Prefect server: those that read the stage server or a shared run, and the

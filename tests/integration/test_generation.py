@@ -35,20 +35,11 @@ def servers(tiny_model_dir, tmp_path_factory):
     is the one a test kills, the first serves the other tests."""
     profile = TransformersProfile(model=str(tiny_model_dir))
     run_dir = tmp_path_factory.mktemp("servers")
-    base = _free_consecutive(2)
+    base = free_port(count=2)
     instances = launcher.launch(profile, num_instances=2, base_port=base, run_dir=run_dir)
     launcher.wait_until_ready(instances, profile)
     yield profile, instances
     launcher.stop_instances(instances)
-
-
-def _free_consecutive(count: int) -> int:
-    from dflash_core.services.process import port_is_free
-
-    while True:
-        base = free_port()
-        if all(port_is_free(base + i) for i in range(count)):
-            return base
 
 
 def _prompt_shard(store, prefix, count: int) -> str:
@@ -191,7 +182,7 @@ def test_vllm_profile_generates_a_shard(tiny_model_dir, store, prefix, tmp_path)
 
     profile = VllmProfile(model=str(tiny_model_dir), reasoning_parser=None, max_model_len=512,
                           extra_args=["--dtype", "float32"])
-    instances = launcher.launch(profile, num_instances=1, base_port=_free_consecutive(1), run_dir=tmp_path / "vllm")
+    instances = launcher.launch(profile, num_instances=1, base_port=free_port(), run_dir=tmp_path / "vllm")
     try:
         launcher.wait_until_ready(instances, profile)
         prompt_key = _prompt_shard(store, prefix, 4)
@@ -224,7 +215,7 @@ def test_a_relaunch_stops_our_orphaned_servers_and_refuses_a_foreign_port(tmp_pa
     (tmp_path / "www" / "health").write_text("ok")
     (tmp_path / "www" / "v1" / "models").write_text("{}")
     profile = _StaticProfile(model="static", directory=str(tmp_path / "www"), ready_timeout_s=30)
-    base = _free_consecutive(2)
+    base = free_port(count=2)
     orphans = launcher.launch(profile, num_instances=2, base_port=base, run_dir=tmp_path / "run")
     launcher.wait_until_ready(orphans, profile)  # then the flow process is killed: nobody stops them
     again = launcher.launch(profile, num_instances=2, base_port=base, run_dir=tmp_path / "run")
@@ -233,7 +224,7 @@ def test_a_relaunch_stops_our_orphaned_servers_and_refuses_a_foreign_port(tmp_pa
         assert not any(is_alive(i.record) for i in orphans), "the orphaned servers were stopped"
         assert all(is_alive(i.record) for i in again)
         with socket.socket() as foreign:
-            foreign.bind(("127.0.0.1", _free_consecutive(1)))
+            foreign.bind(("127.0.0.1", free_port()))
             foreign.listen()
             port = foreign.getsockname()[1]
             with pytest.raises(ServiceError, match=rf"\[{port}\] .* held by a process this launcher did not start"):
