@@ -185,8 +185,9 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, warmup=o.resolved_warmup_steps(job.steps), total=job.steps,
                              min_ratio=o.min_lr_ratio))
+    teaches = samples_with_loss(corpus, within=config.token_budget)  # the rule our trainer keeps samples by
     sampler = PackedBatchSampler(corpus.lengths, token_budget=config.token_budget, seed=job.seed,
-                                 drop_samples_without_loss=~samples_with_loss(corpus), packing=config.packing)
+                                 drop_samples_without_loss=~teaches, packing=config.packing)
     batches = iter(sampler)
     state_path = Path(WORKER["work"]) / "runs" / f"{config.run_name}.speculators.pt"
     first_step = _resume(state_path, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches)

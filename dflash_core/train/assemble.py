@@ -20,7 +20,7 @@ from dflash_core.model.init_from_target import init_from_target_layers, init_sel
 from dflash_core.target import HiddenStateCapture, has_recurrent_layers, language_model, target_heads
 from dflash_core.target_runtime import use_flex_attention
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.data import PackedBatchSampler, TokenizedCorpus, load_corpus, read_shard_table, samples_with_loss
+from dflash_core.train.data import PackedBatchSampler, TokenizedCorpus, load_corpus, read_shard_table, usable_samples
 from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
 from dflash_core.train.drafter_setup import drafter_config_for, load_target_tokenizer
 from dflash_core.train.inputs import fetch_shards, load_target_model
@@ -48,6 +48,7 @@ def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Dis
                               allow_failed_quality_gate=config.allow_failed_quality_gate)
         inputs = [ref for _, ref in shards if ref is not None]
         corpus = load_corpus([(str(path), read_shard_table(path)) for path, _ in shards])
+    usable = _usable_samples(corpus, token_budget=config.token_budget, log=dist_info.is_main)
     target = load_target_model(config.target, device=devices.target, models_dir=models_dir, seed=config.seed)
     if store is not None and config.upload_checkpoints and dist_info.is_main:
         from dflash_core.lineage_refs import target_refs  # boto3 only where S3 is used
@@ -62,7 +63,7 @@ def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Dis
     target_kernels, samples_per_batch = _packing_kernels(target, config, log=dist_info.is_main)
     sampler = PackedBatchSampler(corpus.lengths, token_budget=config.token_budget, seed=config.seed,
                                  rank=dist_info.rank, world_size=dist_info.world_size,
-                                 drop_samples_without_loss=~samples_with_loss(corpus),
+                                 drop_samples_without_loss=~usable,
                                  max_samples_per_batch=samples_per_batch, packing=config.packing)
     drafter_config = drafter_config_for(config, target_config=target.config, corpus=corpus,
                                         tokenizer=load_target_tokenizer(config.target, models_dir=models_dir))
@@ -96,6 +97,20 @@ def build_trainer(config: TrainConfig, *, store: ObjectStore | None = None, mode
                            corpus=corpus, digests=digests)
     model = parallelize(parts, world_size=dist_info.world_size)
     return Trainer(parts, model, store=store, dist_info=dist_info, **loop_options)
+
+
+def _usable_samples(corpus: TokenizedCorpus, *, token_budget: int, log: bool):
+    """Which samples teach anything within a packed row; rank 0 says which it leaves out and why, and data with
+    none left is refused (`UnusableData`, which the flow does not retry) before the target loads."""
+    from dflash_core.data.verdict import UnusableData
+
+    usable, left_out = usable_samples(corpus, token_budget=token_budget)
+    message = left_out.message()
+    if not left_out.kept:
+        raise UnusableData(message or "the training data holds no samples")
+    if message and log:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+    return usable
 
 
 def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool,

@@ -102,14 +102,61 @@ def load_corpus(tables: Sequence[tuple[str, pa.Table]]) -> TokenizedCorpus:
     )
 
 
-def samples_with_loss(corpus: TokenizedCorpus) -> np.ndarray:
-    """Bool per sample: does any of its tokens carry loss (samples without any teach nothing)."""
+def samples_with_loss(corpus: TokenizedCorpus, *, within: int | None = None) -> np.ndarray:
+    """Bool per sample: does any of its tokens carry loss (samples without any teach nothing). With `within`,
+    only its first `within` tokens count: a packed row crops a longer sample to that, so a long prompt can leave
+    it no loss token at all. Only the samples longer than `within` are looked at again."""
     lengths = corpus.lengths
+    mask = corpus.loss_mask.astype(bool)
     has_loss = np.zeros(len(lengths), dtype=bool)
     nonempty = lengths > 0
     if nonempty.any():
-        has_loss[nonempty] = np.logical_or.reduceat(corpus.loss_mask.astype(bool), corpus.offsets[:-1][nonempty])
+        has_loss[nonempty] = np.logical_or.reduceat(mask, corpus.offsets[:-1][nonempty])
+    if within is not None:
+        longer = np.flatnonzero(has_loss & (lengths > within))
+        if len(longer):  # windows [start, start + within), interleaved with their ends: every other result
+            starts = corpus.offsets[longer]
+            bounds = np.stack([starts, starts + within], axis=1).reshape(-1)
+            has_loss[longer] = np.logical_or.reduceat(mask, bounds)[::2]
     return has_loss
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """The samples training leaves out, by reason: those with no loss token, and those whose loss tokens all lie
+    past the first `token_budget` tokens (a packed row keeps only those, so they would train on their prompt)."""
+
+    total: int
+    no_loss: int
+    cropped: int
+    longest_cropped: int
+    token_budget: int
+
+    @property
+    def kept(self) -> int:
+        return self.total - self.no_loss - self.cropped
+
+    def message(self) -> str | None:
+        if not self.no_loss and not self.cropped:
+            return None
+        parts = []
+        if self.no_loss:
+            parts.append(f"{self.no_loss} with no loss token (nothing to learn from)")
+        if self.cropped:
+            parts.append(f"{self.cropped} whose loss tokens all lie past the first {self.token_budget} tokens "
+                         "(token_budget; a packed row crops a longer sample, so they would train on their prompt "
+                         f"alone): raise token_budget to {self.longest_cropped} (their longest) to train on them")
+        return f"training leaves out {self.no_loss + self.cropped} of {self.total} samples: " + "; ".join(parts)
+
+
+def usable_samples(corpus: TokenizedCorpus, *, token_budget: int) -> tuple[np.ndarray, LeftOut]:
+    """Bool per sample: does it teach anything within a packed row of `token_budget` tokens; and what is left out."""
+    anywhere = samples_with_loss(corpus)
+    usable = samples_with_loss(corpus, within=token_budget)
+    cropped = anywhere & ~usable
+    longest = int(corpus.lengths[cropped].max()) if cropped.any() else 0
+    return usable, LeftOut(total=corpus.num_samples, no_loss=int((~anywhere).sum()), cropped=int(cropped.sum()),
+                           longest_cropped=longest, token_budget=token_budget)
 
 
 def pack(order: np.ndarray, lengths: np.ndarray, *, token_budget: int,

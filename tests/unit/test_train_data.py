@@ -20,7 +20,8 @@ from dflash_core.train.checkpoint import (
     capture_rng_state, complete_checkpoints, latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint,
 )
 from dflash_core.train.data import (
-    BadShard, PackedBatchSampler, collate, load_corpus, pack, pack_best_fit, read_shard_table,
+    BadShard, PackedBatchSampler, collate, load_corpus, pack, pack_best_fit, read_shard_table, samples_with_loss,
+    usable_samples,
 )
 
 
@@ -253,3 +254,54 @@ def test_the_dataset_manifest_decides_for_the_shards_it_lists(tmp_path) -> None:
     _gated_shard(shards[1], verdict="pending", lengths=(5,))  # re-tokenized after the gate ran
     with pytest.raises(UnusableData, match="shard-00001.arrow: no quality-gate verdict"):
         fetch_shards([str(s) for s in shards], store=None, cache_dir=tmp_path)
+
+
+def _masked_table(masks: list[list[int]]) -> pa.Table:
+    return pa.table({
+        "id": [f"s{i}" for i in range(len(masks))],
+        "input_ids": pa.array([list(range(1, len(m) + 1)) for m in masks], type=pa.list_(pa.uint32())),
+        "loss_mask": pa.array(masks, type=pa.list_(pa.uint8())),
+        "num_tokens": pa.array([len(m) for m in masks], type=pa.int32()),
+    })
+
+
+@given(st.lists(st.lists(st.integers(0, 1), max_size=40), min_size=1, max_size=30), st.integers(1, 45))
+@settings(max_examples=60, deadline=None)
+def test_loss_within_a_row_is_counted_on_what_the_row_keeps(masks, within) -> None:
+    corpus = load_corpus([("a", _masked_table(masks))])
+    assert samples_with_loss(corpus).tolist() == [any(m) for m in masks]
+    assert samples_with_loss(corpus, within=within).tolist() == [any(m[:within]) for m in masks]
+
+
+def test_samples_cropped_to_their_prompt_are_left_out_and_counted_apart() -> None:
+    masks = [[0] * 8 + [1] * 2,   # its answer lies past a 6-token row: cropped
+             [0] * 3 + [1] * 3,   # fits
+             [0] * 5,             # no loss token anywhere
+             [0] * 12 + [1]]      # cropped, the longest (13)
+    corpus = load_corpus([("a", _masked_table(masks))])
+    usable, left_out = usable_samples(corpus, token_budget=6)
+    assert usable.tolist() == [False, True, False, False]
+    assert (left_out.total, left_out.no_loss, left_out.cropped, left_out.kept) == (4, 1, 2, 1)
+    message = left_out.message()
+    assert message.startswith("training leaves out 3 of 4 samples: 1 with no loss token")
+    assert "2 whose loss tokens all lie past the first 6 tokens" in message
+    assert "raise token_budget to 13 (their longest)" in message
+    assert usable_samples(corpus, token_budget=13)[1].message() == \
+        "training leaves out 1 of 4 samples: 1 with no loss token (nothing to learn from)"
+    sampler = PackedBatchSampler(corpus.lengths, token_budget=6, seed=0, drop_samples_without_loss=~usable)
+    for epoch in range(3):  # every row of every epoch holds a loss token within what it keeps
+        for batch in sampler.epoch_batches(epoch):
+            assert batch == [1]
+
+
+def test_training_warns_of_what_it_leaves_out_and_refuses_data_with_nothing_left(capsys) -> None:
+    from dflash_core.data.verdict import UnusableData
+    from dflash_core.train.assemble import _usable_samples
+
+    corpus = load_corpus([("a", _masked_table([[0] * 8 + [1] * 2, [0] * 2 + [1] * 2]))])
+    assert _usable_samples(corpus, token_budget=6, log=True).tolist() == [False, True]
+    assert "warning: training leaves out 1 of 2 samples: 1 whose loss tokens" in capsys.readouterr().err
+    _usable_samples(corpus, token_budget=6, log=False)
+    assert capsys.readouterr().err == "", "only rank 0 says it"
+    with pytest.raises(UnusableData, match="raise token_budget to 10"):
+        _usable_samples(load_corpus([("a", _masked_table([[0] * 8 + [1] * 2]))]), token_budget=6, log=True)
