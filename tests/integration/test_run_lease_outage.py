@@ -136,7 +136,9 @@ def test_a_cut_off_owner_gives_its_claim_up_before_another_host_may_take_it(stor
     link.cut()
     cut = time.monotonic()
     _wait(lambda: not owner.held, timeout_s=5.0, what="the cut-off owner to give its claim up")
-    assert time.monotonic() - cut <= owner.expires_after_s + 0.1
+    # the guarantee: it stops before another host may take the name (stale_after_s), not a poll's slack after
+    # its own expiry, which a loaded 2-core machine can miss
+    assert time.monotonic() - cut < owner.stale_after_s
     step_key = f"{prefix}/checkpoints/r/step-000002/meta.json"
     expired = (r"last renewed its lease .* ago, past its 1\.3 s: another run may take the name over after "
                rf"1\.5 s .*not writing {store.uri(step_key)}")

@@ -161,7 +161,7 @@ def test_the_record_rides_out_an_outage_and_sends_complete_records_only(store, p
                                   keep_last=2, run_files=files, backoff_s=(0.2, 0.4), log=messages.append)
     started = time.monotonic()
     uploader.submit_run_files()  # what the trainer calls after a checkpoint: it never waits for S3
-    assert time.monotonic() - started < 0.1
+    assert time.monotonic() - started < 0.5, "it waited out the backoff (0.2 + 0.4 s)"
     uploader.finish(final=None)
     assert any("upload of the run's record failed (S3 unavailable" in m and "training goes on" in m
                for m in messages), messages
