@@ -1,15 +1,16 @@
 """Issue #45's curve: does our recipe's lead hold as data and steps grow? tau - 1 of the three recipes (our
 default, speculators' DFlash, speculators' DFlash 2) against training tokens, each recipe at its best learning
-rate at every (completions, steps) point, merged from any bench_acceptance result files (several calls,
-sessions and machines: a seed run twice counts once, its first result).
+rate at every point (completions, steps x tokens per step), merged from any bench_acceptance result files
+(several calls, sessions and machines: a seed run twice counts once, its first result).
 
     python bench/acceptance_curve.py RESULTS.jsonl [...] --out DIR
 
 writes DIR/curve.md (the table: point, recipe, lr, seeds, tau, tau - 1 +- sd, acc@1..4, ratio of our
 default's tau - 1 to each speculators recipe, both at their best lr, and whether every decoded output equalled
-greedy decoding) and DIR/curve.png (tau - 1 against
-training tokens, log x, one line per recipe through the curve's points). Rows of other variants are left out;
-rows from before the data-scaling runs (no data multiplier) trained on the 1x set of 1,024 completions.
+greedy decoding) and DIR/curve.png (tau - 1 against training tokens, log x, one line per recipe and step size
+through the curve's points). Rows of other variants are left out; rows from before the data-scaling runs (no
+data multiplier) trained on the 1x set of 1,024 completions, rows from before `token_budget` was recorded on
+2,048-token steps.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from acceptance_report import NUM_ACC, aggregate  # noqa: E402
-from acceptance_variants import FULL  # noqa: E402
+from acceptance_variants import FULL, steps_text  # noqa: E402
 
 RECIPES = {"default": "ours (default)", "speculators": "speculators DFlash",
            "speculators-dflash2": "speculators DFlash 2"}
 LIBRARY_LR = 6e-4  # rows without "+lr=": TrainConfig's default, which speculators' rows share in the bench
-# The curve's line runs through these (completions, steps): the first measured point and the issue's three
-# (its largest as far as the prompt pool goes); other points are in the table only.
-CURVE_POINTS = ((1024, 200), (4096, 2000), (16384, 8000), (32768, 20000), (46592, 20000))
+# The curve's lines run through these (completions, training tokens): the first measured point and the issue's
+# three (its largest as far as the prompt pool goes), in any step size (steps x 2,048 tokens, or a quarter of the
+# steps x 8,192); other points are in the table only.
+CURVE_POINTS = tuple((completions, steps * FULL.token_budget) for completions, steps in
+                     ((1024, 200), (4096, 2000), (16384, 8000), (32768, 20000), (46592, 20000)))
 
 
 def recipe_and_lr(variant: str) -> tuple[str, float] | None:
@@ -73,29 +76,33 @@ def load(paths: list[Path]) -> list[dict]:
     return rows
 
 
-def curve_rows(results: list[dict], *, tokens_per_step: int = FULL.token_budget) -> list[dict]:
-    """aggregate()'s rows (mean and sd over seeds) with recipe, lr, point and training tokens; within a point
-    and recipe the best lr (highest mean tau) is marked `best`, and our default's best row carries its ratio
-    of tau - 1 to each speculators recipe's best row."""
+def curve_rows(results: list[dict]) -> list[dict]:
+    """aggregate()'s rows (mean and sd over seeds) with recipe, lr, training tokens (steps x the row's tokens per
+    step) and point (completions, training tokens); within a point, step size and recipe the best lr (highest
+    mean tau) is marked `best`, and our default's best row carries its ratio of tau - 1 to each speculators
+    recipe's best row of the same step size (4x the batch is a quarter of the optimizer steps: a recipe's best lr
+    may move, so step sizes are not mixed)."""
     rows = []
     for row in aggregate(results):
         recipe, lr = recipe_and_lr(row["variant"])
-        rows.append({**row, "recipe": recipe, "lr": lr, "point": (row["train_completions"], row["steps"]),
-                     "training_tokens": row["steps"] * tokens_per_step, "best": False, "ratios": {}})
+        tokens = row["steps"] * row["token_budget"]
+        rows.append({**row, "recipe": recipe, "lr": lr, "point": (row["train_completions"], tokens),
+                     "training_tokens": tokens, "best": False, "ratios": {}})
     best: dict[tuple, dict] = {}
     for row in rows:
-        key = (row["point"], row["recipe"])
+        key = (row["point"], row["token_budget"], row["recipe"])
         if key not in best or row["gain_mean"] > best[key]["gain_mean"]:
             best[key] = row
     for row in best.values():
         row["best"] = True
-    for (point, recipe), row in best.items():
+    for (point, size, recipe), row in best.items():
         if recipe == "default":
-            row["ratios"] = {other: row["gain_mean"] / best[(point, other)]["gain_mean"]
-                             for other in RECIPES if other != "default" and (point, other) in best
-                             and best[(point, other)]["gain_mean"] > 0}
+            row["ratios"] = {other: row["gain_mean"] / best[(point, size, other)]["gain_mean"]
+                             for other in RECIPES if other != "default" and (point, size, other) in best
+                             and best[(point, size, other)]["gain_mean"] > 0}
     order = list(RECIPES)
-    return sorted(rows, key=lambda r: (r["steps"], r["train_completions"], order.index(r["recipe"]), r["lr"]))
+    return sorted(rows, key=lambda r: (r["training_tokens"], r["train_completions"], r["token_budget"],
+                                       order.index(r["recipe"]), r["lr"]))
 
 
 def curve_table(rows: list[dict]) -> str:
@@ -109,17 +116,19 @@ def curve_table(rows: list[dict]) -> str:
                                                                                      "speculators-dflash2")]
         accept = " | ".join(f"{a:.3f}" for a in r["acceptance_per_position"][:NUM_ACC])
         on_curve = "" if r["point"] in CURVE_POINTS else " (off the curve)"
-        lines.append(f"| {r['train_completions']:,} | {r['steps']:,}{on_curve} | {r['training_tokens'] / 1e6:.2f}M | "
+        steps = steps_text(r["steps"], r["token_budget"]).replace(f"{r['steps']}", f"{r['steps']:,}", 1)
+        lines.append(f"| {r['train_completions']:,} | {steps}{on_curve} | {r['training_tokens'] / 1e6:.2f}M | "
                      f"{mark}{RECIPES[r['recipe']]}{mark} | {lr_text(r['lr'])} | {', '.join(map(str, r['seeds']))} | "
                      f"{r['tau_mean']:.3f} | {mark}{r['gain_mean']:.3f} +- {r['gain_sd']:.3f}{mark} | {accept} | "
                      f"{' | '.join(ratios)} | {'yes' if r['all_match_target'] else 'NO'} |")
-    return ("Each recipe's best learning rate at a point in bold; ratios: our default's tau - 1 over the "
-            "speculators recipe's, each at its best lr.\n\n" + "\n".join(lines))
+    return ("Each recipe's best learning rate at a point (and step size) in bold; ratios: our default's tau - 1 "
+            "over the speculators recipe's, each at its best lr, on the same step size. Steps are of 2,048-token "
+            "rows unless they say otherwise.\n\n" + "\n".join(lines))
 
 
 def plot_curve(path: Path, rows: list[dict]) -> bool:
-    """tau - 1 against training tokens (log x), one line per recipe at its best lr through CURVE_POINTS, sd
-    bars; False when matplotlib is missing (the GPU image): run this module again where it is."""
+    """tau - 1 against training tokens (log x), one line per recipe and step size at its best lr through
+    CURVE_POINTS, sd bars; False when matplotlib is missing (the GPU image): run this module again where it is."""
     try:
         import matplotlib
     except ImportError:
@@ -129,19 +138,22 @@ def plot_curve(path: Path, rows: list[dict]) -> bool:
 
     figure, axis = plt.subplots(figsize=(7, 4.2))
     ticks: dict[int, str] = {}
-    for recipe, label in RECIPES.items():
-        points = sorted((r for r in rows if r["best"] and r["recipe"] == recipe and r["point"] in CURVE_POINTS),
-                        key=lambda r: r["training_tokens"])
+    sizes = sorted({r["token_budget"] for r in rows})
+    for (recipe, label), size in ((item, size) for size in sizes for item in RECIPES.items()):
+        points = sorted((r for r in rows if r["best"] and r["recipe"] == recipe and r["token_budget"] == size
+                         and r["point"] in CURVE_POINTS), key=lambda r: r["training_tokens"])
         if not points:
             continue
         axis.errorbar([p["training_tokens"] for p in points], [p["gain_mean"] for p in points],
-                      yerr=[p["gain_sd"] for p in points], marker="o", capsize=3, label=label)
-        ticks.update({p["training_tokens"]: f"{p['training_tokens'] / 1e6:.1f}M\n{p['steps']:,} steps\n"
+                      yerr=[p["gain_sd"] for p in points], marker="o", capsize=3,
+                      linestyle="-" if size == FULL.token_budget else "--",
+                      label=label if size == FULL.token_budget else f"{label}, {size:,}-token steps")
+        ticks.update({p["training_tokens"]: f"{p['training_tokens'] / 1e6:.1f}M\n"
                                             f"{p['train_completions']:,} compl." for p in points})
     axis.set_xscale("log")
     axis.set_xticks(sorted(ticks), [ticks[x] for x in sorted(ticks)], fontsize=7)
     axis.minorticks_off()
-    axis.set(xlabel="training tokens (steps x 2,048-token rows)", ylabel="tau - 1 (accepted drafts per round)",
+    axis.set(xlabel="training tokens (steps x tokens per step)", ylabel="tau - 1 (accepted drafts per round)",
              title="held-out acceptance as data and steps grow (embedded SmolLM2)")
     axis.grid(alpha=0.3, which="both")
     axis.legend(fontsize=8)

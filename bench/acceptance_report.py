@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from acceptance_variants import SPECULATORS_OPTIM, variants
+from acceptance_variants import FULL, SPECULATORS_OPTIM, row_tokens, steps_text, variants
 
 NUM_ACC = 4  # acc@1..acc@4 in the table
 MIN_STEPS_TO_ESTIMATE = 100
@@ -32,23 +32,24 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 
 def aggregate(results: list[dict], *, variant_order: list[str] | None = None) -> list[dict]:
-    """One row per (variant, steps, data multiplier): tau, tau - 1 and acc@k as mean and sd over seeds,
-    the rest averaged; rows by steps, then in `variant_order` (by name without one), then by data size
-    (runs without a multiplier: None). A seed run twice (merged calls) counts once, its first result."""
+    """One row per (variant, steps, data multiplier, tokens per step): tau, tau - 1 and acc@k as mean and sd
+    over seeds, the rest averaged; rows by training tokens (steps x tokens per step), then in `variant_order`
+    (by name without one), then by data size (runs without a multiplier: None). A seed run twice (merged calls)
+    counts once, its first result. Ratios to the speculators rows are taken at the same steps, data and step size."""
     rows = []
     rank = {name: i for i, name in enumerate(variant_order or [])}
-    keys = sorted({(r["variant"], r["steps"], r.get("data_multiplier")) for r in results},
-                  key=lambda k: (k[1], rank.get(k[0], len(rank)), k[0], k[2] or 0))
-    for name, steps, multiplier in keys:
+    keys = sorted({(r["variant"], r["steps"], r.get("data_multiplier"), row_tokens(r)) for r in results},
+                  key=lambda k: (k[3] * k[1], k[3], rank.get(k[0], len(rank)), k[0], k[2] or 0))
+    for name, steps, multiplier, tokens in keys:
         by_seed: dict[int, dict] = {}
         for r in results:
-            if r["variant"] == name and r["steps"] == steps and r.get("data_multiplier") == multiplier:
+            if (r["variant"], r["steps"], r.get("data_multiplier"), row_tokens(r)) == (name, steps, multiplier, tokens):
                 by_seed.setdefault(r["seed"], r)
         runs = [by_seed[s] for s in sorted(by_seed)]
         tau_mean, tau_sd = _mean_sd([r["tau"] for r in runs])
         positions = np.array([r["acceptance_per_position"] for r in runs])
         rows.append({
-            "variant": name, "steps": steps, "seeds": sorted(by_seed),
+            "variant": name, "steps": steps, "token_budget": tokens, "seeds": sorted(by_seed),
             **({"data_multiplier": multiplier, "train_completions": runs[0].get("train_completions")}
                if multiplier else {}),
             "tau_mean": tau_mean, "tau_sd": tau_sd, "gain_mean": tau_mean - 1, "gain_sd": tau_sd,
@@ -68,6 +69,7 @@ def aggregate(results: list[dict], *, variant_order: list[str] | None = None) ->
             ref = None
             for name in (_same_schedule_reference(row["variant"], reference), reference):
                 ref = ref or next((r for r in rows if r["variant"] == name and r["steps"] == row["steps"]
+                                   and r["token_budget"] == row["token_budget"]
                                    and r.get("data_multiplier") == row.get("data_multiplier")), None)
             row[f"gain_vs_{reference}"] = row["gain_mean"] / ref["gain_mean"] if ref and ref["gain_mean"] > 0 else None
             row[f"reference_{reference}"] = ref["variant"] if ref else None
@@ -112,11 +114,13 @@ def table(rows: list[dict], *, command: str) -> str:
         seeds = " ".join(str(s) for s in r["seeds"])
         mask = f"{r['mask_token_id']}" + (f" ({r['mask_rule']})" if r.get("mask_rule") else "")
         multiplier = r.get("data_multiplier")
+        row_flags = "" if r["token_budget"] == FULL.token_budget else f" --token-budget {r['token_budget']}"
         reproduce = (f"`{r.get('command') or command} --variants {r['variant']} --seeds {seeds} "
-                     f"--steps {r['steps']} --long-multiplier 0"
+                     f"--steps {r['steps']}{row_flags} --long-multiplier 0"
                      + (f" --data-multipliers {multiplier}`" if multiplier else "`"))
         data = f" {multiplier}x ({r.get('train_completions') or 0:,}) |" if multiplier else (" - |" if scaled else "")
-        lines.append(f"| {r['variant']} | {r['steps']} |{data} {len(r['seeds'])} | {r['tau_mean']:.3f} +- {r['tau_sd']:.3f} "
+        steps = steps_text(r["steps"], r["token_budget"])
+        lines.append(f"| {r['variant']} | {steps} |{data} {len(r['seeds'])} | {r['tau_mean']:.3f} +- {r['tau_sd']:.3f} "
                      f"| {r['gain_mean']:.3f} +- {r['gain_sd']:.3f} | {accept} | {ratios} | {split} | "
                      f"{r['train_tau']:.2f} | {r['steps_per_s']:.1f} | {seconds} | "
                      f"{'yes' if r['all_match_target'] else 'NO'} | {mask} | {r['target_layer_ids']} | {reproduce} |")
@@ -145,8 +149,9 @@ def wall_estimate(rows: list[dict], *, steps: int) -> str:
 
 
 # Flags a table row's own command sets (or that only say where output goes).
-_ROW_FLAGS = {"--variants", "--suite", "--seeds", "--steps", "--long-multiplier", "--long-variants", "--long-seeds",
-              "--out", "--work", "--deadline-s", "--workers", "--devices", "--results", "--data-multipliers"}
+_ROW_FLAGS = {"--variants", "--suite", "--seeds", "--steps", "--token-budget", "--long-multiplier", "--long-variants",
+              "--long-seeds", "--out", "--work", "--deadline-s", "--workers", "--devices", "--results",
+              "--data-multipliers"}
 
 
 def row_command(argv: list[str]) -> str:

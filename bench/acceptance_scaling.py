@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from acceptance_variants import Job
+from acceptance_variants import Job, steps_text
 
 TAU_THRESHOLDS = (1.5, 2.0)
 
@@ -48,12 +48,13 @@ def cap_multipliers(multipliers: list[int], *, available: int, base: int, log=pr
 
 # ---- the report ---------------------------------------------------------------------------------
 
-def curves(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
-    """(variant, steps) -> its aggregated rows with a data multiplier, by growing data size."""
-    out: dict[tuple[str, int], list[dict]] = {}
+def curves(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """(variant, steps as the table writes them: `2000` or `500 x 8,192 tokens`) -> its aggregated rows with a
+    data multiplier, by growing data size."""
+    out: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
         if row.get("data_multiplier"):
-            out.setdefault((row["variant"], row["steps"]), []).append(row)
+            out.setdefault((row["variant"], steps_text(row["steps"], row["token_budget"])), []).append(row)
     return {key: sorted(points, key=lambda r: r["data_multiplier"]) for key, points in out.items()}
 
 
@@ -94,7 +95,7 @@ def plot_scaling(path: Path, rows: list[dict]) -> bool:
         x = [p["train_completions"] for p in points]
         sizes.update(x)
         axis.errorbar(x, [p["gain_mean"] for p in points], yerr=[p["gain_sd"] for p in points], marker="o",
-                      capsize=3, label=f"{variant} ({steps} steps)")
+                      capsize=3, label=f"{variant} (steps {steps})")
     for tau in TAU_THRESHOLDS:
         axis.axhline(tau - 1, color="grey", linestyle=":", linewidth=1)
         axis.annotate(f"tau {tau}", (0.01, tau - 1), xycoords=("axes fraction", "data"), fontsize=7, color="grey",

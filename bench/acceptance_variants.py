@@ -36,6 +36,18 @@ TINY = Shape(num_layers=2, block_size=8, num_anchors=16, token_budget=256, steps
              train_prompts=8, eval_prompts=1, max_prompt_tokens=96, train_new_tokens=32, eval_new_tokens=16,
              own_prompts=2)
 
+
+
+def row_tokens(result: dict) -> int:
+    """The tokens of a result's packed row; rows from before they were recorded trained on FULL's 2,048."""
+    return result.get("token_budget", FULL.token_budget)
+
+
+def steps_text(steps: int, tokens: int) -> str:
+    """`2000`, or `500 x 8,192 tokens` for a row other than FULL's 2,048 tokens."""
+    return f"{steps}" if tokens == FULL.token_budget else f"{steps} x {tokens:,} tokens"
+
+
 SPECULATORS_KINDS = {"speculators": "dflash", "speculators-dflash2": "dflash2"}  # kind -> its algorithm
 # The schedule speculators rows can share with ours (their loop runs AdamW on our lr_factor schedule).
 SPECULATORS_OPTIM = {"lr", "warmup_steps", "warmup_fraction", "min_lr_ratio", "betas", "weight_decay"}

@@ -132,7 +132,8 @@ def run_job(job: Job) -> dict | None:
     multiplier = getattr(job, "data_multiplier", None)
     data = {} if multiplier is None else {"data_multiplier": multiplier,
                                           "train_completions": multiplier * WORKER["shape"]["train_prompts"]}
-    return {"variant": job.variant, "seed": job.seed, "steps": job.steps, **data,
+    return {"variant": job.variant, "seed": job.seed, "steps": job.steps,
+            "token_budget": WORKER["shape"]["token_budget"], **data,
             "wall_s": time.perf_counter() - began, "device": WORKER["device"], **out}
 
 
@@ -161,8 +162,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-multipliers", type=int, nargs="+", default=None,
                         help="data-scaling curve: every row and seed at each multiple of --train-prompts "
                         "(nested subsets of the completions), e.g. 1 2 4 8")
-    parser.add_argument("--token-budget", type=int, default=None, help="tokens per packed row")
-    parser.add_argument("--anchors", type=int, default=None, help="anchors per row")
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="tokens per packed row (default 2,048; 8,192 trains ~4x the tokens a second on an "
+                        "H200, where the host's share of a step does not grow with the row)")
+    parser.add_argument("--anchors", type=int, default=None,
+                        help="anchors per row (default: 128 per 2,048 tokens, the density kept at any --token-budget)")
     parser.add_argument("--eval-new-tokens", type=int, default=None)
     parser.add_argument("--train-new-tokens", type=int, default=None, help="longest training completion")
     parser.add_argument("--eval-prompts", type=int, default=None, help="held-out ShareGPT prompts (+ 6 of our own)")
@@ -208,10 +212,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_shape(args: argparse.Namespace) -> Shape:
+    """The tiny or full shape with the flags given; a --token-budget without --anchors keeps the anchor density
+    (the full shape's 128 per 2,048 tokens: 512 on an 8,192-token row)."""
     shape = TINY if args.tiny else FULL
+    anchors = args.anchors
+    if anchors is None and args.token_budget is not None:
+        anchors = max(1, shape.num_anchors * args.token_budget // shape.token_budget)
     return dataclasses.replace(shape, **{k: v for k, v in {
         "steps": args.steps, "long_multiplier": args.long_multiplier, "train_prompts": args.train_prompts,
-        "eval_prompts": args.eval_prompts, "token_budget": args.token_budget, "num_anchors": args.anchors,
+        "eval_prompts": args.eval_prompts, "token_budget": args.token_budget, "num_anchors": anchors,
         "eval_new_tokens": args.eval_new_tokens, "train_new_tokens": args.train_new_tokens}.items() if v is not None})
 
 

@@ -60,6 +60,31 @@ def test_table_aggregates_seeds_and_compares_tau_minus_one_with_both_speculators
     assert "default (measured at 200 steps): ~240 s a job at 2000 steps (40 s setup + evaluation" in estimate
 
 
+
+def test_rows_on_larger_steps_are_their_own_rows_compared_within_their_step_size(bench):
+    import acceptance_report as report
+
+    results = [_result("default", 0, 2.0), _result("speculators", 0, 1.5),  # no token_budget recorded: 2,048
+               {**_result("default", 0, 1.9, steps=50), "token_budget": 8192},
+               {**_result("speculators", 0, 1.6, steps=50), "token_budget": 8192}]
+    rows = report.aggregate(results, variant_order=list(bench.variants()))
+    assert [(r["variant"], r["steps"], r["token_budget"]) for r in rows] == [
+        ("default", 200, 2048), ("speculators", 200, 2048), ("default", 50, 8192), ("speculators", 50, 8192)]
+    assert rows[2]["gain_vs_speculators"] == pytest.approx(0.9 / 0.6), "against the 8,192-token speculators row"
+    text = report.table(rows, command="python bench/bench_acceptance.py --workers 2")
+    assert "| default | 50 x 8,192 tokens | 1 |" in text and "| default | 200 | 1 |" in text
+    assert "--variants default --seeds 0 --steps 50 --token-budget 8192 --long-multiplier 0" in text
+    assert report.row_command(["run", "--token-budget", "8192", "--anchors", "300"]) == \
+        "python bench/bench_acceptance.py --anchors 300", "the row says its own token budget"
+
+
+def test_a_token_budget_alone_keeps_the_anchor_density(bench):
+    shape = bench.resolve_shape(bench.parse_args(["--token-budget", "8192"]))
+    assert (shape.token_budget, shape.num_anchors) == (8192, 512)
+    shape = bench.resolve_shape(bench.parse_args(["--token-budget", "8192", "--anchors", "300"]))
+    assert shape.num_anchors == 300
+    assert bench.resolve_shape(bench.parse_args(["--tiny", "--token-budget", "512"])).num_anchors == 32
+
 def test_a_schedule_lever_is_compared_with_the_speculators_rows_of_its_own_schedule(bench):
     """default+lr=3e-4 against speculators+lr=3e-4 when that ran; a lever the speculators rows cannot
     share (dropout) and a schedule without its speculators rows fall back to the plain rows."""

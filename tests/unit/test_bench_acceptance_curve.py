@@ -10,8 +10,8 @@ import json
 import pytest
 
 
-def _row(variant, seed, tau, *, steps=2000, multiplier=4):
-    row = {"variant": variant, "seed": seed, "steps": steps, "tau": tau,
+def _row(variant, seed, tau, *, steps=2000, multiplier=4, **extra):
+    row = {"variant": variant, "seed": seed, "steps": steps, "tau": tau, **extra,
            "acceptance_per_position": [tau - 1, 0.1, 0.05, 0.01], "tau_by_source": {"sharegpt": tau, "own": tau},
            "train_tau": tau + 0.5, "steps_per_s": 7.0, "all_match_target": True, "mask_token_id": 16,
            "target_layer_ids": [1, 27]}
@@ -42,14 +42,14 @@ def test_the_curve_merges_calls_and_compares_each_recipe_at_its_best_lr(bench, t
 
     assert {r["variant"] for r in rows} == {"default", "speculators", "speculators+lr=3e-4", "speculators-dflash2",
                                            "speculators-dflash2+lr=3e-4"}
-    big = {(r["recipe"], r["lr"]): r for r in rows if r["point"] == (4096, 2000)}
+    big = {(r["recipe"], r["lr"]): r for r in rows if r["point"] == (4096, 2000 * 2048)}
     ours = big[("default", 6e-4)]
     assert ours["seeds"] == [0, 1] and ours["tau_mean"] == pytest.approx(1.65)
     assert big[("speculators", 3e-4)]["best"] and not big[("speculators", 6e-4)]["best"]
     assert big[("speculators", 3e-4)]["seeds"] == [0, 1]
     assert ours["ratios"] == {"speculators": pytest.approx(0.65 / 0.51),
                               "speculators-dflash2": pytest.approx(0.65 / 0.54)}
-    small = [r for r in rows if r["point"] == (1024, 200)]
+    small = [r for r in rows if r["point"] == (1024, 200 * 2048)]
     assert [r["recipe"] for r in small] == ["default", "speculators"]
     assert small[0]["ratios"] == {"speculators": pytest.approx(0.28 / 0.20)}
     assert small[0]["training_tokens"] == 200 * 2048
@@ -59,6 +59,25 @@ def test_the_curve_merges_calls_and_compares_each_recipe_at_its_best_lr(bench, t
     assert "| 4,096 | 2,000 | 4.10M | **ours (default)** | 6e-4 | 0, 1 |" in text
     assert "**1.27x**" in text and "3e-4" in text and "| yes |" in text and "| NO |" not in text
     assert (out / "curve.md").read_text() == text and (out / "curve.png").stat().st_size > 0
+
+
+def test_a_point_on_larger_steps_is_compared_within_its_step_size(bench, tmp_path):
+    import acceptance_curve as curve
+
+    results = _write(tmp_path / "r.jsonl", [
+        _row("default", 0, 1.64), _row("speculators", 0, 1.50),  # 2,000 x 2,048 tokens (no token_budget: 2,048)
+        _row("default", 0, 1.60, steps=500, token_budget=8192),  # the bridge: the same tokens, a quarter the steps
+        _row("speculators", 0, 1.40, steps=500, token_budget=8192),
+        _row("speculators+lr=3e-4", 0, 1.45, steps=500, token_budget=8192)])
+    rows = curve.curve_rows(curve.load([results]))
+    assert {r["point"] for r in rows} == {(4096, 2000 * 2048)}
+    small, large = ([r for r in rows if r["recipe"] == "default" and r["token_budget"] == size]
+                    for size in (2048, 8192))
+    assert small[0]["ratios"] == {"speculators": pytest.approx(0.64 / 0.50)}
+    assert large[0]["ratios"] == {"speculators": pytest.approx(0.60 / 0.45)}, "its best lr on 8,192-token steps"
+    text = curve.main([str(results), "--out", str(tmp_path / "out")])
+    assert "| 4,096 | 500 x 8,192 tokens | 4.10M | **ours (default)** |" in text
+    assert "| 4,096 | 2,000 | 4.10M | **ours (default)** |" in text
 
 
 def test_the_curve_names_a_bad_result_file(bench, tmp_path):

@@ -89,10 +89,10 @@ def test_report_groups_by_multiplier_finds_thresholds_and_draws_the_png(bench, t
     assert rows[0]["tau_mean"] == pytest.approx(1.35) and rows[0]["seeds"] == [0, 1]
     assert rows[3]["gain_vs_speculators"] == pytest.approx(1.1 / 0.5)  # against speculators at the same size
     curves = scaling.curves(rows)
-    assert scaling.first_reaching(curves[("default", 200)], 1.5)["data_multiplier"] == 2
-    assert scaling.first_reaching(curves[("default", 200)], 2.0)["data_multiplier"] == 8
-    assert scaling.first_reaching(curves[("speculators", 200)], 1.5)["train_completions"] == 8192
-    assert scaling.first_reaching(curves[("speculators", 200)], 2.0) is None
+    assert scaling.first_reaching(curves[("default", "200")], 1.5)["data_multiplier"] == 2
+    assert scaling.first_reaching(curves[("default", "200")], 2.0)["data_multiplier"] == 8
+    assert scaling.first_reaching(curves[("speculators", "200")], 1.5)["train_completions"] == 8192
+    assert scaling.first_reaching(curves[("speculators", "200")], 2.0) is None
     text = report.write_report(tmp_path, results, header="h", variant_order=list(bench.variants()))
     assert "| default | 200 | 1.350 / 0.350 (n 2) | 1.600 / 0.600 (n 1) | 1.900 / 0.900 (n 1) | " \
            "2.100 / 1.100 (n 1) | 2x (2,048) | 8x (8,192) |" in text
