@@ -34,7 +34,6 @@ from torch import nn
 
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.model.attention import DFlashDecoderLayer, drop
-from dflash_core.model.config import DFlashConfig
 from dflash_core.model.context_cache import ContextCache
 from dflash_core.model.dflash2_loss import dflash2_objective, selector_metrics, transform_logits
 from dflash_core.model.drafter import DFlashDraftModel, DraftOutput, TargetHeads

@@ -15,7 +15,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from dflash_core.train.run_lease import RunLease, RunLeaseHeld, RunLeaseLost, Ru
 from dflash_core.train.uploader import CheckpointUploader, CheckpointUploadFailed
 from tests.conftest import free_port
 
-from tests.integration.test_run_lease import _lease, _stop_beating
+from tests.integration.test_run_lease import _lease
 
 _CUT_TIMING = {"heartbeat_every_s": 0.2, "stale_after_s": 1.5}  # the owner gives up after 1.3 s
 

@@ -10,7 +10,6 @@ Run: `.venv/bin/python -m pytest -q tests/integration/test_run_summary.py`
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid

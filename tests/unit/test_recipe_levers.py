@@ -5,7 +5,6 @@ step's seed fixes them.
 Run: .venv/bin/python -m pytest tests/unit/test_recipe_levers.py -q
 """
 
-import dataclasses
 
 import pytest
 import torch
