@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_core.layout import DEFAULT_PREFIXES, TRAIN_RUN_FILES, train_report_key
+from dflash_core.layout import DEFAULT_PREFIXES, TRAIN_RUN_FILES, manifest_key, train_report_key
 from dflash_core.lineage import read_manifest
 from dflash_core.storage import ObjectNotFound, StoreUnavailable, sha256_bytes
 from dflash_core.train.checkpoint import latest_checkpoint
@@ -89,9 +89,11 @@ def test_a_killed_run_is_auditable_from_the_bucket_and_its_metrics_end_equal(sto
                                stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
-        # Until a checkpoint is saved and the record uploaded after it. The record's upload at start runs when the
-        # uploader gets to it, so on a busy machine it alone can already carry step 3.
+        # Until a checkpoint is saved and the record uploaded after it, manifest and all. The record's upload at
+        # start runs when the uploader gets to it, so on a busy machine it alone can already carry step 3, and a
+        # kill between that first object's put and its manifest's leaves no manifest yet (a full run did).
         while (max(_steps(_remote(store, key["metrics.jsonl"]) or b""), default=0) < 3
+               or not store.exists(manifest_key(key["metrics.jsonl"]))
                or latest_checkpoint(run_dir / "checkpoints") is None):
             assert process.poll() is None, process.stdout.read()[-3000:]
             assert time.monotonic() < deadline, "metrics.jsonl never reached S3 while the run trained"
