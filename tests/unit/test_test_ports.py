@@ -38,24 +38,21 @@ def test_consecutive_ports_are_reserved_together_with_their_grpc_ports_free():
 
 
 def test_a_busy_port_is_skipped():
+    from tests import conftest
+
     block = port_block()
-    holders = []
-    try:
-        for port in block:  # hold every free port of the block but one
-            sock = socket.socket()
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                sock.close()
-                continue
-            holders.append(sock)
-        spare = holders.pop()
-        spare_port = spare.getsockname()[1]
-        spare.close()
-        from tests import conftest
-        if spare_port in conftest._given_ports:
-            return  # this session already took it; nothing left to show
-        assert free_port() == spare_port
-    finally:
-        for sock in holders:
-            sock.close()
+    busy = next(port for port in block if port not in conftest._given_ports and port + 1 not in conftest._given_ports
+                and port + 1 < block.stop and _bindable(port) and _bindable(port + 1))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", busy))
+        conftest._cursor[block.start] = busy - block.start  # the walk goes there next
+        assert free_port() == busy + 1
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
