@@ -102,43 +102,58 @@ def load_corpus(tables: Sequence[tuple[str, pa.Table]]) -> TokenizedCorpus:
     )
 
 
-def samples_with_loss(corpus: TokenizedCorpus, *, within: int | None = None) -> np.ndarray:
-    """Bool per sample: does any of its tokens carry loss (samples without any teach nothing). With `within`,
-    only its first `within` tokens count: a packed row crops a longer sample to that, so a long prompt can leave
-    it no loss token at all. Only the samples longer than `within` are looked at again."""
+def loss_tokens(corpus: TokenizedCorpus, *, within: int | None = None) -> np.ndarray:
+    """Loss tokens per sample (int64). With `within`, only those in its first `within` tokens: a packed row
+    crops a longer sample to that. Only the samples longer than `within` are counted again."""
     lengths = corpus.lengths
-    mask = corpus.loss_mask.astype(bool)
-    has_loss = np.zeros(len(lengths), dtype=bool)
-    nonempty = lengths > 0
-    if nonempty.any():
-        has_loss[nonempty] = np.logical_or.reduceat(mask, corpus.offsets[:-1][nonempty])
+    counts = np.zeros(len(lengths), dtype=np.int64)
+    nonempty = np.flatnonzero(lengths > 0)
+    if len(nonempty):  # empty samples hold no tokens, so each segment runs to the next nonempty sample's start
+        counts[nonempty] = np.add.reduceat(corpus.loss_mask, corpus.offsets[nonempty], dtype=np.int64)
     if within is not None:
-        longer = np.flatnonzero(has_loss & (lengths > within))
+        longer = np.flatnonzero(lengths > within)
         if len(longer):  # windows [start, start + within), interleaved with their ends: every other result
             starts = corpus.offsets[longer]
             bounds = np.stack([starts, starts + within], axis=1).reshape(-1)
-            has_loss[longer] = np.logical_or.reduceat(mask, bounds)[::2]
-    return has_loss
+            counts[longer] = np.add.reduceat(corpus.loss_mask, bounds, dtype=np.int64)[::2]
+    return counts
+
+
+def samples_with_loss(corpus: TokenizedCorpus, *, within: int | None = None) -> np.ndarray:
+    """Bool per sample: does any of its tokens carry loss (samples without any teach nothing); with `within`,
+    any of its first `within` tokens (what a packed row keeps of it)."""
+    return loss_tokens(corpus, within=within) > 0
+
+
+# Below this share of the data's loss tokens lost past a row's end, cropped tails go unmentioned.
+CROPPED_LOSS_WARN_FRACTION = 0.01
 
 
 @dataclass(frozen=True)
 class LeftOut:
-    """The samples training leaves out, by reason: those with no loss token, and those whose loss tokens all lie
-    past the first `token_budget` tokens (a packed row keeps only those, so they would train on their prompt)."""
+    """What training does not see of the data, by reason: samples with no loss token; samples whose loss tokens
+    all lie past the first `token_budget` tokens (a packed row keeps only those, so they would train on their
+    prompt); and, in all, the loss tokens past a row's end (`loss_tokens` - `loss_tokens_kept`)."""
 
     total: int
     no_loss: int
     cropped: int
     longest_cropped: int
     token_budget: int
+    loss_tokens: int = 0
+    loss_tokens_kept: int = 0
+    longer: int = 0    # samples longer than a row
+    longest: int = 0   # the longest sample
 
     @property
     def kept(self) -> int:
         return self.total - self.no_loss - self.cropped
 
+    @property
+    def cropped_loss_fraction(self) -> float:
+        return 1 - self.loss_tokens_kept / self.loss_tokens if self.loss_tokens else 0.0
+
     def message(self) -> str | None:
-        if not self.no_loss and not self.cropped:
-            return None
         parts = []
         if self.no_loss:
             parts.append(f"{self.no_loss} with no loss token (nothing to learn from)")
@@ -146,17 +161,29 @@ class LeftOut:
             parts.append(f"{self.cropped} whose loss tokens all lie past the first {self.token_budget} tokens "
                          "(token_budget; a packed row crops a longer sample, so they would train on their prompt "
                          f"alone): raise token_budget to {self.longest_cropped} (their longest) to train on them")
-        return f"training leaves out {self.no_loss + self.cropped} of {self.total} samples: " + "; ".join(parts)
+        lines = [f"training leaves out {self.no_loss + self.cropped} of {self.total} samples: " + "; ".join(parts)
+                 ] if parts else []
+        if self.cropped_loss_fraction >= CROPPED_LOSS_WARN_FRACTION:
+            lines.append(f"{self.longer} of {self.total} samples are longer than a row's {self.token_budget} tokens "
+                         f"and are cropped to them: {self.cropped_loss_fraction:.1%} of the data's loss tokens lie "
+                         f"past a row's end and are never trained on; token_budget {self.longest} (the longest "
+                         "sample) keeps them all")
+        return "; ".join(lines) or None
 
 
 def usable_samples(corpus: TokenizedCorpus, *, token_budget: int) -> tuple[np.ndarray, LeftOut]:
-    """Bool per sample: does it teach anything within a packed row of `token_budget` tokens; and what is left out."""
-    anywhere = samples_with_loss(corpus)
-    usable = samples_with_loss(corpus, within=token_budget)
-    cropped = anywhere & ~usable
-    longest = int(corpus.lengths[cropped].max()) if cropped.any() else 0
-    return usable, LeftOut(total=corpus.num_samples, no_loss=int((~anywhere).sum()), cropped=int(cropped.sum()),
-                           longest_cropped=longest, token_budget=token_budget)
+    """Bool per sample: does it teach anything within a packed row of `token_budget` tokens; and what training
+    does not see."""
+    anywhere = loss_tokens(corpus)
+    kept = loss_tokens(corpus, within=token_budget)
+    usable = kept > 0
+    cropped = (anywhere > 0) & ~usable
+    lengths = corpus.lengths
+    return usable, LeftOut(
+        total=corpus.num_samples, no_loss=int((anywhere == 0).sum()), cropped=int(cropped.sum()),
+        longest_cropped=int(lengths[cropped].max()) if cropped.any() else 0, token_budget=token_budget,
+        loss_tokens=int(anywhere.sum()), loss_tokens_kept=int(kept.sum()), longer=int((lengths > token_budget).sum()),
+        longest=int(lengths.max()) if len(lengths) else 0)
 
 
 def pack(order: np.ndarray, lengths: np.ndarray, *, token_budget: int,
