@@ -128,7 +128,8 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
             line = line.rstrip()
             tail.append(line)
             watch.read(line)
-            logger.info(line)
+            # the trainer's own warnings (samples left out, tails cropped) stand out in the UI's log
+            (logger.warning if line.startswith("warning: ") else logger.info)(line)
             if line.startswith("step ") and "/" in line:
                 done, total = line.split()[1].split("/")
                 update_progress_artifact(progress, progress=100.0 * int(done) / int(total))

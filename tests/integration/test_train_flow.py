@@ -9,11 +9,16 @@ Run: `.venv/bin/python -m pytest tests/integration/test_train_flow.py -q`
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pyarrow as pa
 
 from dflash_core.layout import ArtifactKind
 from dflash_core.lineage import build_lineage, read_manifest, write_artifact
+from dflash_core.tokenize.io import arrow_bytes
+from dflash_core.train.data import read_shard_table
 from dflash_core.train.report import read_metrics
-from tests.train_fixtures import synthetic_shard
+from tests.train_fixtures import SYNTHETIC_VERDICT, synthetic_shard
 
 
 def test_train_flow_trains_from_s3_uploads_checkpoints_and_resumes(prefect_server, store, env_settings,
@@ -22,7 +27,11 @@ def test_train_flow_trains_from_s3_uploads_checkpoints_and_resumes(prefect_serve
 
     from flows.train import TrainFlowParams, train
 
-    shard = synthetic_shard(tmp_path / "shard.arrow", num_samples=200, min_len=12, max_len=24)
+    short = synthetic_shard(tmp_path / "short.arrow", num_samples=200, min_len=12, max_len=24)
+    long = synthetic_shard(tmp_path / "long.arrow", num_samples=2, min_len=130, max_len=140, seed=1)
+    shard = tmp_path / "shard.arrow"  # two samples longer than the 96-token rows: their tails are cropped
+    shard.write_bytes(arrow_bytes(pa.concat_tables([read_shard_table(short), read_shard_table(long)]),
+                                  metadata=SYNTHETIC_VERDICT))
     shard_key = f"tokenized/flowtest/{tmp_path.name}/shard-00000.arrow"
     write_artifact(store, shard_key, shard, kind=ArtifactKind.TOKENIZED)
     run_name = f"flow-{tmp_path.name}"[:60]
@@ -43,6 +52,17 @@ def test_train_flow_trains_from_s3_uploads_checkpoints_and_resumes(prefect_serve
     assert manifest.producer.flow_run_id == str(state.state_details.flow_run_id)
     graph = build_lineage(store, f"checkpoints/{run_name}/")
     assert store.uri(shard_key) in graph.ancestors(store.uri(weights_key))
+
+    async def warnings():  # the trainer's warning stands out in the flow run's log
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        async with get_client() as client:
+            flow_run = LogFilterFlowRunId(any_=[state.state_details.flow_run_id])
+            return [log.message for log in await client.read_logs(log_filter=LogFilter(flow_run_id=flow_run))
+                    if log.level == logging.WARNING]
+
+    assert any(m.startswith("warning: 2 of 202 samples are longer than a row's 96 tokens") for m in asyncio.run(
+        warnings())), "the cropped tails were not reported at WARNING level"
 
     async def artifacts():  # this flow run's and its evaluation subflow's
         async with get_client() as client:
