@@ -131,9 +131,9 @@ CROPPED_LOSS_WARN_FRACTION = 0.01
 
 @dataclass(frozen=True)
 class LeftOut:
-    """What training does not see of the data, by reason: samples with no loss token; samples whose loss tokens
-    all lie past the first `token_budget` tokens (a packed row keeps only those, so they would train on their
-    prompt); and, in all, the loss tokens past a row's end (`loss_tokens` - `loss_tokens_kept`)."""
+    """What training does not see of the data: samples with no loss token; samples whose loss tokens all lie past
+    the first `token_budget` tokens (a packed row keeps only those, so they would train on their prompt); and the
+    tails of the samples it trains on that are longer than a row (`tail_loss_tokens` of the data's `loss_tokens`)."""
 
     total: int
     no_loss: int
@@ -141,17 +141,17 @@ class LeftOut:
     longest_cropped: int
     token_budget: int
     loss_tokens: int = 0
-    loss_tokens_kept: int = 0
-    longer: int = 0    # samples longer than a row
-    longest: int = 0   # the longest sample
+    tail_loss_tokens: int = 0
+    tailed: int = 0          # samples trained on that lose loss tokens past a row's end
+    longest_tailed: int = 0
 
     @property
     def kept(self) -> int:
         return self.total - self.no_loss - self.cropped
 
     @property
-    def cropped_loss_fraction(self) -> float:
-        return 1 - self.loss_tokens_kept / self.loss_tokens if self.loss_tokens else 0.0
+    def tail_loss_fraction(self) -> float:
+        return self.tail_loss_tokens / self.loss_tokens if self.loss_tokens else 0.0
 
     def message(self) -> str | None:
         parts = []
@@ -163,11 +163,11 @@ class LeftOut:
                          f"alone): raise token_budget to {self.longest_cropped} (their longest) to train on them")
         lines = [f"training leaves out {self.no_loss + self.cropped} of {self.total} samples: " + "; ".join(parts)
                  ] if parts else []
-        if self.cropped_loss_fraction >= CROPPED_LOSS_WARN_FRACTION:
-            lines.append(f"{self.longer} of {self.total} samples are longer than a row's {self.token_budget} tokens "
-                         f"and are cropped to them: {self.cropped_loss_fraction:.1%} of the data's loss tokens lie "
-                         f"past a row's end and are never trained on; token_budget {self.longest} (the longest "
-                         "sample) keeps them all")
+        if self.tail_loss_fraction >= CROPPED_LOSS_WARN_FRACTION:
+            lines.append(f"{self.tailed} of {self.total} samples are longer than a row's {self.token_budget} tokens "
+                         f"and lose their tail: {self.tail_loss_fraction:.1%} of the data's loss tokens lie past a "
+                         f"row's end and are never trained on; token_budget {self.longest_tailed} (the longest of "
+                         "them) keeps them")
         return "; ".join(lines) or None
 
 
@@ -178,12 +178,13 @@ def usable_samples(corpus: TokenizedCorpus, *, token_budget: int) -> tuple[np.nd
     kept = loss_tokens(corpus, within=token_budget)
     usable = kept > 0
     cropped = (anywhere > 0) & ~usable
+    tailed = usable & (kept < anywhere)
     lengths = corpus.lengths
     return usable, LeftOut(
         total=corpus.num_samples, no_loss=int((anywhere == 0).sum()), cropped=int(cropped.sum()),
         longest_cropped=int(lengths[cropped].max()) if cropped.any() else 0, token_budget=token_budget,
-        loss_tokens=int(anywhere.sum()), loss_tokens_kept=int(kept.sum()), longer=int((lengths > token_budget).sum()),
-        longest=int(lengths.max()) if len(lengths) else 0)
+        loss_tokens=int(anywhere.sum()), tail_loss_tokens=int((anywhere - kept)[tailed].sum()),
+        tailed=int(tailed.sum()), longest_tailed=int(lengths[tailed].max()) if tailed.any() else 0)
 
 
 def pack(order: np.ndarray, lengths: np.ndarray, *, token_budget: int,

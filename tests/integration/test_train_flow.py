@@ -61,7 +61,7 @@ def test_train_flow_trains_from_s3_uploads_checkpoints_and_resumes(prefect_serve
             return [log.message for log in await client.read_logs(log_filter=LogFilter(flow_run_id=flow_run))
                     if log.level == logging.WARNING]
 
-    assert any(m.startswith("warning: 2 of 202 samples are longer than a row's 96 tokens") for m in asyncio.run(
+    assert any(m.startswith("warning: 2 of 202 samples are longer than a row's 96 tokens and lose their tail") for m in asyncio.run(
         warnings())), "the cropped tails were not reported at WARNING level"
 
     async def artifacts():  # this flow run's and its evaluation subflow's

@@ -312,10 +312,13 @@ def test_loss_tokens_past_a_rows_end_are_counted_and_named_above_one_percent() -
              [0] * 2 + [1] * 2]   # fits
     corpus = load_corpus([("a", _masked_table(masks))])
     usable, left_out = usable_samples(corpus, token_budget=6)
-    assert usable.tolist() == [True, True] and (left_out.loss_tokens, left_out.loss_tokens_kept) == (10, 6)
-    assert left_out.message() == ("1 of 2 samples are longer than a row's 6 tokens and are cropped to them: 40.0% "
+    assert usable.tolist() == [True, True] and (left_out.loss_tokens, left_out.tail_loss_tokens) == (10, 4)
+    assert left_out.message() == ("1 of 2 samples are longer than a row's 6 tokens and lose their tail: 40.0% "
                                   "of the data's loss tokens lie past a row's end and are never trained on; "
-                                  "token_budget 10 (the longest sample) keeps them all")
+                                  "token_budget 10 (the longest of them) keeps them")
+    # a sample left out whole is said once, in the left-out line, not again as a tail
+    only_cropped = load_corpus([("a", _masked_table([[0] * 8 + [1] * 2, [0] * 2 + [1] * 2]))])
+    assert usable_samples(only_cropped, token_budget=6)[1].message().count("samples") == 1
     many = [[0, 1]] * 200 + [[0, 1, 1]]  # 1 of 202 loss tokens past a 2-token row: under 1%, not worth a line
     _, small = usable_samples(load_corpus([("a", _masked_table(many))]), token_budget=2)
-    assert small.cropped_loss_fraction == pytest.approx(1 / 202) and small.message() is None
+    assert small.tail_loss_fraction == pytest.approx(1 / 202) and small.message() is None
