@@ -139,15 +139,18 @@ def plot_curve(path: Path, rows: list[dict]) -> bool:
     figure, axis = plt.subplots(figsize=(7, 4.2))
     ticks: dict[int, str] = {}
     sizes = sorted({r["token_budget"] for r in rows})
+    colors = {recipe: f"C{i}" for i, recipe in enumerate(RECIPES)}  # a recipe keeps its color at every step size
     for (recipe, label), size in ((item, size) for size in sizes for item in RECIPES.items()):
         points = sorted((r for r in rows if r["best"] and r["recipe"] == recipe and r["token_budget"] == size
                          and r["point"] in CURVE_POINTS), key=lambda r: r["training_tokens"])
         if not points:
             continue
-        axis.errorbar([p["training_tokens"] for p in points], [p["gain_mean"] for p in points],
-                      yerr=[p["gain_sd"] for p in points], marker="o", capsize=3,
-                      linestyle="-" if size == FULL.token_budget else "--",
-                      label=label if size == FULL.token_budget else f"{label}, {size:,}-token steps")
+        full = size == FULL.token_budget
+        shift = 1.0 if full else 1.04  # beside the 2,048-token point of the same tokens, not on top of it
+        axis.errorbar([p["training_tokens"] * shift for p in points], [p["gain_mean"] for p in points],
+                      yerr=[p["gain_sd"] for p in points], marker="o" if full else "s", capsize=3,
+                      color=colors[recipe], linestyle="-" if full else "--", markerfacecolor=None if full else "white",
+                      label=label if full else f"{label}, {size:,}-token steps")
         ticks.update({p["training_tokens"]: f"{p['training_tokens'] / 1e6:.1f}M\n"
                                             f"{p['train_completions']:,} compl." for p in points})
     axis.set_xscale("log")
