@@ -5,6 +5,8 @@ captures the target."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -16,17 +18,47 @@ def compile_decoder_layers(model: nn.Module, *, mode: str = "default") -> None:
     it. A Gated DeltaNet layer's own forward stays eager: it takes each batch's document segments
     (dflash_core.hybrid), which a static-shape graph would recompile for, and its fla kernels are
     Triton already. Its norms, its gated output norm and its MLP (eager elementwise work over every
-    token) compile on their own."""
+    token) compile on their own. In the reduce-overhead mode each compiled forward's outputs are
+    copied out of its CUDA graph's memory (graph_outputs_owned)."""
+    def compiled(forward):
+        forward = torch.compile(forward, dynamic=False, mode=mode)
+        return graph_outputs_owned(forward) if mode == "reduce-overhead" else forward
+
     for layer in language_model(model).layers:
         linear_attn = getattr(layer, "linear_attn", None)
         if linear_attn is None:
-            layer.forward = torch.compile(layer.forward, dynamic=False, mode=mode)
+            layer.forward = compiled(layer.forward)
             continue
         fp8_projections = [m for m in linear_attn.children() if type(m).__name__ == "Fp8Linear"]
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp,
                        getattr(linear_attn, "norm", None), *fp8_projections):
             if module is not None:  # an FP8 projection: its input's per-row quantization fuses into one kernel
-                module.forward = torch.compile(module.forward, dynamic=False, mode=mode)
+                module.forward = compiled(module.forward)
+
+
+def graph_outputs_owned(forward):
+    """`forward` whose tensor outputs are copies that belong to the caller. The target runs without grad,
+    and inductor's CUDA-graph trees start a new iteration at every call of a compiled function when no
+    backward is pending, which frees the last iteration's outputs for the next graph to overwrite: layer
+    k's replay would take as input layer k-1's output, already given up (on an H200, 2026-12-05: `accessing
+    tensor output of CUDAGraphs that has been overwritten by a subsequent run`, in the 30-layer target's
+    first forward), and a tapped layer's state would be overwritten before the drafter reads it. One copy
+    of the hidden states per layer keeps each output alive as an ordinary tensor."""
+    @functools.wraps(forward)
+    def owned(*args, **kwargs):
+        return _copied(forward(*args, **kwargs))
+
+    return owned
+
+
+def _copied(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_copied(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(v) for v in value)
+    return value
 
 
 def quantize_decoder_layers_fp8(model: nn.Module, *, fast_accum: bool = False) -> tuple[int, int]:

@@ -262,8 +262,9 @@ class TrainConfig(StrictModel):
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
         "default", description="With compile: torch.compile's mode. reduce-overhead replays each compiled layer as a "
         "CUDA graph (a fixed-shape step whose host dispatch, not the GPU, sets its time: a small target such as the "
-        "acceptance bench's; docs/benchmarks.md 'The acceptance bench's step, alone on the GPU'); not measured on a "
-        "GPU yet. On CPU the mode changes nothing.")
+        "acceptance bench's; docs/benchmarks.md 'The acceptance bench's step, alone on the GPU'). Experimental: its first "
+        "H200 try (2026-12-05) broke in the 30-layer target's first forward, which the target's layers now copy "
+        "their outputs for; not yet timed on a GPU. On CPU the mode changes nothing.")
     target_fp8: bool = Field(
         False, description="Run the target's decoder-layer GEMMs in FP8 (row-wise scales, dflash_core.fp8; H100/H200 "
         "or newer, or CPU): faster and half the target's weight memory, but the drafter then learns from an FP8 "

@@ -3,6 +3,8 @@
 Run: .venv/bin/python -m pytest tests/unit/test_target_capture.py -q
 """
 
+import inspect
+
 import pytest
 import torch
 
@@ -133,3 +135,36 @@ def test_hybrid_captures_say_which_gdn_kernels_run_and_compile_leaves_gdn_layers
     compile_decoder_layers(target)  # lazy: nothing compiles until a layer runs
     compiled = ["forward" in vars(layer) for layer in language_model(target).layers]
     assert compiled == [kind == "full_attention" for kind in config.layer_types]
+
+
+def test_graphed_layers_hand_back_outputs_a_later_call_cannot_overwrite():
+    """A CUDA graph writes every replay's output into the same memory; the target's layers in the
+    reduce-overhead mode hand back copies, so layer k's replay cannot overwrite layer k-1's output (its
+    input) or a tapped layer's state."""
+    from collections import namedtuple
+
+    from dflash_core.target_runtime import compile_decoder_layers, graph_outputs_owned
+
+    Pair = namedtuple("Pair", "hidden extra")
+    graph_memory = torch.zeros(3)
+
+    def replay(x):  # as a graph's replay: its outputs live in memory the next replay writes
+        graph_memory.copy_(x)
+        return graph_memory, (graph_memory, 7), Pair(graph_memory, None)
+
+    forward = graph_outputs_owned(replay)
+    first = forward(torch.ones(3))
+    forward(torch.full((3,), 2.0))  # the next layer's replay
+    hidden, (nested, seven), pair = first
+    assert torch.equal(hidden, torch.ones(3)) and torch.equal(nested, torch.ones(3)) and seven == 7
+    assert isinstance(pair, Pair) and torch.equal(pair.hidden, torch.ones(3)) and pair.extra is None
+    assert forward.__wrapped__ is replay
+
+    target, _ = _target("qwen3")
+    compile_decoder_layers(target, mode="reduce-overhead")  # lazy: nothing compiles until a layer runs
+    # owned -> torch.compile's wrapper -> the layer's own forward
+    assert all(inspect.ismethod(vars(layer)["forward"].__wrapped__.__wrapped__)
+               for layer in language_model(target).layers)
+    target, _ = _target("qwen3")
+    compile_decoder_layers(target)  # the default mode hands back inductor's own outputs
+    assert all(inspect.ismethod(vars(layer)["forward"].__wrapped__) for layer in language_model(target).layers)
