@@ -201,8 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default; the same tokens as eager, faster); eager, the harness of the rows before 2026-12-04")
     parser.add_argument("--generate-static", action="store_true",
                         help="generate the training completions in fixed-shape batches on a static KV cache, which "
-                        "transformers compiles and replays as CUDA graphs on a GPU (the same tokens; not measured "
-                        "on a GPU yet: ~85 s a chunk of 4,096 without)")
+                        "transformers compiles and replays as CUDA graphs on a GPU (the same tokens). Slower on the "
+                        "H200 (2026-12-05): 152 s a chunk of 4,096 with its compilation, ~85 s without")
     parser.add_argument("--generate-deadline-s", type=float, default=None,
                         help="stop generating training completions after this many seconds (after the chunk in hand; "
                         "chunks are cached under --work), so a call that cannot generate them all ends in time and "

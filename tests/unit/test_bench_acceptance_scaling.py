@@ -252,3 +252,23 @@ def test_completions_generated_in_one_session_are_carried_into_the_next(bench, t
     assert data.cached_completions(model, prompts, work=tmp_path / "third", carried=tmp_path / "out",
                                    log=logged.append, **common) == first
     assert ["taken from" in line for line in logged] == [True, False]
+
+
+def test_held_out_baselines_are_decoded_once_per_work_dir(bench, tmp_path):
+    import acceptance_data as data
+
+    from dflash_core.evaluate import greedy_decode
+
+    model = _tiny_model()
+    prompts = [("a", [5, 9, 3]), ("b", [7, 2])]
+    common = dict(work=tmp_path, max_new_tokens=5, eos_id=1, tag="float32:tiny")
+    logged = []
+    first = data.cached_baselines(model, prompts, log=logged.append, **common)
+    assert [row["baseline"] for row in first] == [greedy_decode(model, p, max_new_tokens=5, eos_token_id=1).tokens
+                                                  for _, p in prompts]
+    assert [row["id"] for row in first] == ["a", "b"] and not logged
+    assert data.cached_baselines(model, prompts, log=logged.append, **common) == first  # the next call reads them
+    assert len(logged) == 1 and "earlier call" in logged[0]
+    # other prompts, length or target: decoded again, beside the first
+    data.cached_baselines(model, prompts[:1], log=logged.append, **{**common, "tag": "bfloat16:tiny"})
+    assert len(logged) == 1 and len(list(tmp_path.glob("baselines-*.json"))) == 2
