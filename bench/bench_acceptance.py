@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     finished = {job: done_dir / f"{done_key(job, context)}.json" for job in jobs}
     earlier = [job for job in jobs if args.resume and finished[job].is_file()]
     jobs = [job for job in jobs if job not in earlier]
-    log(f"baselines decoded; {len(jobs)} jobs on {workers} workers over {devices}"
+    log(f"held-out baselines ready; {len(jobs)} jobs on {workers} workers over {devices}"
         + (f"; {len(earlier)} finished in an earlier call" if earlier else ""))
 
     def report() -> str:
