@@ -205,6 +205,15 @@ def trace_summary(path: Path, *, steps: int, wall_ms: float) -> dict:
     }
 
 
+def top_host_ops(averages, *, steps: int, limit: int = 20) -> list[dict]:
+    """Where the host's time goes, op by op (self time: without the ops each one calls), per step. On a GPU
+    the step is host-bound (the acceptance bench's), so these, not the kernels, set its time; a sync shows up
+    as a long cudaStreamSynchronize or aten::_local_scalar_dense."""
+    rows = sorted(averages, key=lambda event: -event.self_cpu_time_total)[:limit]
+    return [{"name": event.key, "self_host_ms_per_step": event.self_cpu_time_total / 1e3 / steps,
+             "calls_per_step": event.count / steps} for event in rows]
+
+
 def format_trace_summary(summary: dict) -> str:
     lines = [f"profiled {summary['steps']} steps: wall {summary['wall_ms_per_step']:.1f} ms/step"]
     if summary["gpu_busy_ms_per_step"]:
@@ -218,6 +227,10 @@ def format_trace_summary(summary: dict) -> str:
         for row in summary["top_kernels"]:
             lines.append(f"{row['ms_per_step']:>8.2f}{row['share_of_busy']:>8.1%}{row['calls_per_step']:>7.0f}  "
                          f"{row['name'][:110]}")
+    if summary.get("top_host_ops"):
+        lines.append(f"{'host ms':>8}{'calls':>7}  op (self host time per step)")
+        for row in summary["top_host_ops"]:
+            lines.append(f"{row['self_host_ms_per_step']:>8.2f}{row['calls_per_step']:>7.0f}  {row['name'][:110]}")
     return "\n".join(lines)
 
 
@@ -257,10 +270,12 @@ class StepProfiler:
 
     def _ready(self, profiler) -> None:
         sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        self.table = profiler.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=80)
+        averages = profiler.key_averages()
+        self.table = averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=80)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(self.out))
         self.summary = trace_summary(self.out, steps=self.steps, wall_ms=self.wall_ms)
+        self.summary["top_host_ops"] = top_host_ops(averages, steps=self.steps)
         self.out.with_name(self.out.name.split(".")[0] + ".txt").write_text(
             self.table + "\n" + format_trace_summary(self.summary) + "\n")
 

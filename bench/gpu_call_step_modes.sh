@@ -8,7 +8,7 @@
 # mode's, on the 6-layer tiny target and the 30-layer SmolLM2 shape), then times the step at the bench's shape in
 # each mode on 2,048- and 8,192-token rows (128 and 512 anchors: one density; 100 steps after 10 of warm-up; a
 # profile of 5 more says the GPU's busy share). Rows land in $OUT/e2e/smol-<tokens>-<mode>.json, each run's whole
-# log in $OUT/e2e/smol-<tokens>-<mode>.log.
+# log in $OUT/e2e/smol-<tokens>-<mode>.log, its profile (trace, and the top kernels and host ops) beside it.
 # 2026-12-05 (bench/results/acceptance-step-alone-2026-12-05/): default mode 26.6 ms a 2,048-token step (GPU busy
 # 4.7 ms), 46.6 ms an 8,192-token one (11.3 ms); reduce-overhead broke in the 30-layer target's first forward
 # (each no-grad layer call started a new graph iteration, which gave up the last layer's output), which the
@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl') + glob.glob('.carry/fp8/*.whl')]"
 export PYTHONPATH=/tmp/pylib
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/e2e" /tmp/e2e
+mkdir -p "$OUT/e2e"
 echo "=== the graphs: tiny target, then the 30-layer SmolLM2 shape"
 python3 -m pytest -o addopts="" --noconftest -q tests/gpu/test_compile_mode_gpu.py > "$OUT/e2e/graphs-test.log" 2>&1
 tail -5 "$OUT/e2e/graphs-test.log"
@@ -28,7 +28,7 @@ for tokens in 2048 8192; do
     name="smol-$tokens-$mode"
     timeout 150 python3 bench/bench_train_e2e.py --target random:smollm2-135m --token-budget "$tokens" \
       --sample-len 256 --anchors $((tokens / 16)) --layers 2 --block-size 8 --warmup 10 --steps 100 --profile \
-      --profile-steps 5 --compile-mode "$mode" --profile-out "/tmp/e2e/$name.json.gz" --json "$OUT/e2e/$name.json" \
+      --profile-steps 5 --compile-mode "$mode" --profile-out "$OUT/e2e/$name.trace.json.gz" --json "$OUT/e2e/$name.json" \
       > "$OUT/e2e/$name.log" 2>&1
     echo "rc $?"; grep -v Warn "$OUT/e2e/$name.log" | grep -E "^random:|busy|Error" | tail -4
   done

@@ -161,6 +161,10 @@ def test_bench_profile_runs_on_cpu(tmp_path) -> None:
     phases = saved["profile"]["phases"]
     assert phases["dflash.drafter_step"]["host_ms"] > 0 and phases["dflash.target_forward"]["host_ms"] > 0
     assert trace.exists() and trace.with_name("trace.txt").read_text().count("\n") > 25
+    host_ops = saved["profile"]["top_host_ops"]  # the host's time op by op, most first
+    assert host_ops and all(op["self_host_ms_per_step"] >= 0 and op["calls_per_step"] > 0 for op in host_ops)
+    assert [op["self_host_ms_per_step"] for op in host_ops] == sorted((op["self_host_ms_per_step"] for op in host_ops),
+                                                                     reverse=True)
     assert not _prefetch_threads()
 
 
