@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call (issue #45; ~5 minutes on an H200): how many acceptance-bench jobs should share the GPU at once?
+# Several processes on one GPU take turns on it (time-slicing between their CUDA contexts; no MPS), and the
+# bench's small-target steps are host-bound: on 2026-12-05, 12 jobs sharing the H200 trained ~239K tokens/s
+# together, where one of our 8,192-token steps alone runs 176K. This runs N copies of our default's step
+# (DFlash 2, the bench's SmolLM2 shape, one 8,192-token row, 512 anchors) at once for each N and prints the
+# tokens/s of each and of all together: the acceptance bench's --workers is the N past which the sum stops
+# growing. Carry [".carry/node/controller", ".carry/node/wheelhouse"] and run from the repository root:
+#     bash bench/gpu_call_sharing.sh ["1 2 4 8"]       (MODE=reduce-overhead to time that compile mode)
+# Rows: $OUT/sharing/<N>-<i>.json and .log; the table: $OUT/sharing/table.md.
+set -u
+export PYTHONUNBUFFERED=1
+python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl')]"
+export PYTHONPATH=/tmp/pylib
+OUT=${OUT:-/tmp/out}
+mode=${MODE:-default}
+cores=$(nproc)
+mkdir -p "$OUT/sharing"
+for n in ${1:-1 2 4 8}; do
+  echo "=== $n at once"
+  threads=$((cores / n > 0 ? cores / n : 1))  # as the acceptance bench splits the cores among its workers
+  for i in $(seq 1 "$n"); do
+    OMP_NUM_THREADS=$threads timeout 300 python3 bench/bench_train_e2e.py --target random:smollm2-135m \
+      --variant dflash2 --token-budget 8192 --sample-len 256 --anchors 512 --layers 2 --block-size 8 --warmup 20 \
+      --steps 200 --compile-mode "$mode" --json "$OUT/sharing/$n-$i.json" > "$OUT/sharing/$n-$i.log" 2>&1 &
+  done
+  wait
+done
+python3 - "$OUT/sharing" "$mode" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+
+folder, mode = Path(sys.argv[1]), sys.argv[2]
+rows = {}
+for path in folder.glob("*-*.json"):
+    n = int(path.stem.split("-")[0])
+    rows.setdefault(n, []).append(json.loads(path.read_text()))
+lines = [f"N jobs of our default's step at once (DFlash 2, random SmolLM2 shape, 8,192-token rows, compile mode {mode})",
+         "", "| jobs at once | finished | ms/step each (median of jobs) | tokens/s each | tokens/s together |",
+         "|---:|---:|---:|---:|---:|"]
+for n in sorted(rows):
+    each = [r["tokens_per_s"] for r in rows[n]]
+    lines.append(f"| {n} | {len(each)} | {statistics.median(r['ms_per_step'] for r in rows[n]):.1f} | "
+                 f"{statistics.median(each):,.0f} | {sum(each):,.0f} |")
+lines.append("\n(staggered starts: a job's timed steps may overlap others' compilation, which flatters N > 1 a little)")
+text = "\n".join(lines)
+(folder / "table.md").write_text(text + "\n")
+print(text)
+PY
