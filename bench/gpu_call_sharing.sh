@@ -2,7 +2,7 @@
 # One device call (issue #45; ~5 minutes on an H200): how many acceptance-bench jobs should share the GPU at once?
 # Several processes on one GPU take turns on it (time-slicing between their CUDA contexts; no MPS), and the
 # bench's small-target steps are host-bound: on 2026-12-05, 12 jobs sharing the H200 trained ~239K tokens/s
-# together, where one of our 8,192-token steps alone runs 176K. This runs N copies of our default's step
+# together, where one DFlash 8,192-token step of that shape alone runs 176K. This runs N copies of our default's step
 # (DFlash 2, the bench's SmolLM2 shape, one 8,192-token row, 512 anchors) at once for each N and prints the
 # tokens/s of each and of all together: the acceptance bench's --workers is the N past which the sum stops
 # growing. Carry [".carry/node/controller", ".carry/node/wheelhouse"] and run from the repository root:
