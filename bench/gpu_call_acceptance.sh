@@ -7,6 +7,8 @@
 #     bash bench/gpu_call_acceptance.sh - 2000 4 "0" 2 420 --variants default+drafter_fp8,default+target_fp8+drafter_fp8
 # or a point of issue #45's curve, resumable across calls on the warm machine (add --resume to the next call):
 #     bash bench/gpu_call_acceptance.sh scale 2000 4 "0 1" 12 480 --checkpoint-every 500 --train-compile
+# A point longer than one call runs in the background on the warm machine instead (bench/gpu_background.sh):
+#     bash bench/gpu_background.sh start bash bench/gpu_call_acceptance.sh scale 2000 16 "0 1" 6 1500 --token-budget 8192
 # Rows land in $OUT (results.jsonl, table.md, log.txt); merge the curve's with bench/acceptance_curve.py.
 # Completions generated in the call come back gzipped in $OUT/completions/: copy them into the ignored
 # .carry/acceptance/completions/ and carry that folder (a call of its own) in later sessions.
