@@ -7,6 +7,8 @@
 # tokens/s of each and of all together: the acceptance bench's --workers is the N past which the sum stops
 # growing. Carry [".carry/node/controller", ".carry/node/wheelhouse"] and run from the repository root:
 #     bash bench/gpu_call_sharing.sh ["1 2 4 8"]       (MODE=reduce-overhead to time that compile mode)
+# MPS=1 runs the copies through a CUDA MPS server of this call's own (bench/gpu_mps.sh), which lets several
+# processes' kernels run on the GPU at once instead of taking turns; the image may lack it (the run says so).
 # Rows: $OUT/sharing/<N>-<i>.json and .log; the table: $OUT/sharing/table.md.
 set -u
 export PYTHONUNBUFFERED=1
@@ -15,6 +17,7 @@ export PYTHONPATH=/tmp/pylib
 OUT=${OUT:-/tmp/out}
 mode=${MODE:-default}
 cores=$(nproc)
+source bench/gpu_mps.sh
 mkdir -p "$OUT/sharing"
 for n in ${1:-1 2 4 8}; do
   echo "=== $n at once"
@@ -26,16 +29,16 @@ for n in ${1:-1 2 4 8}; do
   done
   wait
 done
-python3 - "$OUT/sharing" "$mode" <<'PY'
+python3 - "$OUT/sharing" "$mode" "$mps" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
-folder, mode = Path(sys.argv[1]), sys.argv[2]
+folder, mode, mps = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 rows = {}
 for path in folder.glob("*-*.json"):
     n = int(path.stem.split("-")[0])
     rows.setdefault(n, []).append(json.loads(path.read_text()))
-lines = [f"N jobs of our default's step at once (DFlash 2, random SmolLM2 shape, 8,192-token rows, compile mode {mode})",
+lines = [f"N jobs of our default's step at once (DFlash 2, random SmolLM2 shape, 8,192-token rows, compile mode {mode}, MPS {mps})",
          "", "| jobs at once | finished | ms/step each (median of jobs) | tokens/s each | tokens/s together |",
          "|---:|---:|---:|---:|---:|"]
 for n in sorted(rows):

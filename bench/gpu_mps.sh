@@ -1,0 +1,19 @@
+# Sourced by the device-call scripts (bench/gpu_call_sharing.sh, bench/gpu_call_acceptance.sh): with MPS=1, start
+# a CUDA MPS server of this call's own (pipe and log folders under /tmp/mps; it quits when the script exits), so
+# that the processes of the call share the GPU at once instead of taking turns on it. It changes no setting of
+# the card. Sets mps=on, or mps=off with the reason printed (MPS not asked for, not on the image, or no start).
+mps=off
+if [ "${MPS:-0}" = 1 ]; then
+  if command -v nvidia-cuda-mps-control > /dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+      mps=on
+      trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    else
+      echo "MPS: the server did not start ($(tail -n 3 /tmp/mps/log/control.log 2>/dev/null)): processes take turns on the GPU"
+    fi
+  else
+    echo "MPS: no nvidia-cuda-mps-control on this image: processes take turns on the GPU"
+  fi
+fi
