@@ -30,7 +30,9 @@ case "${1:-}" in
     while [ ! -f "$BG/rc" ] && [ "$SECONDS" -lt "$end" ]; do sleep 2; done
     [ -n "${OUT:-}" ] && mkdir -p "$OUT" && cp -r "$BG/out/." "$OUT/"
     tail -n "${TAIL_LINES:-40}" "$BG/log.txt"
-    if [ -f "$BG/rc" ]; then echo "finished: rc $(cat "$BG/rc")"; else echo "still running: wait again"; fi
+    if [ -f "$BG/rc" ]; then echo "finished: rc $(cat "$BG/rc")"; exit "$(cat "$BG/rc")"; fi
+    if ! kill -0 "$(cat "$BG/pid")" 2>/dev/null; then echo "the run died without an exit status (killed?)"; exit 1; fi
+    echo "still running: wait again"
     ;;
   *) echo "usage: bash bench/gpu_background.sh start COMMAND [ARGS...] | wait [SECONDS]" >&2; exit 2 ;;
 esac

@@ -20,7 +20,7 @@ export PYTHONPATH=/tmp/pylib
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/e2e"
 echo "=== the graphs: tiny target, then the 30-layer SmolLM2 shape"
-python3 -m pytest -o addopts="" --noconftest -q tests/gpu/test_compile_mode_gpu.py > "$OUT/e2e/graphs-test.log" 2>&1
+timeout 240 python3 -m pytest -o addopts="" --noconftest -q tests/gpu/test_compile_mode_gpu.py > "$OUT/e2e/graphs-test.log" 2>&1
 tail -5 "$OUT/e2e/graphs-test.log"
 for tokens in 2048 8192; do
   for mode in default reduce-overhead; do

@@ -38,12 +38,14 @@ def compile_decoder_layers(model: nn.Module, *, mode: str = "default") -> None:
 
 def graph_outputs_owned(forward):
     """`forward` whose tensor outputs are copies that belong to the caller. The target runs without grad,
-    and inductor's CUDA-graph trees start a new iteration at every call of a compiled function when no
-    backward is pending, which frees the last iteration's outputs for the next graph to overwrite: layer
+    and until the first cudagraph_mark_step_begin (the loop's; validate_capture runs before it) inductor's
+    CUDA-graph trees start a new iteration at every call of a compiled function when no backward is pending,
+    which frees the last iteration's outputs for the next graph to overwrite: layer
     k's replay would take as input layer k-1's output, already given up (on an H200, 2026-12-05: `accessing
     tensor output of CUDAGraphs that has been overwritten by a subsequent run`, in the 30-layer target's
     first forward), and a tapped layer's state would be overwritten before the drafter reads it. One copy
-    of the hidden states per layer keeps each output alive as an ordinary tensor."""
+    of the hidden states per layer keeps each output alive as an ordinary tensor (whether the loop's steps,
+    after a mark, need it is for the GPU to say: timing without it is the step-modes call's next question)."""
     @functools.wraps(forward)
     def owned(*args, **kwargs):
         return _copied(forward(*args, **kwargs))

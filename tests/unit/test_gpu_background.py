@@ -16,18 +16,19 @@ def test_a_background_run_is_waited_for_across_calls_and_brings_back_its_out(tmp
     bg, release = tmp_path / "bg", tmp_path / "release"
     # the run writes under its own $OUT, then waits until the test lets it finish
     command = f'echo started; echo row > "$OUT/results.jsonl"; while [ ! -f {release} ]; do sleep 0.2; done; echo done'
-    started = _run(["start", "bash", "-c", command], bg=bg, out=tmp_path / "call0")
-    assert started.returncode == 0 and "started (pid" in started.stdout
-    refused = _run(["start", "true"], bg=bg, out=tmp_path / "call0")
-    assert refused.returncode == 1 and "still going" in refused.stderr
-    first = _run(["wait", "1"], bg=bg, out=tmp_path / "call1")  # a call that ends before the run
-    assert "still running" in first.stdout and "started" in first.stdout
-    assert (tmp_path / "call1" / "results.jsonl").read_text() == "row\n"
-    release.touch()
+    try:
+        started = _run(["start", "bash", "-c", command], bg=bg, out=tmp_path / "call0")
+        assert started.returncode == 0 and "started (pid" in started.stdout
+        refused = _run(["start", "true"], bg=bg, out=tmp_path / "call0")
+        assert refused.returncode == 1 and "still going" in refused.stderr
+        first = _run(["wait", "5"], bg=bg, out=tmp_path / "call1")  # a call that ends before the run
+        assert "still running" in first.stdout and "started" in first.stdout
+        assert (tmp_path / "call1" / "results.jsonl").read_text() == "row\n"
+    finally:
+        release.touch()  # the run never outlives the test
     second = _run(["wait", "30"], bg=bg, out=tmp_path / "call2")
     assert "done" in second.stdout and second.stdout.strip().endswith("finished: rc 0")
     assert (tmp_path / "call2" / "results.jsonl").is_file()
-
 
 def test_waiting_without_a_run_says_so(tmp_path):
     waited = _run(["wait", "1"], bg=tmp_path / "none", out=tmp_path / "out")
