@@ -46,6 +46,10 @@ def run_ours(job: Job, variant: Variant) -> dict:
         trainer = build_trainer(config, models_dir=Path(WORKER["models_dir"]), corpus=corpus)
     check_recipe_applied(config, trainer.drafter_config, trainer.drafter.loss)
     resumed_from = trainer.step if WORKER.get("resume") and trainer.resume() else 0  # exact: sampler, RNG, optimizer
+    # The run's figures, kept with its checkpoint until the row is written: a call ended in evaluation resumes
+    # at the finished checkpoint and reports these instead of its own empty training.
+    trained_path = config.run_dir / "trained.json"
+    trained = json.loads(trained_path.read_text()) if resumed_from and trained_path.is_file() else None
     logged: list[tuple[int, float]] = []  # (step, time) of each record: steady-state steps/s between them
     sync_device()
     start = time.perf_counter()
@@ -53,17 +57,21 @@ def run_ours(job: Job, variant: Variant) -> dict:
     sync_device()
     train_s = time.perf_counter() - start
     trainer.close()
-    last = json.loads(result.metrics_path.read_text().splitlines()[-1])
+    if trained is None:
+        window = json.loads(result.metrics_path.read_text().splitlines()[-1])
+        window = window.get("window") or window
+        trained = {"train_s": train_s, "steps_per_s": steady_rate(logged, job.steps - resumed_from, train_s),
+                   "resumed_from_step": resumed_from, "train_loss": window["loss"],
+                   "train_tau": window["acceptance_length_empirical"]}
+        trained_path.write_text(json.dumps(trained))
     drafter_config = trainer.drafter_config
     drafter = trainer.drafter
     del trainer
+    row = {**trained, "mask_token_id": drafter_config.mask_token_id,
+           "mask_rule": "ours" if variant.force_mask_token_id is None else "forced",
+           "target_layer_ids": drafter_config.target_layer_ids, **evaluate_drafter(drafter)}
     shutil.rmtree(config.run_dir, ignore_errors=True)
-    window = last.get("window") or last
-    return {"train_s": train_s, "steps_per_s": steady_rate(logged, job.steps - resumed_from, train_s),
-            "resumed_from_step": resumed_from, "train_loss": window["loss"],
-            "train_tau": window["acceptance_length_empirical"], "mask_token_id": drafter_config.mask_token_id,
-            "mask_rule": "ours" if variant.force_mask_token_id is None else "forced",
-            "target_layer_ids": drafter_config.target_layer_ids, **evaluate_drafter(drafter)}
+    return row
 
 
 def check_recipe_applied(config, drafter_config, loss) -> None:

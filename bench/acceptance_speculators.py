@@ -190,7 +190,7 @@ def run_speculators(job: Job, variant: Variant) -> dict:
                                  drop_samples_without_loss=~teaches, packing=config.packing)
     batches = iter(sampler)
     state_path = Path(WORKER["work"]) / "runs" / f"{config.run_name}.speculators.pt"
-    first_step = _resume(state_path, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches)
+    first_step, trained = _resume(state_path, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches)
     every = checkpoint_every(job)
     eager_forward = getattr(model_class.forward, "_torchdynamo_orig_callable", model_class.forward)
     forward = model_class.forward if WORKER["speculators_compile"] else eager_forward
@@ -230,42 +230,47 @@ def run_speculators(job: Job, variant: Variant) -> dict:
         if (step + 1) % every == 0 and step + 1 < job.steps:
             _save(state_path, model=model, optimizer=optimizer, scheduler=scheduler, step=step + 1)
     sync_device()
-    train_s = time.perf_counter() - start
-    state_path.unlink(missing_ok=True)
+    if trained is None:  # trained in this call (else a call the limit ended after training: its figures)
+        train_s = time.perf_counter() - start
+        trained = {"train_s": train_s, "steps_per_s": steady_rate(marks, job.steps - first_step, train_s),
+                   "compiled": compiled, "resumed_from_step": first_step,
+                   "train_loss": float(torch.stack(losses).mean()), "train_tau": float(torch.stack(eals).mean())}
+        if WORKER.get("checkpoint_every"):  # kept until the row is written: a call ended in evaluation resumes here
+            _save(state_path, model=model, optimizer=optimizer, scheduler=scheduler, step=job.steps, trained=trained)
     capture.close()
     drafter = ours_from_speculators(model, target_config=target.config, native_ids=native_ids, mask=mask,
                                     config=config, device=device)
     del target
     check_conversion(model, drafter, native_ids, device)
     del model
-    return {"train_s": train_s, "steps_per_s": steady_rate(marks, job.steps - first_step, train_s),
-            "compiled": compiled, "resumed_from_step": first_step,
-            "train_loss": float(torch.stack(losses).mean()), "train_tau": float(torch.stack(eals).mean()),
-            "mask_token_id": mask, "mask_rule": mask_rule, "target_layer_ids": native_ids,
-            **evaluate_drafter(drafter)}
+    row = {**trained, "mask_token_id": mask, "mask_rule": mask_rule, "target_layer_ids": native_ids,
+           **evaluate_drafter(drafter)}
+    state_path.unlink(missing_ok=True)
+    return row
 
 
-def _save(path: Path, *, model, optimizer, scheduler, step: int) -> None:
-    """The loop's state after `step` steps (the batches and anchors follow from the seed and the step)."""
+def _save(path: Path, *, model, optimizer, scheduler, step: int, trained: dict | None = None) -> None:
+    """The loop's state after `step` steps (the batches and anchors follow from the seed and the step); at the
+    last step also the training's figures (`trained`), which a resumed call reports instead of training again."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "step": step}, tmp)
+                "step": step, "trained": trained}, tmp)
     tmp.replace(path)  # a job killed mid-write keeps its previous state
 
 
-def _resume(path: Path, *, model, optimizer, scheduler, batches) -> int:
+def _resume(path: Path, *, model, optimizer, scheduler, batches) -> tuple[int, dict | None]:
     """With `--resume` and a saved state: load it, move the batches past the steps it covers, and return its
-    step (the loop's next); else 0."""
+    step (the loop's next) and, for a state saved after the last step, the training's figures; else (0, None)."""
     if not WORKER.get("resume") or not path.is_file():
-        return 0
+        return 0, None
     state = torch.load(path, map_location=next(model.parameters()).device, weights_only=True)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     for _ in range(state["step"]):
         next(batches)
-    return state["step"]
+    return state["step"], state.get("trained")
 
 
 def ours_from_speculators(model, *, target_config, native_ids, mask, config, device):

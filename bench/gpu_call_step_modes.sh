@@ -3,7 +3,7 @@
 # (TrainConfig.compile_mode: reduce-overhead) take the acceptance bench's step off the host? Carry
 # [".carry/node/controller", ".carry/node/wheelhouse"] (bash infra/node-wheelhouse.sh fills them; add
 # ".carry/acceptance/a" to the same call when acceptance calls follow it) and run from the repository root:
-#     bash bench/gpu_call_step_modes.sh
+#     bash bench/gpu_call_step_modes.sh        (TOKENS="8192": one row size only)
 # It checks the graphs first (tests/gpu/test_compile_mode_gpu.py: replayed, none skipped, losses equal the default
 # mode's, on the 6-layer tiny target and the 30-layer SmolLM2 shape), then times the step at the bench's shape in
 # each mode on 2,048- and 8,192-token rows (128 and 512 anchors: one density; 100 steps after 10 of warm-up; a
@@ -22,7 +22,7 @@ mkdir -p "$OUT/e2e"
 echo "=== the graphs: tiny target, then the 30-layer SmolLM2 shape"
 timeout 240 python3 -m pytest -o addopts="" --noconftest -q tests/gpu/test_compile_mode_gpu.py > "$OUT/e2e/graphs-test.log" 2>&1
 tail -5 "$OUT/e2e/graphs-test.log"
-for tokens in 2048 8192; do
+for tokens in ${TOKENS:-2048 8192}; do
   for mode in default reduce-overhead; do
     echo "=== step, $tokens-token row, compile mode $mode"
     name="smol-$tokens-$mode"

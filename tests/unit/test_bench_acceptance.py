@@ -237,11 +237,21 @@ def test_a_speculators_job_resumes_where_its_saved_state_left_off(bench, tmp_pat
         train(*first, steps=3)
         spec._save(path, model=first[0], optimizer=first[1], scheduler=first[2], step=3)
         model, optimizer, scheduler, batches = loop()  # a new process: fresh model, batches from the start
-        assert spec._resume(path, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches) == 3
+        assert spec._resume(path, model=model, optimizer=optimizer, scheduler=scheduler,
+                            batches=batches) == (3, None)
         train(model, optimizer, scheduler, batches, steps=2)
         assert torch.equal(model.weight, reference[0].weight) and scheduler.last_epoch == 5
+        # Trained to the end, then the call ended in evaluation: the next call takes the trained weights and the
+        # training's figures, and trains no step again.
+        figures = {"train_s": 12.5, "steps_per_s": 3.1, "resumed_from_step": 0, "train_loss": 1.5, "train_tau": 1.7}
+        spec._save(path, model=model, optimizer=optimizer, scheduler=scheduler, step=5, trained=figures)
+        again = loop()
+        assert spec._resume(path, model=again[0], optimizer=again[1], scheduler=again[2],
+                            batches=again[3]) == (5, figures)
+        assert torch.equal(again[0].weight, reference[0].weight) and again[2].last_epoch == 5
         worker.WORKER["resume"] = False  # without --resume a saved state is ignored
-        assert spec._resume(path, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches) == 0
+        assert spec._resume(path, model=model, optimizer=optimizer, scheduler=scheduler,
+                            batches=batches) == (0, None)
     finally:
         worker.WORKER.clear()
         worker.WORKER.update(saved)
@@ -312,3 +322,33 @@ def test_a_variants_anchors_keep_their_density_at_the_tiny_shape(bench, tmp_path
         assert worker.train_config(job, known["speculators"], tmp_path).drafter.num_anchors == speculators_anchors
     finally:
         worker.WORKER.clear()
+
+
+@pytest.mark.slow
+def test_a_job_whose_call_ended_in_evaluation_resumes_trained_and_reports_its_training(bench, tmp_path, monkeypatch):
+    """A call that ends after a job trained but before its row is written (the device call's limit in evaluation):
+    the next call with --resume evaluates the finished checkpoint and reports the first call's training figures,
+    not a fresh 0-step run; the run's files go once the row is written."""
+    import json
+
+    import acceptance_ours
+
+    argv = ["--tiny", "--out", str(tmp_path / "out"), "--models-dir", str(tmp_path / "models"), "--workers", "1",
+            "--checkpoint-every", "2", "--variants", "default"]
+
+    def call_ends(drafter):
+        raise SystemExit("the call ended in evaluation")
+
+    evaluate = acceptance_ours.evaluate_drafter
+    monkeypatch.setattr(acceptance_ours, "evaluate_drafter", call_ends)
+    with pytest.raises(SystemExit, match="ended in evaluation"):
+        bench.main(argv)
+    run_dir = tmp_path / "out" / "work" / "runs" / "default-4s0"
+    trained = json.loads((run_dir / "trained.json").read_text())
+    assert trained["resumed_from_step"] == 0 and trained["train_s"] > 0
+    monkeypatch.setattr(acceptance_ours, "evaluate_drafter", evaluate)
+    bench.main([*argv, "--resume"])
+    (row,) = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert row["variant"] == "default" and row["all_match_target"]
+    assert {key: row[key] for key in trained} == trained  # the first call's training, not a 0-step rerun
+    assert not run_dir.exists()
