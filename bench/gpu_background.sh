@@ -7,7 +7,7 @@
 #     bash bench/gpu_background.sh start bash bench/gpu_call_acceptance.sh scale 2000 16 "0 1" 12 1500 ...
 #     bash bench/gpu_background.sh wait 560     (again until it says finished; timeout_s of the call > 560)
 # The run's $OUT is $BG/out (default BG=/tmp/bg); each wait copies it into the call's $OUT and prints the log's
-# tail. `start` refuses while an earlier run is still going.
+# tail. `start` refuses while an earlier run is still going, or finished with no wait since to bring it back.
 set -u
 BG=${BG:-/tmp/bg}
 case "${1:-}" in
@@ -16,6 +16,10 @@ case "${1:-}" in
     if [ $# -eq 0 ]; then echo "usage: bash bench/gpu_background.sh start COMMAND [ARGS...]" >&2; exit 2; fi
     if [ -f "$BG/pid" ] && [ ! -f "$BG/rc" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null; then
       echo "a run is still going (pid $(cat "$BG/pid")): wait for it first" >&2; exit 1
+    fi
+    if [ -f "$BG/rc" ] && [ ! -f "$BG/fetched" ] && [ "${FORCE:-0}" != 1 ]; then
+      echo "the last run (rc $(cat "$BG/rc")) finished but no wait brought its output back: wait first, or FORCE=1" >&2
+      exit 1
     fi
     rm -rf "$BG" && mkdir -p "$BG/out"
     printf '%q ' "$@" > "$BG/command"
@@ -30,7 +34,10 @@ case "${1:-}" in
     while [ ! -f "$BG/rc" ] && [ "$SECONDS" -lt "$end" ]; do sleep 2; done
     [ -n "${OUT:-}" ] && mkdir -p "$OUT" && cp -r "$BG/out/." "$OUT/"
     tail -n "${TAIL_LINES:-40}" "$BG/log.txt"
-    if [ -f "$BG/rc" ]; then echo "finished: rc $(cat "$BG/rc")"; exit "$(cat "$BG/rc")"; fi
+    if [ -f "$BG/rc" ]; then
+      [ -n "${OUT:-}" ] && touch "$BG/fetched"
+      echo "finished: rc $(cat "$BG/rc")"; exit "$(cat "$BG/rc")"
+    fi
     if ! kill -0 "$(cat "$BG/pid")" 2>/dev/null; then echo "the run died without an exit status (killed?)"; exit 1; fi
     echo "still running: wait again"
     ;;

@@ -25,7 +25,7 @@ wheels=(.carry/acceptance/b/whl/*.whl)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   "${wheels[@]}" || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-source bench/gpu_mps.sh  # MPS=1: the workers share the GPU through an MPS server (bench/gpu_call_sharing.sh)
+source "$(dirname "$0")/gpu_mps.sh"  # MPS=1: the workers share the GPU through an MPS server (bench/gpu_call_sharing.sh)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 set -o pipefail

@@ -17,7 +17,7 @@ export PYTHONPATH=/tmp/pylib
 OUT=${OUT:-/tmp/out}
 mode=${MODE:-default}
 cores=$(nproc)
-source bench/gpu_mps.sh
+source "$(dirname "$0")/gpu_mps.sh"
 mkdir -p "$OUT/sharing"
 for n in ${1:-1 2 4 8}; do
   echo "=== $n at once"

@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_background.sh"
@@ -29,6 +30,23 @@ def test_a_background_run_is_waited_for_across_calls_and_brings_back_its_out(tmp
     second = _run(["wait", "30"], bg=bg, out=tmp_path / "call2")
     assert "done" in second.stdout and second.stdout.strip().endswith("finished: rc 0")
     assert (tmp_path / "call2" / "results.jsonl").is_file()
+    assert _run(["start", "true"], bg=bg, out=tmp_path / "call3").returncode == 0  # brought back: a new run may start
+
+
+def test_a_finished_run_no_wait_brought_back_is_kept_from_the_next_start(tmp_path):
+    bg = tmp_path / "bg"
+    assert _run(["start", "bash", "-c", 'echo row > "$OUT/results.jsonl"'], bg=bg, out=tmp_path / "c0").returncode == 0
+    for _ in range(100):  # the run ends at once; its exit status lands a moment later
+        if (bg / "rc").is_file():
+            break
+        time.sleep(0.1)
+    refused = _run(["start", "true"], bg=bg, out=tmp_path / "c1")
+    assert refused.returncode == 1 and "no wait brought its output back" in refused.stderr
+    assert (bg / "out" / "results.jsonl").read_text() == "row\n"
+    forced = subprocess.run(["bash", str(SCRIPT), "start", "true"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "BG": str(bg), "FORCE": "1"})
+    assert forced.returncode == 0 and not (bg / "out" / "results.jsonl").exists()
+
 
 def test_waiting_without_a_run_says_so(tmp_path):
     waited = _run(["wait", "1"], bg=tmp_path / "none", out=tmp_path / "out")
