@@ -8,8 +8,16 @@ if [ "${MPS:-0}" = 1 ]; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     if nvidia-cuda-mps-control -d; then
-      mps=on
       trap 'echo quit | nvidia-cuda-mps-control' EXIT
+      # a started control daemon does not prove clients work (a sandbox may refuse them): one tiny CUDA op
+      if timeout 90 python3 -c "import torch; assert torch.ones(4, device='cuda').sum().item() == 4" 2> /tmp/mps/probe.err; then
+        mps=on
+      else
+        echo "MPS: the server started but a CUDA op through it failed ($(tail -n 2 /tmp/mps/probe.err)): processes take turns on the GPU"
+        echo quit | nvidia-cuda-mps-control
+        trap - EXIT
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      fi
     else
       echo "MPS: the server did not start ($(tail -n 3 /tmp/mps/log/control.log 2>/dev/null)): processes take turns on the GPU"
     fi
