@@ -326,6 +326,17 @@ def test_a_variants_anchors_keep_their_density_at_the_tiny_shape(bench, tmp_path
 
 @pytest.mark.slow
 def test_a_job_whose_call_ended_in_evaluation_resumes_trained_and_reports_its_training(bench, tmp_path, monkeypatch):
+    import acceptance_worker as worker
+
+    saved = dict(worker.WORKER)  # the in-process worker's state (its corpus, target) must not reach other tests
+    try:
+        _call_ends_in_evaluation_then_resumes(bench, tmp_path, monkeypatch)
+    finally:
+        worker.WORKER.clear()
+        worker.WORKER.update(saved)
+
+
+def _call_ends_in_evaluation_then_resumes(bench, tmp_path, monkeypatch):
     """A call that ends after a job trained but before its row is written (the device call's limit in evaluation):
     the next call with --resume evaluates the finished checkpoint and reports the first call's training figures,
     not a fresh 0-step run; the run's files go once the row is written."""
