@@ -18,6 +18,7 @@ from torch import nn
 
 from dflash_core.hybrid import GDNKernels, install_packed_gdn, packed_documents
 from dflash_core.model.drafter import TargetHeads
+from dflash_core.packed_mask import host_position_ids as packed_mask_from_host
 
 TINY_FAMILIES = ("llama", "qwen3", "qwen3_5")
 
@@ -241,8 +242,9 @@ class HiddenStateCapture:
         host_position_ids: torch.Tensor | None = None,
         gdn_summary: bool = False,
     ) -> CapturedStates:
-        """`host_position_ids`: a host copy of `position_ids`; hybrid targets read the document
-        boundaries from it (else from `position_ids`, which waits for the device). `gdn_summary`:
+        """`host_position_ids`: a host copy of `position_ids`; the document boundaries are read from it
+        (hybrid targets' GDN segments, transformers' packed-sequence mask: dflash_core.packed_mask)
+        rather than from `position_ids`, which waits for the device. `gdn_summary`:
         also record each GDN layer's mean output per document (for `validate_capture`)."""
         batch, seq_len = input_ids.shape
         positions = host_position_ids if host_position_ids is not None else position_ids
@@ -257,7 +259,7 @@ class HiddenStateCapture:
         self._final = None
         self._active = True
         try:
-            with documents:
+            with documents, packed_mask_from_host(host_position_ids if position_ids is not None else None):
                 self.decoder(
                     input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
                 )

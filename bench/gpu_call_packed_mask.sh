@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call (issue #43; ~8 minutes on a fresh H200), carrying [".carry/node", ".carry/fp8"]
+# (bash infra/node-wheelhouse.sh fills them), from the repository root:
+#     bash bench/gpu_call_packed_mask.sh [hybrid|dense|both]
+# A/B of dflash_core.packed_mask on one machine: transformers' packed-sequence check (find_packed_sequence_indices)
+# read from the batch's host copy of the position ids (on), against transformers reading the device's copy, which
+# waits for the GPU once per target forward (off: the module's install made a no-op). The 27B hybrid's FP8 step
+# (bench_hybrid_step, packed) first, then the Qwen3-8B DFlash 2 FP8 step (bench_train_e2e). Rows land in
+# $OUT/mask/<bench>-<on|off>.json; compare with bench/results/drafter-fp8-2026-12-04/.
+set -u
+export PYTHONUNBUFFERED=1
+python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl') + glob.glob('.carry/fp8/*.whl')]"
+export PYTHONPATH=/tmp/pylib
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/mask"
+run() {  # run NAME on|off SCRIPT ARGS...: the bench in this process, with the host-copy check installed or not
+  local name=$1 state=$2 script=$3; shift 3
+  echo "=== $name, host-copy packed check $state"
+  timeout 300 python3 - "$state" "$script" "$@" --json "$OUT/mask/$name-$state.json" <<'PY' 2>&1 | grep -v Warn | tail -4
+import runpy, sys
+import dflash_core.packed_mask as packed_mask
+state, script = sys.argv[1], sys.argv[2]
+packed_mask._installed = state == "off"  # off: install() does nothing, transformers reads the device's copy
+sys.argv = [script] + sys.argv[3:]
+runpy.run_path(script, run_name="__main__")
+PY
+}
+case "${1:-both}" in
+  hybrid|both)
+    for state in off on; do
+      run hybrid-tfp8-dfp8 "$state" bench/bench_hybrid_step.py --packing packed --target-fp8 --drafter-fp8 tensorwise
+    done ;;&
+  dense|both)
+    for state in on off; do
+      run d2-tfp8-dfp8 "$state" bench/bench_train_e2e.py --variant dflash2 --target-fp8 --drafter-fp8 tensorwise
+    done ;;
+esac
