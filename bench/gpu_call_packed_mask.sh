@@ -5,7 +5,7 @@
 # A/B of dflash_core.packed_mask on one machine: transformers' packed-sequence check (find_packed_sequence_indices)
 # read from the batch's host copy of the position ids (on), against transformers reading the device's copy, which
 # waits for the GPU once per target forward (off: the module's install made a no-op). The 27B hybrid's FP8 step
-# (bench_hybrid_step, packed) first, then the Qwen3-8B DFlash 2 FP8 step (bench_train_e2e). Rows land in
+# (bench_hybrid_step, packed) first, after the GPU test that the forward does not sync, then the Qwen3-8B DFlash 2 FP8 step (bench_train_e2e). Rows land in
 # $OUT/mask/<bench>-<on|off>.json; compare with bench/results/drafter-fp8-2026-12-04/.
 set -u
 export PYTHONUNBUFFERED=1
@@ -13,6 +13,8 @@ python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') f
 export PYTHONPATH=/tmp/pylib
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/mask"
+echo "=== tests/gpu/test_packed_mask_gpu.py (no sync in a packed forward with the host copy)"
+timeout 120 python3 -m pytest -o addopts="" --noconftest -q -p no:cacheprovider tests/gpu/test_packed_mask_gpu.py 2>&1 | tail -3
 run() {  # run NAME on|off SCRIPT ARGS...: the bench in this process, with the host-copy check installed or not
   local name=$1 state=$2 script=$3; shift 3
   echo "=== $name, host-copy packed check $state"
