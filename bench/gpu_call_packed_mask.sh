@@ -4,9 +4,10 @@
 #     bash bench/gpu_call_packed_mask.sh [hybrid|dense|both]
 # A/B of dflash_core.packed_mask on one machine: transformers' packed-sequence check (find_packed_sequence_indices)
 # read from the batch's host copy of the position ids (on), against transformers reading the device's copy, which
-# waits for the GPU once per target forward (off: the module's install made a no-op). The 27B hybrid's FP8 step
-# (bench_hybrid_step, packed) first, after the GPU test that the forward does not sync, then the Qwen3-8B DFlash 2 FP8 step (bench_train_e2e). Rows land in
-# $OUT/mask/<bench>-<on|off>.json; compare with bench/results/drafter-fp8-2026-12-04/.
+# waits for the GPU once per target forward (off: the module's install made a no-op). First the GPU test that
+# such a forward does not sync, then the 27B hybrid's FP8 step (bench_hybrid_step, packed), then the Qwen3-8B
+# DFlash 2 FP8 step (bench_train_e2e). Rows land in $OUT/mask/<bench>-<on|off>.json; compare with
+# bench/results/drafter-fp8-2026-12-04/.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl') + glob.glob('.carry/fp8/*.whl')]"
