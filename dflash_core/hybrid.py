@@ -111,7 +111,8 @@ def packed_segments(position_ids_BT: torch.Tensor, *, device: torch.device | Non
     cu = [0] + [b * seq_len + end for b, row in enumerate(bounds) for _, end in row]
     cu_cpu = torch.tensor(cu, dtype=torch.long)
     device = torch.device(device) if device is not None else position_ids_BT.device
-    return PackedSegments(tuple(bounds), starts.flatten(), cu_cpu.to(device, non_blocking=True), cu_cpu)
+    staged = cu_cpu.pin_memory() if device.type == "cuda" else cu_cpu  # a pageable source may make the copy wait
+    return PackedSegments(tuple(bounds), starts.flatten(), staged.to(device, non_blocking=True), cu_cpu)
 
 
 @contextlib.contextmanager
