@@ -12,7 +12,9 @@
 # 2026-12-05 (bench/results/acceptance-step-alone-2026-12-05/): default mode 26.6 ms a 2,048-token step (GPU busy
 # 4.7 ms), 46.6 ms an 8,192-token one (11.3 ms); reduce-overhead broke in the 30-layer target's first forward
 # (each no-grad layer call started a new graph iteration, which gave up the last layer's output), which the
-# target's layers now copy their outputs for (dflash_core.target_runtime.graph_outputs_owned): this call checks it.
+# target's layers now copy their outputs for (dflash_core.target_runtime.graph_outputs_owned). 2026-12-05, session 25:
+# the graphs replay, but 4 of them record again every step (82.2 ms against 37.3 ms in the default mode); the
+# reduce-overhead run logs why each graph records (TORCH_LOGS=cudagraphs,perf_hints) into its .log.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl') + glob.glob('.carry/fp8/*.whl')]"
@@ -26,7 +28,8 @@ for tokens in ${TOKENS:-2048 8192}; do
   for mode in default reduce-overhead; do
     echo "=== step, $tokens-token row, compile mode $mode"
     name="smol-$tokens-$mode"
-    timeout 150 python3 bench/bench_train_e2e.py --target random:smollm2-135m --token-budget "$tokens" \
+    logs=""; [ "$mode" = reduce-overhead ] && logs="cudagraphs,perf_hints"  # why each graph records (in the .log)
+    TORCH_LOGS="$logs" timeout 150 python3 bench/bench_train_e2e.py --target random:smollm2-135m --token-budget "$tokens" \
       --sample-len 256 --anchors $((tokens / 16)) --layers 2 --block-size 8 --warmup 10 --steps 100 --profile \
       --profile-steps 5 --compile-mode "$mode" --profile-out "$OUT/e2e/$name.trace.json.gz" --json "$OUT/e2e/$name.json" \
       > "$OUT/e2e/$name.log" 2>&1
