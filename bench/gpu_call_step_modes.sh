@@ -28,8 +28,8 @@ for tokens in ${TOKENS:-2048 8192}; do
   for mode in default reduce-overhead; do
     echo "=== step, $tokens-token row, compile mode $mode"
     name="smol-$tokens-$mode"
-    logs=""; [ "$mode" = reduce-overhead ] && logs="cudagraphs,perf_hints"  # why each graph records (in the .log)
-    TORCH_LOGS="$logs" timeout 150 python3 bench/bench_train_e2e.py --target random:smollm2-135m --token-budget "$tokens" \
+    logs=(); [ "$mode" = reduce-overhead ] && logs=(TORCH_LOGS=cudagraphs,perf_hints)  # why each graph records
+    env "${logs[@]}" timeout 150 python3 bench/bench_train_e2e.py --target random:smollm2-135m --token-budget "$tokens" \
       --sample-len 256 --anchors $((tokens / 16)) --layers 2 --block-size 8 --warmup 10 --steps 100 --profile \
       --profile-steps 5 --compile-mode "$mode" --profile-out "$OUT/e2e/$name.trace.json.gz" --json "$OUT/e2e/$name.json" \
       > "$OUT/e2e/$name.log" 2>&1
