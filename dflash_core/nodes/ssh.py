@@ -17,6 +17,9 @@ import paramiko
 from dflash_core.nodes.access import CommandResult, CommandTimeout, HostKeyError, NodeAccess, NodeUnreachable
 
 _TIMEOUT_EXIT = 124  # coreutils timeout's exit status when it killed the command
+# sshd can send the exit status before the last of the command's output; the channel's EOF follows all of
+# it. A command that leaves a background child holding its output never sends EOF: wait this long for it.
+_EOF_AFTER_EXIT_S = 2.0
 
 
 class SSHAccess(NodeAccess):
@@ -70,13 +73,17 @@ class SSHAccess(NodeAccess):
         channel.shutdown_write()
         stdout, stderr = bytearray(), bytearray()
         deadline = start + timeout_s + 10
+        exited_at = None
         while True:
             while channel.recv_ready():
                 stdout += channel.recv(65536)
             while channel.recv_stderr_ready():
                 stderr += channel.recv_stderr(65536)
-            if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
-                break
+            if channel.exit_status_ready():
+                exited_at = exited_at or time.monotonic()
+                drained = not channel.recv_ready() and not channel.recv_stderr_ready()
+                if drained and (channel.eof_received or time.monotonic() - exited_at > _EOF_AFTER_EXIT_S):
+                    break
             if time.monotonic() > deadline:
                 channel.close()
                 raise CommandTimeout(f"on {self.name}: `{command[:300]}` still ran after {timeout_s:.0f} s")

@@ -69,6 +69,24 @@ def test_commands_files_and_timeouts(sshd: Sshd, tmp_path: Path) -> None:
             node.get(f"{remote}/nothing-here", tmp_path / "x")
 
 
+def test_every_byte_of_both_streams_arrives_even_when_the_exit_status_comes_first(sshd: Sshd) -> None:
+    """sshd may send the exit status before the command's last output (CI once lost a one-line stderr):
+    a run reads until the channel's EOF, which follows all of it."""
+    with sshd.node().connect() as node:
+        for index in range(30):
+            result = node.run(f"echo out{index}; echo err{index} >&2")
+            assert (result.stdout, result.stderr) == (f"out{index}\n", f"err{index}\n")
+
+
+def test_a_background_child_holding_the_output_does_not_hold_the_run(sshd: Sshd) -> None:
+    """Such a child keeps the channel from ever seeing EOF: the run still returns soon after the exit."""
+    with sshd.node().connect() as node:
+        started = time.monotonic()
+        result = node.run("echo started; sleep 8 &", timeout_s=30)
+        assert result.stdout == "started\n" and result.returncode == 0
+        assert time.monotonic() - started < 6
+
+
 def test_detached_process_outlives_the_session_and_only_ours_is_stopped(sshd: Sshd) -> None:
     node_def = sshd.node()
     records = f"{sshd.home}/pids-{uuid.uuid4().hex[:6]}"
