@@ -16,8 +16,7 @@ case "${1:-}" in
   *) echo "usage: bash bench/gpu_call_fp8_profiles.sh profiles|hybrid-bf16" >&2; exit 2 ;;
 esac
 export PYTHONUNBUFFERED=1
-python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl') + glob.glob('.carry/fp8/*.whl')]"
-export PYTHONPATH=/tmp/pylib
+source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/fp8"
 case "${1:-}" in

@@ -10,8 +10,7 @@
 # bench/results/drafter-fp8-2026-12-04/.
 set -u
 export PYTHONUNBUFFERED=1
-python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl') + glob.glob('.carry/fp8/*.whl')]"
-export PYTHONPATH=/tmp/pylib
+source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/mask"
 echo "=== tests/gpu/test_packed_mask_gpu.py (no sync in a packed forward with the host copy)"

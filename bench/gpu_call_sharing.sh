@@ -12,8 +12,7 @@
 # Rows: $OUT/sharing/<N>-<i>.json and .log; the table: $OUT/sharing/table.md.
 set -u
 export PYTHONUNBUFFERED=1
-python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl')]"
-export PYTHONPATH=/tmp/pylib
+source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
 OUT=${OUT:-/tmp/out}
 mode=${MODE:-default}
 cores=$(nproc)

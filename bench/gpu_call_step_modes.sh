@@ -17,8 +17,7 @@
 # reduce-overhead run logs why each graph records (TORCH_LOGS=cudagraphs,perf_hints) into its .log.
 set -u
 export PYTHONUNBUFFERED=1
-python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl') + glob.glob('.carry/fp8/*.whl')]"
-export PYTHONPATH=/tmp/pylib
+source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/e2e"
 echo "=== the graphs: tiny target, then the 30-layer SmolLM2 shape"
