@@ -259,7 +259,7 @@ class HiddenStateCapture:
         self._final = None
         self._active = True
         try:
-            with documents, packed_mask_from_host(host_position_ids if position_ids is not None else None):
+            with documents, packed_mask_from_host(host_position_ids):
                 self.decoder(
                     input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
                 )
