@@ -7,6 +7,7 @@ killed): only a port held by a process we did not start is an error."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,9 @@ from dflash_core.services.process import (
 )
 
 INSTANCES_FILE = "instances.json"
+# A server we just stopped can hold its port a moment after its PID reads dead: a multi-threaded process's
+# leader turns zombie before the last thread has closed the files they share (the listening socket too).
+PORT_RELEASE_GRACE_S = 10.0
 
 
 @dataclass
@@ -42,8 +46,8 @@ def launch(profile: _EngineProfile, *, num_instances: int, base_port: int, run_d
     if devices is not None and len(devices) < num_instances:
         raise ValueError(f"{num_instances} instances need {num_instances} devices, got {devices}")
     ports = [base_port + i for i in range(num_instances)]
-    stop_recorded(run_dir)  # our own servers from a run that was killed before it could stop them
-    busy = [port for port in ports if not port_is_free(port, profile.host)]
+    stopped = stop_recorded(run_dir)  # our own servers from a run that was killed before it could stop them
+    busy = held_ports(ports, profile.host, grace_s=PORT_RELEASE_GRACE_S if stopped else 0.0)
     if busy:
         raise ServiceError(
             f"port(s) {busy} on {profile.host} are held by a process this launcher did not start (none is "
@@ -117,6 +121,16 @@ def stop_recorded(run_dir: Path) -> int:
     with ThreadPoolExecutor(max(1, len(running))) as pool:
         list(pool.map(stop, running))
     return len(running)
+
+
+def held_ports(ports: list[int], host: str, *, grace_s: float = 0.0, interval_s: float = 0.1) -> list[int]:
+    """The ports of `ports` that cannot be bound on `host`, polled for up to `grace_s` until none is held."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        busy = [port for port in ports if not port_is_free(port, host)]
+        if not busy or time.monotonic() >= deadline:
+            return busy
+        time.sleep(interval_s)
 
 
 def _save(run_dir: Path, instances: list[ServerInstance]) -> None:

@@ -230,3 +230,18 @@ def test_a_relaunch_stops_our_orphaned_servers_and_refuses_a_foreign_port(tmp_pa
                 launcher.launch(profile, num_instances=1, base_port=port, run_dir=tmp_path / "other")
     finally:
         launcher.stop_instances(again)
+
+
+def test_a_stopped_servers_port_gets_a_grace_before_it_counts_as_held() -> None:
+    """A port our stopped server still holds for a moment (its last thread closing the socket) is waited
+    for; without the grace it reads as held, which is what a relaunch would call a foreign process."""
+    import socket
+    import threading
+
+    port = free_port()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    assert launcher.held_ports([port], "127.0.0.1") == [port]
+    threading.Timer(0.5, holder.close).start()
+    assert launcher.held_ports([port], "127.0.0.1", grace_s=10.0) == []
