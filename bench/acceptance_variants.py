@@ -164,6 +164,12 @@ def variants() -> dict[str, Variant]:
         Variant("default+target_fp8+drafter_fp8", "the default, trained on the target's FP8 GEMMs with its own "
                 "linears in FP8 too (TrainConfig.target_fp8 and drafter_fp8); evaluated against the bf16 target",
                 drafter=_default(), train={"target_fp8": True, "drafter_fp8": True}),
+        Variant("default+lm_head_fp8", "the default, the loss's two LM-head GEMMs in FP8 (TrainConfig.lm_head_fp8)",
+                drafter=_default(), train={"lm_head_fp8": True}),
+        Variant("default+target_fp8+drafter_fp8+lm_head_fp8", "the default with every training GEMM FP8 can take: "
+                "the target's, the drafter's own linears and the loss's LM-head GEMMs (target_fp8, drafter_fp8, "
+                "lm_head_fp8); evaluated against the bf16 target",
+                drafter=_default(), train={"target_fp8": True, "drafter_fp8": True, "lm_head_fp8": True}),
         Variant("default+warmup=20", "the default, warmup 20 steps instead of 100 (half of a 200-step budget)",
                 drafter=_default(), optim={"warmup_steps": 20}),
         Variant("default+warmup=20+lr=1.2e-3", "the default, warmup 20 and twice the learning rate",
@@ -249,6 +255,7 @@ SUITES = {
                "default+dpace=selector+codebooks=embedding+anchors=stratified"],
     "fp8": ["default", "default+target_fp8", "default+target_fp8+fast_accum"],
     "drafter_fp8": ["default", "default+drafter_fp8", "default+target_fp8+drafter_fp8"],
+    "lm_head_fp8": ["default+lm_head_fp8", "default+target_fp8+drafter_fp8+lm_head_fp8"],
     # The learning rate on all three recipes at once (the baselines at 6e-4 are the core rows).
     "schedule": [f"{base}+lr={lr}" for lr in ("3e-4", "1.2e-3")
                  for base in ("default", "speculators", "speculators-dflash2")],

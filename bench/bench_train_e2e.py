@@ -19,6 +19,7 @@ carry=[".carry/node"]; a wheel is a zip, so no pip):
   python3 bench/bench_train_e2e.py --variant dflash2        (the same step for a DFlash 2 drafter)
   python3 bench/bench_train_e2e.py --prefetch 0 --log-every 1   (the old loop: inline packing, a sync a step)
   python3 bench/bench_train_e2e.py --target-fp8    (the target's decoder-layer GEMMs in FP8: TrainConfig.target_fp8)
+  python3 bench/bench_train_e2e.py --lm-head-fp8   (the loss's LM-head GEMMs in FP8: TrainConfig.lm_head_fp8)
   python3 bench/bench_train_e2e.py --drafter-fp8 [tensorwise|rowwise]   (the drafter's own linears in FP8 through
       torchao: TrainConfig.drafter_fp8; needs torchao on the path: `bash infra/node-wheelhouse.sh` puts its wheel in
       .carry/node/wheelhouse/, which the line above unzips)
@@ -109,12 +110,13 @@ def useful_tflop_parts(trainer, args) -> dict[str, float]:
 
 
 def precision_floor_ms(parts: dict[str, float], *, target_fp8: bool, drafter_fp8: bool, bf16_peak: float,
-                       fp8_peak: float) -> float:
+                       fp8_peak: float, lm_head_fp8: bool = False) -> float:
     """ms one step's useful FLOPs take with each part at the measured peak of the precision it runs in:
-    the target's linears and the drafter's own linears in FP8 where those options are on; attention and
-    both LM heads in bf16. MFU against it = this / the measured step."""
+    the target's linears, the drafter's own linears and the loss's LM-head GEMMs in FP8 where those options
+    are on; attention and the teacher's LM head in bf16. MFU against it = this / the measured step."""
     fp8_parts = {"target_linears"} if target_fp8 else set()
     fp8_parts |= {"drafter_linears"} if drafter_fp8 else set()
+    fp8_parts |= {"lm_head"} if lm_head_fp8 else set()
     return 1e3 * sum(tflop / (fp8_peak if name in fp8_parts else bf16_peak) for name, tflop in parts.items())
 
 
@@ -319,6 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--drafter-fp8", nargs="?", const="tensorwise", choices=["rowwise", "tensorwise"],
                         help="the drafter's own linears in FP8 through torchao's float8 training, with this "
                              "scaling recipe (default tensorwise; TrainConfig.drafter_fp8, drafter_fp8_recipe)")
+    parser.add_argument("--lm-head-fp8", action="store_true",
+                        help="the drafter loss's two LM-head GEMMs in FP8 (TrainConfig.lm_head_fp8)")
     parser.add_argument("--sync-debug", action="store_true", help="count synchronizing CUDA calls in the timed steps")
     parser.add_argument("--json", type=Path, help="write the result row here")
     args = parser.parse_args(argv)
@@ -342,6 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "loss_target": args.teacher, "variant": args.variant}, prefetch_batches=args.prefetch,
         target_fp8=args.target_fp8, target_fp8_fast_accum=args.fp8_fast_accum,
         drafter_fp8=args.drafter_fp8 is not None, drafter_fp8_recipe=args.drafter_fp8 or "tensorwise",
+        lm_head_fp8=args.lm_head_fp8,
     )
     started = time.perf_counter()
     trainer = build_trainer(config, corpus=corpus)
@@ -403,9 +408,10 @@ def main(argv: list[str] | None = None) -> dict:
     fp8_peak_tflops = measure_fp8_matmul_peak(device="cuda") if cuda else float("nan")
     mfu = tflop / (median_ms / 1e3) / peak_tflops
     floor_ms = precision_floor_ms(tflop_parts, target_fp8=args.target_fp8, drafter_fp8=args.drafter_fp8 is not None,
-                                  bf16_peak=peak_tflops, fp8_peak=fp8_peak_tflops)
+                                  bf16_peak=peak_tflops, fp8_peak=fp8_peak_tflops, lm_head_fp8=args.lm_head_fp8)
     precisions = {"target_gemms": "fp8 rowwise" if args.target_fp8 else "bf16",
-                  "drafter_gemms": f"fp8 {args.drafter_fp8}" if args.drafter_fp8 else "bf16"}
+                  "drafter_gemms": f"fp8 {args.drafter_fp8}" if args.drafter_fp8 else "bf16",
+                  "lm_head_gemms": "fp8 rowwise" if args.lm_head_fp8 else "bf16"}
     row = {
         "target": args.target, "variant": args.variant, "tokens_per_row": args.token_budget, "anchors": args.anchors,
         "ms_per_step": median_ms, "wall_ms_per_step": wall_ms, "tokens_per_s": real_tokens / median_ms * 1e3,
@@ -430,7 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.log_every} steps; wall {wall_ms:.1f} ms/step over the timed window; useful {tflop:.1f} TFLOP/step, "
           f"MFU {mfu:.1%} of the measured bf16 matmul peak {peak_tflops:.0f} TFLOP/s (FLOP limit "
           f"{tflop / peak_tflops * 1e3:.0f} ms)")
-    print(f"GEMM precisions: target {precisions['target_gemms']}, drafter {precisions['drafter_gemms']}; measured "
+    print(f"GEMM precisions: target {precisions['target_gemms']}, drafter {precisions['drafter_gemms']}, loss LM head "
+          f"{precisions['lm_head_gemms']}; measured "
           f"FP8 peak {fp8_peak_tflops:.0f} TFLOP/s; each part at the peak of its precision: {floor_ms:.0f} ms, MFU "
           f"against it {floor_ms / median_ms:.1%}")
     print(f"per-step ms after warmup: {[round(x) for x in step_ms]}")

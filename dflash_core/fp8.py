@@ -22,6 +22,7 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8).max  # 448
+GRAD_FP8 = torch.float8_e5m2  # gradients: e5m2's range keeps the small softmax terms e4m3 would flush to 0
 _ALIGN = 16
 _MIN_OUT_FEATURES = 256
 
@@ -39,11 +40,12 @@ def supports_fp8(device: torch.device) -> str | None:
     return None
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (x in FP8, fp32 scales [M, 1]) with x ~= fp8 * scale, each row scaled to its max."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / _FP8_MAX
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x in FP8 `dtype`, fp32 scales [M, 1]) with x ~= fp8 * scale, each row scaled to its max."""
+    top = torch.finfo(dtype).max
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / top
     # row-major whatever x's strides: _scaled_mm takes its first operand row-major only
-    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8).contiguous(), scale
+    return (x.float() / scale).clamp(-top, top).to(dtype).contiguous(), scale
 
 
 class Fp8Linear(nn.Module):
@@ -88,6 +90,49 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8" + (
             ", fast_accum" if self.fast_accum else "")
+
+
+class Fp8LMHead(nn.Module):
+    """The target's frozen LM head, for the drafter's loss with its two GEMMs in FP8 (`TrainConfig.lm_head_fp8`).
+
+    The loss computes, a chunk of rows at a time, logits = hidden @ W.T and the gradient grad_logits @ W
+    (`dflash_core.model.loss`, `dflash2_loss`). Here both run through `torch._scaled_mm`: the logits from
+    e4m3 hidden rows (a scale per row) and an e4m3 copy of W scaled per vocabulary row; the gradient from
+    e5m2 gradient rows (softmax terms far below a row's largest, which e4m3 would flush to zero) and an e4m3
+    copy of W scaled per hidden column, stored transposed so it is the column-major operand the GEMM takes.
+    Both copies are made once (W is frozen): 2 bytes per LM-head parameter beside the bf16 weight, which
+    stays for everything else that reads the head (calling the module: the teacher's labels and drafting;
+    the selector's candidate rows; a KL teacher's logits), so those keep their precision."""
+
+    def __init__(self, weight_VH: torch.Tensor) -> None:
+        super().__init__()
+        if weight_VH.dim() != 2 or weight_VH.shape[0] % _ALIGN or weight_VH.shape[1] % _ALIGN:
+            raise ValueError(f"lm_head_fp8 needs an LM head whose vocabulary and width are multiples of {_ALIGN} "
+                             f"(the FP8 GEMM's alignment), got {tuple(weight_VH.shape)}; set lm_head_fp8: false")
+        self.weight = weight_VH.detach()  # the target's own tensor, not copied and not a parameter of ours
+        logits_weight, logits_scale = quantize_rows(self.weight)
+        self.logits_weight, self.logits_scale = logits_weight, logits_scale.reshape(1, -1)  # [V, H], [1, V]
+        grad_weight_t, grad_scale = quantize_rows(self.weight.t())
+        self.grad_weight_t, self.grad_scale = grad_weight_t, grad_scale.reshape(1, -1)  # [H, V], [1, H]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.to(self.weight.dtype) @ self.weight.T  # the exact head, for every caller but the loss
+
+    def logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] @ W.T in FP8 -> [N, V] in W's dtype."""
+        rows, scale = quantize_rows(hidden_NH)
+        return torch._scaled_mm(rows, self.logits_weight.t(), scale_a=scale, scale_b=self.logits_scale,
+                                out_dtype=torch.bfloat16).to(self.weight.dtype)
+
+    def grad_input(self, grad_NV: torch.Tensor) -> torch.Tensor:
+        """grad_logits [N, V] @ W in FP8 -> [N, H] in W's dtype."""
+        rows, scale = quantize_rows(grad_NV, GRAD_FP8)
+        return torch._scaled_mm(rows, self.grad_weight_t.t(), scale_a=scale, scale_b=self.grad_scale,
+                                out_dtype=torch.bfloat16).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        vocab, width = self.weight.shape
+        return f"vocab={vocab}, width={width}, loss GEMMs in fp8"
 
 
 def quantize_linears(module: nn.Module, *, fast_accum: bool = False) -> tuple[int, int]:

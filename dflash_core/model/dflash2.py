@@ -219,6 +219,7 @@ class DFlash2DraftModel(DFlashDraftModel):
             compiled=self._layers_compiled,
             dpace_source=self.loss.dpace_source,
             teacher_hidden_NH=self._teacher_rows(teacher_hidden_BTH=teacher_hidden, plan=plan) if kl else None,
+            fp8_head=self.fp8_lm_head(),
         )
         metrics = selector_metrics(objective, valid_BAK=plan.label_valid, anchor_valid_BA=plan.anchor_valid)
         return DraftOutput(hidden_BAKH=drafted, labels_BAK=labels), objective.loss, metrics

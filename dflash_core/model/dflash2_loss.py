@@ -20,14 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from dflash_core.model.loss import cross_entropy_logit_grad, cross_entropy_terms, dpace_weights, even_chunk_size
+from dflash_core.model.loss import (
+    check_fp8_head, cross_entropy_logit_grad, cross_entropy_terms, dpace_weights, even_chunk_size, head_grad_input,
+    head_logits,
+)
 from dflash_core.model.topk import group_maxima, grouped_topk
 from dflash_core.model.loss_spec import DPACE_SOURCES
 from dflash_core.model.metrics import block_metrics
+
+if TYPE_CHECKING:
+    from dflash_core.fp8 import Fp8LMHead
 
 
 def transform_logits(logits: torch.Tensor, *, multiplier: float, softcap: float | None) -> torch.Tensor:
@@ -102,6 +109,24 @@ def _candidates(raw, labels, label_logit, top_k: int, *, multiplier: float, soft
     return ids, values, has_label
 
 
+def _reranked_candidates(hidden_NH, weight_VH, raw, labels, top_k: int, *, multiplier: float, softcap: float | None,
+                         maxima):
+    """`_candidates` when `raw` came from FP8 GEMMs (`lm_head_fp8`): their top-2K, re-scored with the exact
+    head rows, keep the best K, so the selector sees the candidates and values bf16 logits give it unless a
+    top-K entry fell out of FP8's top-2K. The label's logit is exact too."""
+    _, wide = grouped_topk(raw, 2 * top_k, maxima=maxima)
+    exact = torch.einsum("nh,nkh->nk", hidden_NH, weight_VH[wide])
+    raw_values, order = exact.topk(top_k, dim=-1)  # sorted: the last is the weakest
+    ids = wide.gather(1, order)
+    values = transform_logits(raw_values.float(), multiplier=multiplier, softcap=softcap)
+    label_raw = torch.einsum("nh,nh->n", hidden_NH, weight_VH[labels])
+    label_logit = transform_logits(label_raw.float(), multiplier=multiplier, softcap=softcap)
+    has_label = (ids == labels[:, None]).any(dim=-1)
+    ids[:, -1] = torch.where(has_label, ids[:, -1], labels)
+    values[:, -1] = torch.where(has_label, values[:, -1], label_logit)
+    return ids, values, has_label
+
+
 @functools.cache
 def compiled_unary_kernel():
     """`_unary_rows` torch.compile'd (GPU; shapes are static per chunk size), made once per process."""
@@ -123,7 +148,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, teacher_NH, top_k, multiplier, softcap, chunk_size,
-                label_smoothing, unary_kernel):
+                label_smoothing, unary_kernel, fp8_head):
         num_rows = hidden_NH.shape[0]
         device = hidden_NH.device
         compute_dtype = weight_VH.dtype
@@ -140,7 +165,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
         chunk_size = even_chunk_size(num_rows, chunk_size)
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
-            raw = hidden_NH[rows].to(compute_dtype) @ weight_VH.T
+            raw = head_logits(hidden_NH[rows], weight_VH, fp8_head)
             labels = labels_N[rows]
             if teacher_NH is None:
                 loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad, maxima = unary_kernel(
@@ -151,10 +176,15 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
                     teacher_raw = teacher_NH[rows].to(compute_dtype) @ weight_VH.T
                 loss_rows[rows], nll_rows[rows], label_logit, correct[rows], grad, maxima = unary_kernel(
                     raw, labels, teacher_raw, multiplier=multiplier, softcap=softcap, with_grad=needs_grad)
-            candidate_ids[rows], candidate_logits[rows], contains[rows] = _candidates(
-                raw, labels, label_logit, top_k, multiplier=multiplier, softcap=softcap, maxima=maxima)
+            if fp8_head is None:
+                candidate_ids[rows], candidate_logits[rows], contains[rows] = _candidates(
+                    raw, labels, label_logit, top_k, multiplier=multiplier, softcap=softcap, maxima=maxima)
+            else:
+                candidate_ids[rows], candidate_logits[rows], contains[rows] = _reranked_candidates(
+                    hidden_NH[rows].to(compute_dtype), weight_VH, raw, labels, top_k, multiplier=multiplier,
+                    softcap=softcap, maxima=maxima)
             if needs_grad:
-                grad_hidden[rows] = (grad @ weight_VH).to(hidden_NH.dtype)
+                grad_hidden[rows] = head_grad_input(grad, weight_VH, fp8_head).to(hidden_NH.dtype)
         ctx.save_for_backward(grad_hidden, weight_VH, candidate_ids, candidate_logits)
         ctx.transform = (multiplier, softcap)
         ctx.chunk_size = chunk_size
@@ -177,7 +207,7 @@ class _UnaryLossAndCandidates(torch.autograd.Function):
                 rows_of_head = weight_VH[candidate_ids[rows]]  # [chunk, K, H]
                 grad_rows = torch.einsum("nk,nkh->nh", grad_raw[rows].to(weight_VH.dtype), rows_of_head)
                 grad_hidden[rows] += grad_rows.to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None, None, None, None, None, None
+        return (grad_hidden,) + (None,) * 10
 
 
 def slot_scale(nll_N: torch.Tensor, token_weights_N: torch.Tensor, *, dpace_alpha: float | None,
@@ -230,6 +260,7 @@ def dflash2_objective(
     compiled: bool = False,
     dpace_source: str = "unary",
     teacher_hidden_NH: torch.Tensor | None = None,
+    fp8_head: Fp8LMHead | None = None,
 ) -> DFlash2Objective:
     """Both losses over N drafted slots. `selector` is a `CandidateSelector` (top_k, context,
     transition_scores); `predecessor_ids_N` the token before each slot on an accepted path.
@@ -242,9 +273,12 @@ def dflash2_objective(
     `teacher_hidden_NH`: the target's final-normed state per slot (whose logits predict its label); with
     it the unary loss is KL(teacher || drafter) over the transformed logits, the teacher's logits made a
     chunk at a time, and `labels_N` must be the teacher's argmax (the selector, the candidates and
-    D-PACE's unary confidence read them)."""
+    D-PACE's unary confidence read them). `fp8_head`: the FP8 copy of the head (`dflash_core.fp8.Fp8LMHead`),
+    whose GEMMs then make the unary logits and their input gradient; the candidates' rows, the selector and a
+    KL teacher's logits keep the head's dtype."""
     if lm_head_weight.requires_grad:
         raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
+    check_fp8_head(fp8_head, lm_head_weight)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if output_multiplier <= 0:  # the candidates are the raw top-K: a negative multiplier would flip them
@@ -276,6 +310,7 @@ def dflash2_objective(
             chunk_size,
             float(label_smoothing),
             kernel,
+            fp8_head,
         )
     )
     context = selector.context(hidden_NH, predecessor_ids_N)

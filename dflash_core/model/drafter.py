@@ -16,6 +16,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from dflash_core.fp8 import Fp8LMHead
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.model.attention import AttendFn, DFlashDecoderLayer, RMSNorm, RotaryEmbedding
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
@@ -110,6 +111,17 @@ class DFlashDraftModel(nn.Module):
         if rows <= self.config.mask_token_id:
             raise ValueError(f"mask_token_id {self.config.mask_token_id} is not a row of the {rows}-row embedding")
         self._target = (heads,)
+
+    def use_fp8_lm_head(self) -> None:
+        """From now on the loss's two GEMMs against the LM head run in FP8 (`TrainConfig.lm_head_fp8`;
+        `dflash_core.fp8.Fp8LMHead`). Everything else that reads the head keeps its bf16 weight."""
+        heads = self.target_heads
+        if not isinstance(heads.lm_head, Fp8LMHead):
+            self.attach_target(dataclasses.replace(heads, lm_head=Fp8LMHead(heads.lm_head.weight)))
+
+    def fp8_lm_head(self) -> Fp8LMHead | None:
+        head = self.target_heads.lm_head
+        return head if isinstance(head, Fp8LMHead) else None
 
     @property
     def target_heads(self) -> TargetHeads:
@@ -289,6 +301,7 @@ class DFlashDraftModel(nn.Module):
             chunk_size=loss_chunk_size or default_chunk_size(vocab_size=lm_head_weight.shape[0]),
             label_smoothing=self.loss.label_smoothing,
             compiled=self._layers_compiled,
+            fp8_head=self.fp8_lm_head(),
         )
         labels = torch.where(valid, out.labels.view_as(valid), torch.zeros_like(valid, dtype=torch.long))
         metrics = block_metrics(

@@ -14,8 +14,13 @@ import functools
 import math
 from collections.abc import Callable
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from dflash_core.fp8 import Fp8LMHead
 
 
 def position_weights(*, block_size: int, gamma: float, device=None) -> torch.Tensor:
@@ -160,6 +165,22 @@ class LMHeadLoss:
     weights: torch.Tensor
 
 
+def head_logits(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, fp8_head: Fp8LMHead | None) -> torch.Tensor:
+    """One chunk's logits, hidden @ W.T: in W's dtype, or through the FP8 copy of W when there is one."""
+    return fp8_head.logits(hidden_NH) if fp8_head is not None else hidden_NH.to(weight_VH.dtype) @ weight_VH.T
+
+
+def head_grad_input(grad_NV: torch.Tensor, weight_VH: torch.Tensor, fp8_head: Fp8LMHead | None) -> torch.Tensor:
+    """One chunk's input gradient, grad_logits @ W, as `head_logits` computes the logits."""
+    return fp8_head.grad_input(grad_NV) if fp8_head is not None else grad_NV @ weight_VH
+
+
+def check_fp8_head(fp8_head: Fp8LMHead | None, lm_head_weight: torch.Tensor) -> None:
+    if fp8_head is not None and (fp8_head.weight.data_ptr() != lm_head_weight.data_ptr()
+                                 or fp8_head.weight.shape != lm_head_weight.shape):
+        raise ValueError("fp8_head must be the FP8 copy of this lm_head_weight (Fp8LMHead(lm_head_weight))")
+
+
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """Per chunk of rows: logits, per-row loss and the per-row gradient d(loss_row)/d(hidden),
     unweighted. Weights are applied once every row's loss is known, which is what lets D-PACE
@@ -167,7 +188,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, teacher_NH, token_weights_N, valid_N, chunk_size,
-                dpace_alpha, num_slots, label_smoothing, kernels):
+                dpace_alpha, num_slots, label_smoothing, kernels, fp8_head):
         compute_dtype = weight_VH.dtype
         num_rows = hidden_NH.shape[0]
         device = hidden_NH.device
@@ -181,7 +202,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         chunk_size = even_chunk_size(num_rows, chunk_size)
         for start in range(0, num_rows, chunk_size):
             end = start + chunk_size
-            logits = hidden_NH[start:end].to(compute_dtype) @ weight_VH.T
+            logits = head_logits(hidden_NH[start:end], weight_VH, fp8_head)
             if teacher_NH is None and label_smoothing > 0:
                 loss_rows[start:end], nll_rows[start:end], correct[start:end], grad_logits = kernels.smoothed_ce(
                     logits, labels_N[start:end], smoothing=label_smoothing, with_grad=needs_grad)
@@ -194,7 +215,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 (loss_rows[start:end], nll_rows[start:end], correct[start:end], labels_out[start:end],
                  grad_logits) = kernels.kl(logits, teacher_logits, with_grad=needs_grad)
             if needs_grad:
-                grad_hidden[start:end] = (grad_logits @ weight_VH).to(hidden_NH.dtype)
+                grad_hidden[start:end] = head_grad_input(grad_logits, weight_VH, fp8_head).to(hidden_NH.dtype)
         if dpace_alpha is None:
             weights = token_weights_N * valid_N
             total = weights.sum().clamp_min(1e-12)
@@ -212,7 +233,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_correct, grad_labels, grad_weights):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None, None, None
+        return (grad_hidden * grad_loss.to(grad_hidden.dtype),) + (None,) * 11
 
 
 def chunked_lm_head_loss(
@@ -228,6 +249,7 @@ def chunked_lm_head_loss(
     chunk_size: int = 2048,
     label_smoothing: float = 0.0,
     compiled: bool = False,
+    fp8_head: Fp8LMHead | None = None,
 ) -> LMHeadLoss:
     """The drafter's loss over logits = hidden @ lm_head_weight.T, a chunk of rows at a time.
 
@@ -239,10 +261,12 @@ def chunked_lm_head_loss(
     num_valid, as speculators). The LM head weight gets no gradient (it is the target's, frozen).
     `label_smoothing` s (cross-entropy only): each row's loss is (1 - s) * CE + s * the mean over the
     vocabulary of -log q; D-PACE still weighs slots by the label's own NLL. `compiled`: the per-chunk
-    kernels torch.compile'd (GPU).
+    kernels torch.compile'd (GPU). `fp8_head`: the FP8 copy of the head (`dflash_core.fp8.Fp8LMHead`), whose
+    GEMMs then make the logits and the input gradient; a KL teacher's logits stay in the head's dtype.
     """
     if lm_head_weight.requires_grad:
         raise ValueError("the LM head must be frozen (requires_grad=False): it belongs to the target")
+    check_fp8_head(fp8_head, lm_head_weight)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if (labels_N is None) == (teacher_hidden_NH is None):
@@ -260,7 +284,7 @@ def chunked_lm_head_loss(
     weights = token_weights_N.float() if token_weights_N is not None else None
     loss, correct, labels, applied = _ChunkedLMHeadLoss.apply(
         hidden_NH, lm_head_weight, labels_N, teacher_hidden_NH, weights, valid, chunk_size, dpace_alpha, num_slots,
-        float(label_smoothing), compiled_kernels() if compiled else EAGER_KERNELS)
+        float(label_smoothing), compiled_kernels() if compiled else EAGER_KERNELS, fp8_head)
     return LMHeadLoss(loss=loss, correct=correct, labels=labels, weights=applied)
 
 

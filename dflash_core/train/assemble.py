@@ -68,6 +68,8 @@ def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Dis
     drafter_config = drafter_config_for(config, target_config=target.config, corpus=corpus,
                                         tokenizer=load_target_tokenizer(config.target, models_dir=models_dir))
     drafter = _build_drafter(drafter_config, target, config=config, devices=devices)
+    if config.lm_head_fp8:
+        use_fp8_lm_head(drafter, device=devices.drafter, log=dist_info.is_main)
     if config.drafter_fp8:  # before compiling (parallelize) and before the optimizer takes its parameters
         convert_drafter(drafter, recipe=config.drafter_fp8_recipe, log=dist_info.is_main)
     if config.target_fp8:  # after the drafter copied what it needs (heads, init layers) from the target
@@ -125,6 +127,21 @@ def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool,
     quantized, kept = quantize_decoder_layers_fp8(target, fast_accum=fast_accum)
     if log:
         print(f"target GEMMs: fp8 ({quantized} linears; {kept} kept in their dtype: unaligned or narrow)",
+              file=sys.stderr, flush=True)
+
+
+def use_fp8_lm_head(drafter: torch.nn.Module, *, device: torch.device, log: bool) -> None:
+    """The drafter loss's LM-head GEMMs to FP8 (dflash_core.fp8.Fp8LMHead), or a ValueError saying why this
+    device cannot."""
+    from dflash_core.fp8 import supports_fp8
+
+    why = supports_fp8(device)
+    if why is not None:
+        raise ValueError(f"lm_head_fp8: {why}; set lm_head_fp8: false to keep the loss's LM-head GEMMs in bf16")
+    drafter.use_fp8_lm_head()
+    if log:
+        vocab, width = drafter.target_heads.lm_head.weight.shape
+        print(f"loss LM-head GEMMs: fp8 ([{vocab}, {width}] head, copies {2 * vocab * width / 2**30:.2f} GiB)",
               file=sys.stderr, flush=True)
 
 

@@ -73,7 +73,7 @@ def _version(name: str) -> str | None:
 
 
 def refuse_unsupported_fp8(config: TrainConfig, devices: TrainDevices) -> None:
-    """target_fp8 on a device without row-wise FP8 GEMMs, or drafter_fp8 on one torchao's float8 training
+    """target_fp8 or lm_head_fp8 on a device without row-wise FP8 GEMMs, or drafter_fp8 on one torchao's float8 training
     cannot use: an `error:` line before the target loads (the flow reads it as a refusal, which no retry
     can fix)."""
     from dflash_core.drafter_fp8 import supports_drafter_fp8
@@ -82,6 +82,9 @@ def refuse_unsupported_fp8(config: TrainConfig, devices: TrainDevices) -> None:
     why = supports_fp8(devices.target) if config.target_fp8 else None
     if why is not None:
         raise SystemExit(f"error: target_fp8: {why}; set target_fp8: false to keep the target in its own dtype")
+    why = supports_fp8(devices.drafter) if config.lm_head_fp8 else None
+    if why is not None:
+        raise SystemExit(f"error: lm_head_fp8: {why}; set lm_head_fp8: false to keep the loss's LM-head GEMMs in bf16")
     why = supports_drafter_fp8(devices.drafter, config.drafter_fp8_recipe) if config.drafter_fp8 else None
     if why is not None:
         raise SystemExit(f"error: drafter_fp8: {why}; set drafter_fp8: false to train the drafter's GEMMs in bf16")
