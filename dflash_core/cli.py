@@ -52,6 +52,7 @@ def plan(
     dtype_bytes: Annotated[int, typer.Option(help="Bytes per stored value (bf16 = 2).")] = 2,
     target_fp8: Annotated[bool, typer.Option(help="Target decoder-layer weights in FP8 (train's target_fp8).")] = False,
     drafter_fp8: Annotated[bool, typer.Option(help="The drafter's linears in FP8 (train's drafter_fp8).")] = False,
+    lm_head_fp8: Annotated[bool, typer.Option(help="The loss's LM-head GEMMs in FP8 (train's lm_head_fp8).")] = False,
     samples: Annotated[float, typer.Option(help="Training samples (1e6 is fine).")] = 100_000,
     mean_tokens: Annotated[float, typer.Option(help="Mean tokens per sample.")] = 2000,
     mean_completion_tokens: Annotated[Optional[float], typer.Option(help="Mean generated tokens per sample.")] = None,
@@ -71,7 +72,7 @@ def plan(
         shape = _resolve_shape(preset, model_config, hidden_size, num_layers, target_params)
         inputs = planner.PlanInputs(
             target=shape, tapped_layers=tapped_layers, dtype_bytes=dtype_bytes, target_fp8=target_fp8,
-            drafter_fp8=drafter_fp8, samples=samples,
+            drafter_fp8=drafter_fp8, lm_head_fp8=lm_head_fp8, samples=samples,
             mean_tokens=mean_tokens, mean_completion_tokens=mean_completion_tokens,
             anchors_per_sample=anchors_per_sample, drafter_layers=drafter_layers, block_size=block_size,
             token_budget=token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,
@@ -157,6 +158,8 @@ def planner_table(result: planner.Plan) -> Table:
         *([("drafter_fp8 saves", binary_bytes(result.drafter_fp8_saved_bytes),
             "no bf16 copies of the drafter's linear weights and their gradients (measured)")]
           if result.drafter_fp8_saved_bytes else []),
+        *([("lm_head_fp8 adds", binary_bytes(result.lm_head_fp8_bytes), "the LM head's two FP8 copies, drafter's GPU")]
+          if result.lm_head_fp8_bytes else []),
         ("hidden-state transfer / batch", binary_bytes(result.transfer_bytes_per_batch),
          f"{result.transfer_ms_per_batch:.2f} ms (pair layout)"),
         ("generation wall time", f"{result.generation_hours:,.1f} h", "all samples, all instances"),

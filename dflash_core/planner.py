@@ -150,6 +150,8 @@ class PlanInputs(BaseModel):
                              "of its own): TrainConfig.target_fp8.")
     drafter_fp8: bool = Field(False, description="The drafter's own linears in FP8 (torchao float8 training; "
                               "fp32 masters and optimizer state as before): TrainConfig.drafter_fp8.")
+    lm_head_fp8: bool = Field(False, description="The loss's LM-head GEMMs in FP8: two FP8 copies of the head on "
+                              "the drafter's GPU, 2 bytes per head parameter: TrainConfig.lm_head_fp8.")
     samples: int = Field(gt=0, le=MAX_SAMPLES)
     mean_tokens: float = Field(gt=0, le=MAX_TOKENS, description="Mean tokens per sample (prompt + completion).")
     mean_completion_tokens: float | None = Field(None, gt=0, le=MAX_TOKENS,
@@ -213,6 +215,8 @@ class Plan(BaseModel):
     drafter_activation_bytes: int
     drafter_fp8_saved_bytes: int = Field(0, description="What drafter_fp8 takes off the peaks: no bf16 working "
                                          "copies of the drafter's linear weights and their gradients.")
+    lm_head_fp8_bytes: int = Field(0, description="What lm_head_fp8 adds on the drafter's GPU: the head's two FP8 "
+                                   "copies (0 when the vocabulary is unknown).")
     layouts: list[LayoutVerdict]
     transfer_bytes_per_batch: int
     transfer_ms_per_batch: float
@@ -295,8 +299,11 @@ def plan(inputs: PlanInputs, *, suggest: bool = True) -> Plan:
     fp8_saved = min(drafter_activations, math.floor(
         drafter_linear_params(shape, **drafter) * _DRAFTER_FP8_SAVED_PER_LINEAR_PARAM)) if inputs.drafter_fp8 else 0
 
+    lm_head_fp8_bytes = 2 * (shape.vocab_size or 0) * hidden if inputs.lm_head_fp8 else 0
+
     transfer_bytes = budget * (inputs.tapped_layers + 1) * hidden * inputs.dtype_bytes
-    layouts = _layouts(inputs, target_weights, drafter_state, target_activations, drafter_activations - fp8_saved,
+    layouts = _layouts(inputs, target_weights, drafter_state, target_activations,
+                       drafter_activations - fp8_saved + lm_head_fp8_bytes,
                        transfer_bytes, loaded_target_weights=loaded_target_weights,
                        drafter_weights=draft_params * 4)  # fp32 weights, before any optimizer state
     if suggest and any(v.fits is False and v.replicas > 0 for v in layouts):
@@ -316,6 +323,7 @@ def plan(inputs: PlanInputs, *, suggest: bool = True) -> Plan:
         target_activation_bytes=target_activations,
         drafter_activation_bytes=drafter_activations,
         drafter_fp8_saved_bytes=fp8_saved,
+        lm_head_fp8_bytes=lm_head_fp8_bytes,
         layouts=layouts,
         transfer_bytes_per_batch=transfer_bytes,
         transfer_ms_per_batch=transfer_bytes / (inputs.interconnect_gb_s * 1e9) * 1e3,

@@ -137,3 +137,14 @@ def test_a_device_without_fp8_gemms_refuses_lm_head_fp8_by_name(tmp_path, monkey
     with pytest.raises(SystemExit, match=r"^error: lm_head_fp8: cpu has compute capability 8.0; set lm_head_fp8: false"):
         refuse_unsupported_fp8(config, cpu)
     refuse_unsupported_fp8(config.model_copy(update={"lm_head_fp8": False}), cpu)
+
+
+def test_the_planner_counts_the_heads_fp8_copies_on_the_drafters_gpu():
+    from dflash_core.planner import PRESETS, PlanInputs, plan
+
+    shape = PRESETS["qwen3-8b"]
+    without, with_copies = (plan(PlanInputs(target=shape, samples=1, mean_tokens=2000, lm_head_fp8=flag))
+                            for flag in (False, True))
+    assert with_copies.lm_head_fp8_bytes == 2 * 151936 * 4096 and without.lm_head_fp8_bytes == 0
+    grown = [b.peak_bytes_per_gpu - a.peak_bytes_per_gpu for a, b in zip(without.layouts, with_copies.layouts)]
+    assert with_copies.lm_head_fp8_bytes in grown  # the colocated GPU holds them
