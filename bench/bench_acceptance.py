@@ -120,6 +120,7 @@ from acceptance_variants import (  # noqa: E402,F401  (Shape, Variant: tests and
     DEFAULT_VARIANTS, FULL, LONG_VARIANTS, SUITES, TINY, Job, Shape, Variant, variants,
 )
 from acceptance_worker import WORKER, worker_init  # noqa: E402
+from dflash_core.train.config import COMPILE_MODES  # noqa: E402
 
 
 def run_job(job: Job) -> dict | None:
@@ -185,7 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="no job starts after this many seconds (a started one finishes); the table has what "
                         "finished. Leave a job's length inside the call's limit.")
     parser.add_argument("--train-compile", nargs="?", const="default", default=None,
-                        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                        choices=COMPILE_MODES,
                         help="our rows train with TrainConfig.compile, in this torch.compile mode (TrainConfig."
                         "compile_mode; default: default): drafter and target layers compiled, a step alone on an "
                         "H200 49.9 ms instead of 66.5 eager; reduce-overhead replays them as CUDA graphs (untried "

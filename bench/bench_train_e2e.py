@@ -86,7 +86,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from dflash_core.train.config import TrainConfig  # noqa: E402
+from dflash_core.train.config import COMPILE_MODES, TrainConfig  # noqa: E402
 from dflash_core.train.data import TokenizedCorpus  # noqa: E402
 from dflash_core.train.assemble import build_trainer  # noqa: E402
 from dflash_core.target import real_shape_config  # noqa: E402
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--log-every", type=int, default=10, help="metrics synced every N steps (a run's default)")
     parser.add_argument("--prefetch", type=int, default=2, help="batches packed ahead on a thread (0: inline)")
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES,
                         default="default", help="torch.compile's mode (TrainConfig.compile_mode; reduce-overhead: "
                         "each compiled layer replayed as a CUDA graph)")
     parser.add_argument("--variant", choices=["dflash", "dflash2"], default="dflash",
