@@ -298,13 +298,12 @@ def plan(inputs: PlanInputs, *, suggest: bool = True) -> Plan:
     # hid in them; a small batch on a wide drafter must not come out below its activations' floor.
     fp8_saved = min(drafter_activations, math.floor(
         drafter_linear_params(shape, **drafter) * _DRAFTER_FP8_SAVED_PER_LINEAR_PARAM)) if inputs.drafter_fp8 else 0
-
     lm_head_fp8_bytes = 2 * (shape.vocab_size or 0) * hidden if inputs.lm_head_fp8 else 0
 
     transfer_bytes = budget * (inputs.tapped_layers + 1) * hidden * inputs.dtype_bytes
     layouts = _layouts(inputs, target_weights, drafter_state, target_activations,
-                       drafter_activations - fp8_saved + lm_head_fp8_bytes,
-                       transfer_bytes, loaded_target_weights=loaded_target_weights,
+                       drafter_activations - fp8_saved + lm_head_fp8_bytes, transfer_bytes,
+                       loaded_target_weights=loaded_target_weights,
                        drafter_weights=draft_params * 4)  # fp32 weights, before any optimizer state
     if suggest and any(v.fits is False and v.replicas > 0 for v in layouts):
         layouts = _suggest_fp8(inputs, layouts)

@@ -87,6 +87,7 @@ def test_dflash2_loss_with_fp8_gemms_stays_close_and_its_gradient_points_the_sam
     exact, exact_grad = _dflash2(hidden, weight, selector, labels, None)
     fp8, fp8_grad = _dflash2(hidden, weight, selector, labels, Fp8LMHead(weight))
     assert abs(float(fp8.loss.detach()) - float(exact.loss.detach())) < 0.02 * float(exact.loss.detach())
+    assert float(fp8.loss.detach()) != float(exact.loss.detach())  # the FP8 GEMMs did run
     assert _cosine(fp8_grad, exact_grad) > 0.99
     # the metric's argmax reads the FP8 logits: near-ties of this random head may flip (3.4% measured)
     assert (fp8.unary_correct == exact.unary_correct).float().mean() > 0.95
@@ -106,6 +107,7 @@ def test_dflash_loss_with_fp8_gemms_stays_close_and_its_gradient_points_the_same
     exact, exact_grad = run(None)
     fp8, fp8_grad = run(Fp8LMHead(weight))
     assert abs(float(fp8) - float(exact)) < 0.02 * float(exact)
+    assert float(fp8) != float(exact)  # the FP8 GEMMs did run
     assert _cosine(fp8_grad, exact_grad) > 0.99
 
 
@@ -117,7 +119,16 @@ def test_the_fp8_copy_must_be_of_the_head_the_loss_is_given(weight):
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
-def test_trainer_trains_with_fp8_lm_head_gemms_and_says_so(tmp_path, capsys, variant):
+def test_trainer_trains_with_fp8_lm_head_gemms_and_says_so(tmp_path, capsys, monkeypatch, variant):
+    calls = {"logits": 0, "grad_input": 0}
+    for name in calls:
+        original = getattr(Fp8LMHead, name)
+
+        def counted(self, rows, original=original, name=name):
+            calls[name] += 1
+            return original(self, rows)
+
+        monkeypatch.setattr(Fp8LMHead, name, counted)
     config = tiny_config(tmp_path, max_steps=3, checkpoint_every=3, lm_head_fp8=True)
     config = config.model_copy(update={"drafter": config.drafter.model_copy(update={"variant": variant})})
     trainer = build_trainer(config)
@@ -128,6 +139,7 @@ def test_trainer_trains_with_fp8_lm_head_gemms_and_says_so(tmp_path, capsys, var
     result = trainer.run()
     trainer.close()
     assert result.final_step == 3
+    assert calls["logits"] >= 3 and calls["grad_input"] >= 3  # every step's loss went through the FP8 GEMMs
 
 
 def test_a_device_without_fp8_gemms_refuses_lm_head_fp8_by_name(tmp_path, monkeypatch):
