@@ -112,11 +112,11 @@ def useful_tflop_parts(trainer, args) -> dict[str, float]:
 def precision_floor_ms(parts: dict[str, float], *, target_fp8: bool, drafter_fp8: bool, bf16_peak: float,
                        fp8_peak: float, lm_head_fp8: bool = False) -> float:
     """ms one step's useful FLOPs take with each part at the measured peak of the precision it runs in:
-    the target's linears, the drafter's own linears and the loss's LM-head GEMMs in FP8 where those options
-    are on; attention and the teacher's LM head in bf16. MFU against it = this / the measured step."""
+    the target's linears, the drafter's own linears and the LM-head GEMMs (the loss's and the teacher's) in FP8
+    where those options are on; attention in bf16. MFU against it = this / the measured step."""
     fp8_parts = {"target_linears"} if target_fp8 else set()
     fp8_parts |= {"drafter_linears"} if drafter_fp8 else set()
-    fp8_parts |= {"lm_head"} if lm_head_fp8 else set()
+    fp8_parts |= {"lm_head", "teacher"} if lm_head_fp8 else set()
     return 1e3 * sum(tflop / (fp8_peak if name in fp8_parts else bf16_peak) for name, tflop in parts.items())
 
 

@@ -25,6 +25,7 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8).max  # 448
 GRAD_FP8 = torch.float8_e5m2  # gradients: e5m2's range keeps the small softmax terms e4m3 would flush to 0
+ARGMAX_CANDIDATES = 16  # Fp8LMHead.argmax: FP8's top-16 logits re-scored exactly (0 label changes measured on CPU)
 _ALIGN = 16
 _MIN_OUT_FEATURES = 256
 
@@ -114,8 +115,9 @@ class Fp8LMHead(nn.Module):
     e5m2 gradient rows (softmax terms far below a row's largest, which e4m3 would flush to zero) and an e4m3
     copy of W scaled per hidden column, stored transposed so it is the column-major operand the GEMM takes.
     Both copies are made once (W is frozen): 2 bytes per LM-head parameter beside the bf16 weight, which
-    stays for everything else that reads the head (calling the module: the teacher's labels and drafting;
-    the selector's candidate rows; a KL teacher's logits), so those keep their precision."""
+    stays for everything else that reads the head (calling the module: drafting; the selector's candidate
+    rows; a KL teacher's logits), so those keep their precision. The teacher's labels (`argmax`) take FP8's
+    top candidates and re-score them on the exact rows."""
 
     def __init__(self, weight_VH: torch.Tensor) -> None:
         super().__init__()
@@ -142,6 +144,17 @@ class Fp8LMHead(nn.Module):
         rows, scale = _quantize_rows_fast(grad_NV, GRAD_FP8)
         return torch._scaled_mm(rows, self.grad_weight_t.t(), scale_a=scale, scale_b=self.grad_scale,
                                 out_dtype=torch.bfloat16).to(self.weight.dtype)
+
+    def argmax(self, hidden_NH: torch.Tensor, *, candidates: int = ARGMAX_CANDIDATES) -> torch.Tensor:
+        """The head's argmax per row [N] (the teacher's labels): the FP8 logits' top `candidates`, re-scored on the
+        exact head rows and rounded to the head's dtype, ties to the lowest token id, as `argmax` over the head's
+        own logits breaks them. It is that argmax unless it falls outside FP8's top `candidates` (a row with that
+        many logits within FP8's rounding of its best) or a different order of summation rounds differently."""
+        hidden = hidden_NH.to(self.weight.dtype)
+        ids = self.logits(hidden).topk(min(candidates, self.weight.shape[0]), dim=-1).indices
+        exact = torch.einsum("nh,nkh->nk", hidden, self.weight[ids])  # as the head's GEMM: fp32 sums, its dtype out
+        best = exact == exact.amax(dim=-1, keepdim=True)
+        return torch.where(best, ids, self.weight.shape[0]).amin(dim=-1)
 
     def extra_repr(self) -> str:
         vocab, width = self.weight.shape

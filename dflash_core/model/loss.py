@@ -46,14 +46,17 @@ def teacher_token_ids(
 
     `final_hidden_BTH` must be the last decoder layer's output BEFORE the final norm; the target's
     own norm and LM head are applied here, in the target's own dtype: a drafter's autocast must not
-    change the teacher (bf16 rounding flips near-tied argmaxes).
+    change the teacher (bf16 rounding flips near-tied argmaxes). A head with its own `argmax` (the FP8 head
+    of `lm_head_fp8`, which re-scores its top candidates exactly) gives it.
     """
     flat = final_hidden_BTH.reshape(-1, final_hidden_BTH.shape[-1])
     out = torch.empty(index_flat.shape[0], dtype=torch.long, device=flat.device)
     with torch.autocast(flat.device.type, enabled=False):
         for start in range(0, index_flat.shape[0], chunk_size):
             rows = flat.index_select(0, index_flat[start : start + chunk_size])
-            out[start : start + chunk_size] = lm_head(final_norm(rows)).argmax(dim=-1)
+            normed = final_norm(rows)
+            argmax = getattr(lm_head, "argmax", None)
+            out[start : start + chunk_size] = argmax(normed) if argmax is not None else lm_head(normed).argmax(dim=-1)
     return out
 
 

@@ -65,6 +65,26 @@ def test_the_gemms_stay_close_to_bf16_and_the_module_itself_is_the_exact_head(we
     assert head.weight.data_ptr() == weight.data_ptr()  # the target's tensor, not a copy
 
 
+def test_the_teachers_labels_are_the_exact_heads_argmax():
+    """FP8's top 16 re-scored on the exact rows, ties to the lowest id: the bf16 head's own argmax on every row of a
+    random head (whose near-ties are many; FP8's own argmax changes ~8% of them), through teacher_token_ids."""
+    from dflash_core.model.loss import teacher_token_ids
+
+    torch.manual_seed(0)
+    weight = (torch.randn(8192, 128) / 128 ** 0.5).bfloat16()
+    final_hidden = (torch.randn(2, 1024, 128) * 4).bfloat16()
+    index = torch.randperm(2048)[:1500]
+    norm = torch.nn.Identity()
+    head = torch.nn.Linear(128, 8192, bias=False).bfloat16()
+    head.weight.data.copy_(weight)
+    exact = teacher_token_ids(final_hidden, index_flat=index, final_norm=norm, lm_head=head, chunk_size=512)
+    fp8 = Fp8LMHead(weight)
+    assert torch.equal(teacher_token_ids(final_hidden, index_flat=index, final_norm=norm, lm_head=fp8, chunk_size=512),
+                       exact)
+    rows = final_hidden.reshape(-1, 128)[index]
+    assert (fp8.logits(rows).argmax(-1) != exact).float().mean() > 0.02  # the re-scoring is what makes them equal
+
+
 def test_an_unaligned_head_is_refused_by_the_setting_name():
     with pytest.raises(ValueError, match=r"lm_head_fp8 needs .* multiples of 16.*\(4008, 64\); set lm_head_fp8: false"):
         Fp8LMHead(torch.randn(4008, 64))
