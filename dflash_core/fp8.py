@@ -22,6 +22,8 @@ import functools
 import torch
 from torch import nn
 
+from dflash_core.model.topk import grouped_topk
+
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8).max  # 448
 GRAD_FP8 = torch.float8_e5m2  # gradients: e5m2's range keeps the small softmax terms e4m3 would flush to 0
@@ -98,12 +100,20 @@ class Fp8Linear(nn.Module):
 @functools.cache
 def _compiled_quantize_rows():
     """`quantize_rows` torch.compile'd: one reduction and one cast pass over the rows, where eager makes fp32
-    temporaries of them (a [2,048, 152K] gradient chunk is 1.2 GB in fp32)."""
+    temporaries of them (a [2,048, 152K] gradient chunk is 1.2 GB in fp32). For the loss's gradient chunks
+    only, whose shape is the same every step: the teacher's row count changes each step, and a static-shape
+    compile would recompile for each until dynamo's limit sends it back to eager."""
     return torch.compile(quantize_rows, dynamic=False)
 
 
-def _quantize_rows_fast(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    return (_compiled_quantize_rows() if x.is_cuda else quantize_rows)(x, dtype)
+def _quantize_blocked(x: torch.Tensor, *, block_rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` a block of rows at a time: a whole [V, H] head (or its transpose) in fp32 at once is
+    4 bytes a parameter of temporaries (~5 GiB for Qwen3.5's head) beside the target still in memory."""
+    out = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scales = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    for start in range(0, x.shape[0], block_rows):
+        out[start:start + block_rows], scales[start:start + block_rows] = quantize_rows(x[start:start + block_rows])
+    return out, scales
 
 
 class Fp8LMHead(nn.Module):
@@ -125,9 +135,9 @@ class Fp8LMHead(nn.Module):
             raise ValueError(f"lm_head_fp8 needs an LM head whose vocabulary and width are multiples of {_ALIGN} "
                              f"(the FP8 GEMM's alignment), got {tuple(weight_VH.shape)}; set lm_head_fp8: false")
         self.weight = weight_VH.detach()  # the target's own tensor, not copied and not a parameter of ours
-        logits_weight, logits_scale = quantize_rows(self.weight)
+        logits_weight, logits_scale = _quantize_blocked(self.weight)
         self.logits_weight, self.logits_scale = logits_weight, logits_scale.reshape(1, -1)  # [V, H], [1, V]
-        grad_weight_t, grad_scale = quantize_rows(self.weight.t())
+        grad_weight_t, grad_scale = _quantize_blocked(self.weight.t())
         self.grad_weight_t, self.grad_scale = grad_weight_t, grad_scale.reshape(1, -1)  # [H, V], [1, H]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -135,13 +145,13 @@ class Fp8LMHead(nn.Module):
 
     def logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] @ W.T in FP8 -> [N, V] in W's dtype."""
-        rows, scale = _quantize_rows_fast(hidden_NH)
+        rows, scale = quantize_rows(hidden_NH)  # [N, H]: small beside the GEMM
         return torch._scaled_mm(rows, self.logits_weight.t(), scale_a=scale, scale_b=self.logits_scale,
                                 out_dtype=torch.bfloat16).to(self.weight.dtype)
 
     def grad_input(self, grad_NV: torch.Tensor) -> torch.Tensor:
         """grad_logits [N, V] @ W in FP8 -> [N, H] in W's dtype."""
-        rows, scale = _quantize_rows_fast(grad_NV, GRAD_FP8)
+        rows, scale = (_compiled_quantize_rows() if grad_NV.is_cuda else quantize_rows)(grad_NV, GRAD_FP8)
         return torch._scaled_mm(rows, self.grad_weight_t.t(), scale_a=scale, scale_b=self.grad_scale,
                                 out_dtype=torch.bfloat16).to(self.weight.dtype)
 
@@ -151,7 +161,7 @@ class Fp8LMHead(nn.Module):
         own logits breaks them. It is that argmax unless it falls outside FP8's top `candidates` (a row with that
         many logits within FP8's rounding of its best) or a different order of summation rounds differently."""
         hidden = hidden_NH.to(self.weight.dtype)
-        ids = self.logits(hidden).topk(min(candidates, self.weight.shape[0]), dim=-1).indices
+        _, ids = grouped_topk(self.logits(hidden), min(candidates, self.weight.shape[0]))
         exact = torch.einsum("nh,nkh->nk", hidden, self.weight[ids])  # as the head's GEMM: fp32 sums, its dtype out
         best = exact == exact.amax(dim=-1, keepdim=True)
         return torch.where(best, ids, self.weight.shape[0]).amin(dim=-1)

@@ -116,8 +116,12 @@ class DFlashDraftModel(nn.Module):
         """From now on the loss's two GEMMs against the LM head run in FP8 (`TrainConfig.lm_head_fp8`;
         `dflash_core.fp8.Fp8LMHead`). Everything else that reads the head keeps its bf16 weight."""
         heads = self.target_heads
-        if not isinstance(heads.lm_head, Fp8LMHead):
-            self.attach_target(dataclasses.replace(heads, lm_head=Fp8LMHead(heads.lm_head.weight)))
+        if isinstance(heads.lm_head, Fp8LMHead):
+            return
+        if getattr(heads.lm_head, "bias", None) is not None:
+            raise ValueError("lm_head_fp8: the target's LM head has a bias, which the FP8 head does not carry; set "
+                             "lm_head_fp8: false")
+        self.attach_target(dataclasses.replace(heads, lm_head=Fp8LMHead(heads.lm_head.weight)))
 
     def fp8_lm_head(self) -> Fp8LMHead | None:
         head = self.target_heads.lm_head

@@ -68,13 +68,13 @@ def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Dis
     drafter_config = drafter_config_for(config, target_config=target.config, corpus=corpus,
                                         tokenizer=load_target_tokenizer(config.target, models_dir=models_dir))
     drafter = _build_drafter(drafter_config, target, config=config, devices=devices)
-    if config.lm_head_fp8:
-        use_fp8_lm_head(drafter, device=devices.drafter, log=dist_info.is_main)
     if config.drafter_fp8:  # before compiling (parallelize) and before the optimizer takes its parameters
         convert_drafter(drafter, recipe=config.drafter_fp8_recipe, log=dist_info.is_main)
     if config.target_fp8:  # after the drafter copied what it needs (heads, init layers) from the target
         quantize_target(target, device=devices.target, log=dist_info.is_main,
                         fast_accum=config.target_fp8_fast_accum)
+    if config.lm_head_fp8:  # after target_fp8 freed the target's bf16 layers: the head's copies are made here
+        use_fp8_lm_head(drafter, device=devices.drafter, log=dist_info.is_main)
     capture = HiddenStateCapture(target, layer_ids=drafter_config.target_layer_ids,
                                  capture_final=config.drafter.loss_target == "teacher")
     optimizer, scheduler = build_optimizer(drafter, config, device=devices.drafter)

@@ -79,8 +79,11 @@ def test_the_teachers_labels_are_the_exact_heads_argmax():
     head.weight.data.copy_(weight)
     exact = teacher_token_ids(final_hidden, index_flat=index, final_norm=norm, lm_head=head, chunk_size=512)
     fp8 = Fp8LMHead(weight)
+    scored = []
+    fp8.logits = lambda rows, logits=fp8.logits: scored.append(len(rows)) or logits(rows)  # the FP8 GEMM ran
     assert torch.equal(teacher_token_ids(final_hidden, index_flat=index, final_norm=norm, lm_head=fp8, chunk_size=512),
                        exact)
+    assert scored == [512, 512, 476]
     rows = final_hidden.reshape(-1, 128)[index]
     assert (fp8.logits(rows).argmax(-1) != exact).float().mean() > 0.02  # the re-scoring is what makes them equal
 
@@ -138,8 +141,10 @@ def test_the_fp8_copy_must_be_of_the_head_the_loss_is_given(weight):
                              fp8_head=Fp8LMHead(weight.clone()))
 
 
-@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
-def test_trainer_trains_with_fp8_lm_head_gemms_and_says_so(tmp_path, capsys, monkeypatch, variant):
+@pytest.mark.parametrize("settings", [{"variant": "dflash"}, {"variant": "dflash2", "loss_target": "teacher"},
+                                     {"variant": "dflash2", "loss_target": "teacher", "loss_type": "kl"}],
+                         ids=["dflash-data", "dflash2-teacher", "dflash2-teacher-kl"])
+def test_trainer_trains_with_fp8_lm_head_gemms_and_says_so(tmp_path, capsys, monkeypatch, settings):
     calls = {"logits": 0, "grad_input": 0}
     for name in calls:
         original = getattr(Fp8LMHead, name)
@@ -150,7 +155,7 @@ def test_trainer_trains_with_fp8_lm_head_gemms_and_says_so(tmp_path, capsys, mon
 
         monkeypatch.setattr(Fp8LMHead, name, counted)
     config = tiny_config(tmp_path, max_steps=3, checkpoint_every=3, lm_head_fp8=True)
-    config = config.model_copy(update={"drafter": config.drafter.model_copy(update={"variant": variant})})
+    config = config.model_copy(update={"drafter": config.drafter.model_copy(update=settings)})
     trainer = build_trainer(config)
     assert "loss LM-head GEMMs: fp8" in capsys.readouterr().err
     drafter = trainer.drafter
@@ -160,6 +165,21 @@ def test_trainer_trains_with_fp8_lm_head_gemms_and_says_so(tmp_path, capsys, mon
     trainer.close()
     assert result.final_step == 3
     assert calls["logits"] >= 3 and calls["grad_input"] >= 3  # every step's loss went through the FP8 GEMMs
+    if settings.get("loss_target") == "teacher" and "loss_type" not in settings:
+        assert calls["logits"] >= 6  # and the teacher's labels through FP8's candidates
+
+
+def test_a_head_with_a_bias_is_refused_by_the_setting_name(tmp_path):
+    from dflash_core.model.drafter import TargetHeads
+
+    trainer = build_trainer(tiny_config(tmp_path, max_steps=1))
+    drafter = trainer.drafter
+    heads = drafter.target_heads
+    biased = torch.nn.Linear(heads.lm_head.weight.shape[1], heads.lm_head.weight.shape[0])
+    drafter.attach_target(TargetHeads(embed_tokens=heads.embed_tokens, final_norm=heads.final_norm, lm_head=biased))
+    with pytest.raises(ValueError, match="lm_head_fp8: the target's LM head has a bias"):
+        drafter.use_fp8_lm_head()
+    trainer.close()
 
 
 def test_a_device_without_fp8_gemms_refuses_lm_head_fp8_by_name(tmp_path, monkeypatch):
