@@ -34,7 +34,7 @@ from dflash_core.model.loss_spec import DPACE_SOURCES
 from dflash_core.model.metrics import block_metrics
 
 if TYPE_CHECKING:
-    from dflash_core.fp8 import Fp8LMHead
+    from dflash_core.model.lm_head_fp8 import Fp8LMHead
 
 
 def transform_logits(logits: torch.Tensor, *, multiplier: float, softcap: float | None) -> torch.Tensor:
@@ -273,7 +273,7 @@ def dflash2_objective(
     `teacher_hidden_NH`: the target's final-normed state per slot (whose logits predict its label); with
     it the unary loss is KL(teacher || drafter) over the transformed logits, the teacher's logits made a
     chunk at a time, and `labels_N` must be the teacher's argmax (the selector, the candidates and
-    D-PACE's unary confidence read them). `fp8_head`: the FP8 copy of the head (`dflash_core.fp8.Fp8LMHead`),
+    D-PACE's unary confidence read them). `fp8_head`: the FP8 copy of the head (`dflash_core.model.lm_head_fp8.Fp8LMHead`),
     whose GEMMs then make the unary logits and their input gradient; the candidates' rows, the selector and a
     KL teacher's logits keep the head's dtype."""
     if lm_head_weight.requires_grad:

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from dflash_core.fp8 import Fp8LMHead
+from dflash_core.model.lm_head_fp8 import Fp8LMHead
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.model.attention import AttendFn, DFlashDecoderLayer, RMSNorm, RotaryEmbedding
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
@@ -114,7 +114,7 @@ class DFlashDraftModel(nn.Module):
 
     def use_fp8_lm_head(self) -> None:
         """From now on the loss's two GEMMs against the LM head run in FP8 (`TrainConfig.lm_head_fp8`;
-        `dflash_core.fp8.Fp8LMHead`). Everything else that reads the head keeps its bf16 weight."""
+        `dflash_core.model.lm_head_fp8.Fp8LMHead`). Everything else that reads the head keeps its bf16 weight."""
         heads = self.target_heads
         if isinstance(heads.lm_head, Fp8LMHead):
             return

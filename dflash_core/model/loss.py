@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from dflash_core.fp8 import Fp8LMHead
+    from dflash_core.model.lm_head_fp8 import Fp8LMHead
 
 
 def position_weights(*, block_size: int, gamma: float, device=None) -> torch.Tensor:
@@ -264,7 +264,7 @@ def chunked_lm_head_loss(
     num_valid, as speculators). The LM head weight gets no gradient (it is the target's, frozen).
     `label_smoothing` s (cross-entropy only): each row's loss is (1 - s) * CE + s * the mean over the
     vocabulary of -log q; D-PACE still weighs slots by the label's own NLL. `compiled`: the per-chunk
-    kernels torch.compile'd (GPU). `fp8_head`: the FP8 copy of the head (`dflash_core.fp8.Fp8LMHead`), whose
+    kernels torch.compile'd (GPU). `fp8_head`: the FP8 copy of the head (`dflash_core.model.lm_head_fp8.Fp8LMHead`), whose
     GEMMs then make the logits and the input gradient; a KL teacher's logits stay in the head's dtype.
     """
     if lm_head_weight.requires_grad:

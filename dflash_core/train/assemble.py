@@ -131,7 +131,7 @@ def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool,
 
 
 def use_fp8_lm_head(drafter: torch.nn.Module, *, device: torch.device, log: bool) -> None:
-    """The drafter loss's LM-head GEMMs to FP8 (dflash_core.fp8.Fp8LMHead), or a ValueError saying why this
+    """The drafter loss's LM-head GEMMs to FP8 (dflash_core.model.lm_head_fp8.Fp8LMHead), or a ValueError saying why this
     device cannot."""
     from dflash_core.fp8 import supports_fp8
 

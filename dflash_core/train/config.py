@@ -298,7 +298,7 @@ class TrainConfig(StrictModel):
         "(tensorwise) or per row/column (rowwise); docs/benchmarks.md has both measured.")
     lm_head_fp8: bool = Field(
         False, description="Run the drafter loss's two GEMMs against the target's LM head (the logits and their input "
-        "gradient, a chunk of rows at a time) in FP8 with row-wise scales (dflash_core.fp8.Fp8LMHead; H100/H200 or "
+        "gradient, a chunk of rows at a time) in FP8 with row-wise scales (dflash_core.model.lm_head_fp8.Fp8LMHead; H100/H200 or "
         "newer, or CPU), and the teacher's labels from FP8 logits whose top 16 are re-scored on the bf16 head (the "
         "same labels). The head's FP8 copies cost 2 bytes per LM-head parameter; the selector's candidates (re-scored "
         "the same way) and drafting keep the bf16 head. Opt-in until acceptance rows say it is harmless.")

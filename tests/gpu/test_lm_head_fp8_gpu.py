@@ -1,4 +1,4 @@
-"""The drafter loss's LM-head GEMMs in FP8 on CUDA (dflash_core.fp8.Fp8LMHead, TrainConfig.lm_head_fp8): with
+"""The drafter loss's LM-head GEMMs in FP8 on CUDA (dflash_core.model.lm_head_fp8.Fp8LMHead, TrainConfig.lm_head_fp8): with
 the compiled per-chunk kernels training runs, DFlash 2's loss stays within 1% of bf16's and its input gradient
 points the same way, at a real vocabulary, and the teacher's labels stay the bf16 head's argmax. Skipped without a
 GPU of compute capability >= 9.0.
@@ -10,7 +10,8 @@ Run (H100/H200): python3 -m pytest tests/gpu/test_lm_head_fp8_gpu.py -q
 import pytest
 import torch
 
-from dflash_core.fp8 import Fp8LMHead, supports_fp8
+from dflash_core.fp8 import supports_fp8
+from dflash_core.model.lm_head_fp8 import Fp8LMHead
 from dflash_core.model.dflash2 import CandidateSelector
 from dflash_core.model.dflash2_loss import dflash2_objective
 

@@ -1,4 +1,4 @@
-"""The drafter loss's LM-head GEMMs in FP8 (dflash_core.fp8.Fp8LMHead, TrainConfig.lm_head_fp8): each GEMM is
+"""The drafter loss's LM-head GEMMs in FP8 (dflash_core.model.lm_head_fp8.Fp8LMHead, TrainConfig.lm_head_fp8): each GEMM is
 the one of its quantized operands, the DFlash and DFlash 2 losses stay close to their bf16 selves with gradients
 pointing the same way, everything else that reads the head keeps the exact weight, and the trainer trains with
 it. CPU runs torch._scaled_mm (e4m3 and e5m2), so all of this runs here.
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dflash_core import fp8 as fp8_module
-from dflash_core.fp8 import FP8, GRAD_FP8, Fp8LMHead, quantize_rows
+from dflash_core.fp8 import FP8, quantize_rows
+from dflash_core.model.lm_head_fp8 import GRAD_FP8, Fp8LMHead
 from dflash_core.model.dflash2 import CandidateSelector
 from dflash_core.model.dflash2_loss import dflash2_objective
 from dflash_core.model.loss import chunked_lm_head_loss
