@@ -9,7 +9,7 @@
 #     bash bench/gpu_call_sharing.sh ["1 2 4 8"]       (MODE=reduce-overhead to time that compile mode)
 # MPS=1 runs the copies through a CUDA MPS server of this call's own (bench/gpu_mps.sh), which lets several
 # processes' kernels run on the GPU at once instead of taking turns; the image may lack it (the run says so).
-# Rows: $OUT/sharing/<N>-<i>.json and .log; the table: $OUT/sharing/table.md.
+# Rows: $OUT/sharing/<mode>-mps-<on|off>.tar.gz (each job's .json and .log) and the table, <mode>-mps-<on|off>.md.
 set -u
 export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
@@ -17,18 +17,20 @@ OUT=${OUT:-/tmp/out}
 mode=${MODE:-default}
 cores=$(nproc)
 source "$(dirname "$0")/gpu_mps.sh"
-mkdir -p "$OUT/sharing"
+name="$mode-mps-$mps"  # one set per (compile mode, MPS): a call that compares them keeps both
+rows="/tmp/sharing/$name"  # the rows stay here; $OUT gets 2 files a set (a call brings back at most 8)
+rm -rf "$rows" && mkdir -p "$rows" "$OUT/sharing"
 for n in ${1:-1 2 4 8}; do
   echo "=== $n at once"
   threads=$((cores / n > 0 ? cores / n : 1))  # as the acceptance bench splits the cores among its workers
   for i in $(seq 1 "$n"); do
     OMP_NUM_THREADS=$threads timeout 300 python3 bench/bench_train_e2e.py --target random:smollm2-135m \
       --variant dflash2 --token-budget 8192 --sample-len 256 --anchors 512 --layers 2 --block-size 8 --warmup 20 \
-      --steps 200 --compile-mode "$mode" --json "$OUT/sharing/$n-$i.json" > "$OUT/sharing/$n-$i.log" 2>&1 &
+      --steps 200 --compile-mode "$mode" --json "$rows/$n-$i.json" > "$rows/$n-$i.log" 2>&1 &
   done
   wait
 done
-python3 - "$OUT/sharing" "$mode" "$mps" <<'PY'
+python3 - "$rows" "$mode" "$mps" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
@@ -49,3 +51,5 @@ text = "\n".join(lines)
 (folder / "table.md").write_text(text + "\n")
 print(text)
 PY
+cp "$rows/table.md" "$OUT/sharing/$name.md"
+tar -czf "$OUT/sharing/$name.tar.gz" -C /tmp/sharing "$name"
