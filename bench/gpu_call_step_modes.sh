@@ -25,7 +25,7 @@ source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/e2e" /tmp/e2e-traces  # the traces stay on the machine: a call brings back at most 8 files
 echo "=== the graphs: tiny target, then the 30-layer SmolLM2 shape"
-timeout 240 python3 -m pytest -o addopts="" --noconftest -q tests/gpu/test_compile_mode_gpu.py > "$OUT/e2e/graphs-test.log" 2>&1
+timeout 300 python3 -m pytest -o addopts="" --noconftest -q tests/gpu/test_compile_mode_gpu.py > "$OUT/e2e/graphs-test.log" 2>&1
 tail -5 "$OUT/e2e/graphs-test.log"
 for tokens in ${TOKENS:-2048 8192}; do
   for mode in ${MODES:-default reduce-overhead-target reduce-overhead}; do
