@@ -15,9 +15,7 @@ case "${1:-}" in
   profiles|hybrid-bf16) ;;
   *) echo "usage: bash bench/gpu_call_fp8_profiles.sh profiles|hybrid-bf16" >&2; exit 2 ;;
 esac
-export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
-OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/fp8"
 case "${1:-}" in
   profiles)

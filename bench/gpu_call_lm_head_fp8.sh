@@ -7,12 +7,10 @@
 # step with FP8 target and drafter GEMMs, the LM head in bf16 (off) and in FP8 (on). Rows land in
 # $OUT/lmhead/d2-tfp8-dfp8-<off|on>.json; the goal of issue #43 item 3 is <= 241 ms a step.
 set -u
-export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
-OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/lmhead"
 echo "=== tests/gpu/test_lm_head_fp8_gpu.py"
-timeout 180 python3 -m pytest -o addopts="" --noconftest -q -p no:cacheprovider tests/gpu/test_lm_head_fp8_gpu.py 2>&1 | tail -3
+gpu_tests 180 tests/gpu/test_lm_head_fp8_gpu.py
 for state in off on; do
   flag=(); [ "$state" = on ] && flag=(--lm-head-fp8)
   echo "=== Qwen3-8B DFlash 2, FP8 target + drafter GEMMs, LM head $state"

@@ -9,12 +9,10 @@
 # DFlash 2 FP8 step (bench_train_e2e). Rows land in $OUT/mask/<bench>-<on|off>.json; compare with
 # bench/results/drafter-fp8-2026-12-04/.
 set -u
-export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
-OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/mask"
 echo "=== tests/gpu/test_packed_mask_gpu.py (no sync in a packed forward with the host copy)"
-timeout 120 python3 -m pytest -o addopts="" --noconftest -q -p no:cacheprovider tests/gpu/test_packed_mask_gpu.py 2>&1 | tail -3
+gpu_tests 120 tests/gpu/test_packed_mask_gpu.py
 run() {  # run NAME on|off SCRIPT ARGS...: the bench in this process, with the host-copy check installed or not
   local name=$1 state=$2 script=$3; shift 3
   echo "=== $name, host-copy packed check $state"

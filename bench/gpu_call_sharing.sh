@@ -11,9 +11,7 @@
 # processes' kernels run on the GPU at once instead of taking turns; the image may lack it (the run says so).
 # Rows: $OUT/sharing/<mode>-mps-<on|off>.tar.gz (each job's .json and .log) and the table, <mode>-mps-<on|off>.md.
 set -u
-export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
-OUT=${OUT:-/tmp/out}
 mode=${MODE:-default}
 cores=$(nproc)
 source "$(dirname "$0")/gpu_mps.sh"

@@ -20,9 +20,7 @@
 # reduce-overhead-target: the target's 30 layers graphed (their host time 31.4 -> 18.9 ms a step in the profiles of
 # session 25), the drafter in the default mode.
 set -u
-export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
-OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/e2e" /tmp/e2e-traces  # the traces stay on the machine: a call brings back at most 8 files
 echo "=== the graphs: tiny target, then the 30-layer SmolLM2 shape"
 timeout 300 python3 -m pytest -o addopts="" --noconftest -q tests/gpu/test_compile_mode_gpu.py > "$OUT/e2e/graphs-test.log" 2>&1

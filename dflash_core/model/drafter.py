@@ -16,11 +16,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from dflash_core.model.lm_head_fp8 import Fp8LMHead
 from dflash_core.model.anchors import BlockPlan
 from dflash_core.model.attention import AttendFn, DFlashDecoderLayer, RMSNorm, RotaryEmbedding
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_core.model.context_cache import ContextCache, StaticContextCache
+from dflash_core.model.lm_head_fp8 import Fp8LMHead
 from dflash_core.model.loss import chunked_lm_head_loss, default_chunk_size
 from dflash_core.model.loss import position_weights
 from dflash_core.model.loss import teacher_token_ids

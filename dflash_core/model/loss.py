@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-
 from typing import TYPE_CHECKING
 
 import torch
