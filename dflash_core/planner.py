@@ -215,8 +215,7 @@ class Plan(BaseModel):
     drafter_activation_bytes: int
     drafter_fp8_saved_bytes: int = Field(0, description="What drafter_fp8 takes off the peaks: no bf16 working "
                                          "copies of the drafter's linear weights and their gradients.")
-    lm_head_fp8_bytes: int = Field(0, description="What lm_head_fp8 adds on the drafter's GPU: the head's two FP8 "
-                                   "copies (0 when the vocabulary is unknown).")
+    lm_head_fp8_bytes: int = Field(0, description="lm_head_fp8's two FP8 head copies on the drafter's GPU.")
     layouts: list[LayoutVerdict]
     transfer_bytes_per_batch: int
     transfer_ms_per_batch: float
