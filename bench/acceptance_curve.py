@@ -6,7 +6,7 @@ rate at every point (completions, steps x tokens per step), merged from any benc
     python bench/acceptance_curve.py RESULTS.jsonl [...] --out DIR
 
 writes DIR/curve.md (the table: point, recipe, lr, seeds, tau, tau - 1 +- sd, acc@1..4, ratio of our
-default's tau - 1 to each speculators recipe, both at their best lr, and whether every decoded output equalled
+recipes' tau - 1 to each speculators recipe, both at their best lr, and whether every decoded output equalled
 greedy decoding) and DIR/curve.png (tau - 1 against training tokens, log x, one line per recipe and step size
 through the curve's points). Rows of other variants are left out; rows from before the data-scaling runs (no
 data multiplier) trained on the 1x set of 1,024 completions, rows from before `token_budget` was recorded on
@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from acceptance_report import NUM_ACC, aggregate  # noqa: E402
 from acceptance_variants import FULL, steps_text  # noqa: E402
 
-RECIPES = {"default": "ours (default)", "speculators": "speculators DFlash",
-           "speculators-dflash2": "speculators DFlash 2"}
+RECIPES = {"default": "ours (default)", "default-2-taps": "ours, 2 taps (the default until session 27)",
+           "speculators": "speculators DFlash", "speculators-dflash2": "speculators DFlash 2"}
+OURS = ("default", "default-2-taps")  # the rows that carry ratios to the speculators recipes
 LIBRARY_LR = 6e-4  # rows without "+lr=": TrainConfig's default, which speculators' rows share in the bench
 # The curve's lines run through these (completions, training tokens): the first measured point and the issue's
 # three (its largest as far as the prompt pool goes), in any step size (steps x 2,048 tokens, or a quarter of the
@@ -51,6 +52,18 @@ def recipe_and_lr(variant: str) -> tuple[str, float] | None:
         return None
 
 
+def recipe_variant(row: dict) -> str:
+    """The row's variant as the curve names its recipe: our default read 2 taps on the bench's 2-layer drafter
+    until session 27 and reads 5 since (DrafterSettings.num_tapped_layers), so a `default` row of 2 taps is
+    `default-2-taps` and a `default+taps=5` row (the ablation's) is `default`."""
+    base, *levers = row.get("variant", "").split("+")
+    if base != "default":
+        return row.get("variant", "")
+    if len(row.get("target_layer_ids") or [1, 27]) == 2:
+        base = "default-2-taps"
+    return "+".join([base, *(lever for lever in levers if lever not in ("taps=2", "taps=5"))])
+
+
 def lr_text(lr: float) -> str:
     """6e-4, 1.2e-3: as the variants spell them."""
     mantissa, exponent = f"{lr:e}".split("e")
@@ -68,7 +81,8 @@ def load(paths: list[Path]) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise SystemExit(f"{path}:{number}: not a JSON result row ({error.msg})") from None
-            if recipe_and_lr(row.get("variant", "")) is None:
+            row = {**row, "variant": recipe_variant(row)}
+            if recipe_and_lr(row["variant"]) is None:
                 continue
             if not row.get("data_multiplier"):
                 row = {**row, "data_multiplier": 1, "train_completions": FULL.train_prompts}
@@ -79,7 +93,7 @@ def load(paths: list[Path]) -> list[dict]:
 def curve_rows(results: list[dict]) -> list[dict]:
     """aggregate()'s rows (mean and sd over seeds) with recipe, lr, training tokens (steps x the row's tokens per
     step) and point (completions, training tokens); within a point, step size and recipe the best lr (highest
-    mean tau) is marked `best`, and our default's best row carries its ratio of tau - 1 to each speculators
+    mean tau) is marked `best`, and each of our recipes' best row carries its ratio of tau - 1 to each speculators
     recipe's best row of the same step size (4x the batch is a quarter of the optimizer steps: a recipe's best lr
     may move, so step sizes are not mixed)."""
     rows = []
@@ -96,9 +110,9 @@ def curve_rows(results: list[dict]) -> list[dict]:
     for row in best.values():
         row["best"] = True
     for (point, size, recipe), row in best.items():
-        if recipe == "default":
+        if recipe in OURS:
             row["ratios"] = {other: row["gain_mean"] / best[(point, size, other)]["gain_mean"]
-                             for other in RECIPES if other != "default" and (point, size, other) in best
+                             for other in RECIPES if other not in OURS and (point, size, other) in best
                              and best[(point, size, other)]["gain_mean"] > 0}
     order = list(RECIPES)
     return sorted(rows, key=lambda r: (r["training_tokens"], r["train_completions"], r["token_budget"],
@@ -121,9 +135,10 @@ def curve_table(rows: list[dict]) -> str:
                      f"{mark}{RECIPES[r['recipe']]}{mark} | {lr_text(r['lr'])} | {', '.join(map(str, r['seeds']))} | "
                      f"{r['tau_mean']:.3f} | {mark}{r['gain_mean']:.3f} +- {r['gain_sd']:.3f}{mark} | {accept} | "
                      f"{' | '.join(ratios)} | {'yes' if r['all_match_target'] else 'NO'} |")
-    return ("Each recipe's best learning rate at a point (and step size) in bold; ratios: our default's tau - 1 "
+    return ("Each recipe's best learning rate at a point (and step size) in bold; ratios: our recipe's tau - 1 "
             "over the speculators recipe's, each at its best lr, on the same step size. Steps are of 2,048-token "
-            "rows unless they say otherwise.\n\n" + "\n".join(lines))
+            "rows unless they say otherwise. Our default reads 5 target layers since session 27 (2 before, on the bench's "
+            "2-layer drafter: its own rows).\n\n" + "\n".join(lines))
 
 
 def plot_curve(path: Path, rows: list[dict]) -> bool:

@@ -22,7 +22,6 @@ SLIDING_ATTENTION = "sliding_attention"
 _LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
-
 def tapped_layer_ids(*, num_target_layers: int, num_tapped_layers: int) -> list[int]:
     """Native ids (id k = OUTPUT of decoder layer k = transformers `hidden_states[k+1]`),
     spread evenly from 1 to N-3: 36 -> [1, 9, 17, 25, 33], 64 -> [1, 16, 31, 46, 61].
@@ -44,6 +43,11 @@ def tapped_layer_ids(*, num_target_layers: int, num_tapped_layers: int) -> list[
         )
     span = end - start
     return [int(round(start + i * span / (num_tapped_layers - 1))) for i in range(num_tapped_layers)]
+
+
+def tappable_layers(num_target_layers: int) -> int:
+    """How many distinct layers `tapped_layer_ids` can spread over (ids 1 .. N-3)."""
+    return max(1, num_target_layers - 3)
 
 
 def _rope_settings(target_config: Any) -> tuple[float, float, str]:

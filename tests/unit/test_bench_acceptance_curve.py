@@ -11,10 +11,10 @@ import pytest
 
 
 def _row(variant, seed, tau, *, steps=2000, multiplier=4, **extra):
-    row = {"variant": variant, "seed": seed, "steps": steps, "tau": tau, **extra,
+    row = {"variant": variant, "seed": seed, "steps": steps, "tau": tau,
            "acceptance_per_position": [tau - 1, 0.1, 0.05, 0.01], "tau_by_source": {"sharegpt": tau, "own": tau},
            "train_tau": tau + 0.5, "steps_per_s": 7.0, "all_match_target": True, "mask_token_id": 16,
-           "target_layer_ids": [1, 27]}
+           "target_layer_ids": [1, 8, 14, 20, 27], **extra}  # the default's taps since session 27
     if multiplier:
         row.update(data_multiplier=multiplier, train_completions=1024 * multiplier)
     return row
@@ -78,6 +78,30 @@ def test_a_point_on_larger_steps_is_compared_within_its_step_size(bench, tmp_pat
     text = curve.main([str(results), "--out", str(tmp_path / "out")])
     assert "| 4,096 | 500 x 8,192 tokens | 4.10M | **ours (default)** |" in text
     assert "| 4,096 | 2,000 | 4.10M | **ours (default)** |" in text
+
+
+def test_the_default_before_its_five_taps_is_a_recipe_of_its_own(bench, tmp_path):
+    """Session 27 moved the default from one tap per drafter layer (2 on the bench) to 5: a `default` row that
+    read 2 taps is `default-2-taps`, the ablation's `default+taps=5` row is the default, and both of ours carry
+    ratios to the speculators recipes."""
+    import acceptance_curve as curve
+
+    two = [1, 27]
+    results = _write(tmp_path / "r.jsonl", [
+        _row("default", 0, 1.93, target_layer_ids=two), _row("default", 1, 1.90, target_layer_ids=two),
+        _row("default+taps=5", 1, 2.01), _row("default+taps=2", 2, 1.91, target_layer_ids=two),
+        _row("default+lr=3e-4", 0, 1.85, target_layer_ids=two),
+        _row("default+taps=speculators", 1, 1.97, target_layer_ids=[1, 14, 26]),  # an ablation row: left out
+        _row("speculators-dflash2", 0, 1.85)])
+    rows = {(r["recipe"], r["lr"]): r for r in curve.curve_rows(curve.load([results]))}
+    assert set(rows) == {("default", 6e-4), ("default-2-taps", 6e-4), ("default-2-taps", 3e-4),
+                         ("speculators-dflash2", 6e-4)}
+    assert rows[("default", 6e-4)]["seeds"] == [1]
+    assert rows[("default-2-taps", 6e-4)]["seeds"] == [0, 1, 2]
+    assert rows[("default", 6e-4)]["ratios"] == {"speculators-dflash2": pytest.approx(1.01 / 0.85)}
+    assert rows[("default-2-taps", 6e-4)]["ratios"] == {"speculators-dflash2": pytest.approx((0.93 + 0.90 + 0.91) / 3 / 0.85)}
+    text = curve.main([str(results), "--out", str(tmp_path / "out")])
+    assert "**ours, 2 taps (the default until session 27)**" in text
 
 
 def test_the_curve_names_a_bad_result_file(bench, tmp_path):

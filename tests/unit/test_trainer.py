@@ -215,9 +215,13 @@ def test_drafter_settings_errors_name_the_problem() -> None:
     assert DrafterSettings().variant == "dflash2"
     assert DrafterSettings().resolved_loss_weighting == "dpace"
     assert DrafterSettings(variant="dflash").resolved_loss_weighting == "dpace"
-    assert DrafterSettings(num_layers=2).tapped_layer_ids(num_target_layers=30) == [1, 27]
-    assert DrafterSettings(num_layers=2, num_tapped_layers=5).tapped_layer_ids(num_target_layers=30) == \
-        [1, 8, 14, 20, 27]
+    # At least 5 taps unless set (5 beat one per drafter layer at scale), fewer only on a target too shallow.
+    assert DrafterSettings(num_layers=2).tapped_layer_ids(num_target_layers=30) == [1, 8, 14, 20, 27]
+    assert DrafterSettings(num_layers=2).tapped_layer_count == 5
+    assert DrafterSettings(num_layers=2, num_tapped_layers=2).tapped_layer_ids(num_target_layers=30) == [1, 27]
+    assert DrafterSettings(num_layers=7).tapped_layer_ids(num_target_layers=36) == [1, 6, 12, 17, 22, 28, 33]
+    assert DrafterSettings(num_layers=2).tapped_layer_ids(num_target_layers=6) == [1, 2, 3]
+    assert DrafterSettings(num_layers=1).tapped_layer_ids(num_target_layers=5) == [1, 2]
 
 
 def test_dflash2_settings_errors_name_the_problem(tmp_path) -> None:
