@@ -3,8 +3,8 @@
 # (TrainConfig.compile_mode: reduce-overhead) take the acceptance bench's step off the host? Carry
 # [".carry/node/controller", ".carry/node/wheelhouse"] (bash infra/node-wheelhouse.sh fills them; add
 # ".carry/acceptance/a" to the same call when acceptance calls follow it) and run from the repository root:
-#     bash bench/gpu_call_step_modes.sh        (TOKENS="8192": one row size only; MODES="default reduce-overhead-target":
-#                                               those modes only; all three by default)
+#     bash bench/gpu_call_step_modes.sh        (TOKENS="8192": one row size only; MODES="default": that mode only;
+#                                               both by default)
 # It checks the graphs first (tests/gpu/test_compile_mode_gpu.py: replayed, none skipped, losses equal the default
 # mode's, on the 6-layer tiny target and the 30-layer SmolLM2 shape), then times the step at the bench's shape in
 # each mode on 2,048- and 8,192-token rows (128 and 512 anchors: one density; 100 steps after 10 of warm-up; a
@@ -16,9 +16,9 @@
 # (each no-grad layer call started a new graph iteration, which gave up the last layer's output), which the
 # target's layers now copy their outputs for (dflash_core.target_runtime.graph_outputs_owned). 2026-12-05, session 25:
 # the graphs replay, but 4 of them record again every step (82.2 ms against 37.3 ms in the default mode); the
-# reduce-overhead run logs why each graph records (TORCH_LOGS=cudagraphs,perf_hints) into its .log. Session 26 added
-# reduce-overhead-target: the target's 30 layers graphed (their host time 31.4 -> 18.9 ms a step in the profiles of
-# session 25), the drafter in the default mode.
+# reduce-overhead run logs why each graph records (TORCH_LOGS=cudagraphs,perf_hints) into its .log. Graphing the
+# target's 30 layers only (a mode of session 26) lost on an H100 in session 27, 84.8 against 35.6 ms, and was taken
+# out (bench/results/acceptance-step-alone-2026-12-05/session27/).
 set -u
 source "$(dirname "$0")/gpu_pylib.sh"  # the carried wheels on the path
 mkdir -p "$OUT/e2e" /tmp/e2e-traces  # the traces stay on the machine: a call brings back at most 8 files
@@ -26,7 +26,7 @@ echo "=== the graphs: tiny target, then the 30-layer SmolLM2 shape"
 timeout 300 python3 -m pytest -o addopts="" --noconftest -q tests/gpu/test_compile_mode_gpu.py > "$OUT/e2e/graphs-test.log" 2>&1
 tail -5 "$OUT/e2e/graphs-test.log"
 for tokens in ${TOKENS:-2048 8192}; do
-  for mode in ${MODES:-default reduce-overhead-target reduce-overhead}; do
+  for mode in ${MODES:-default reduce-overhead}; do
     echo "=== step, $tokens-token row, compile mode $mode"
     name="smol-$tokens-$mode"
     logs=(); [ "$mode" != default ] && logs=(TORCH_LOGS=cudagraphs,perf_hints)  # why each graph records

@@ -15,17 +15,8 @@ from dflash_core.model.config import tappable_layers, tapped_layer_ids
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.dflash2_config import DFLASH2_FIELDS, DFlash2Config
 
-# torch.compile's modes, and one of ours: reduce-overhead-target replays the target's layers as CUDA graphs
-# and compiles the drafter in the default mode (its graphs recorded again every step in reduce-overhead).
-CompileMode = Literal["default", "reduce-overhead", "reduce-overhead-target", "max-autotune-no-cudagraphs"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"]  # torch.compile's modes
 COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
-
-
-def layer_compile_modes(mode: str) -> tuple[str, str]:
-    """(the target's decoder layers' torch.compile mode, the drafter's) for a TrainConfig.compile_mode."""
-    if mode == "reduce-overhead-target":
-        return "reduce-overhead", "default"
-    return mode, mode
 
 from dflash_core.strict import StrictModel, validation_summary
 from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS, default_num_anchors
@@ -280,9 +271,8 @@ class TrainConfig(StrictModel):
         "CUDA graph (for a fixed-shape step whose host dispatch, not the GPU, sets its time: a small target such as "
         "the acceptance bench's; docs/benchmarks.md 'The acceptance bench's step, alone on the GPU'); on an H200 "
         "(2026-12-05) it ran but lost, 82.2 against 37.3 ms, as 4 of the drafter's graphs recorded again every "
-        "step. reduce-overhead-target graphs the target's layers only (their host time fell from 31.4 to 18.9 ms "
-        "a step in that profile) and compiles the drafter in the default mode: experimental, not yet timed. On "
-        "CPU the mode changes nothing.")
+        "step. Graphing the target's layers only lost too (84.8 against 35.6 ms on an H100, session 27) and was "
+        "taken out. On CPU the mode changes nothing.")
     target_fp8: bool = Field(
         False, description="Run the target's decoder-layer GEMMs in FP8 (row-wise scales, dflash_core.fp8; H100/H200 "
         "or newer, or CPU): faster and half the target's weight memory, but the drafter then learns from an FP8 "

@@ -29,7 +29,6 @@ from dflash_core.model.dflash2 import config_from_dict, variant_of
 from dflash_core.provenance import current_producer
 from dflash_core.target import validate_capture
 from dflash_core.train import checkpoint as ckpt
-from dflash_core.train.config import layer_compile_modes
 from dflash_core.train.data import collate, data_passes
 from dflash_core.train.devices import Distributed
 from dflash_core.train.metrics_window import MetricsWindow, to_host
@@ -222,7 +221,7 @@ class Trainer:
         started = time.perf_counter()
         tokens_since_log = 0
         window = MetricsWindow()
-        graphed_layers = config.compile and "reduce-overhead" in layer_compile_modes(config.compile_mode)
+        graphed_layers = config.compile and config.compile_mode == "reduce-overhead"
         self._start_uploader()
         try:
             while self.step < config.max_steps and not self._stop_agreed():

@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_core.train.config import layer_compile_modes
-
 if TYPE_CHECKING:
     from dflash_core.train.parts import TrainingParts
 
@@ -17,9 +15,9 @@ def parallelize(parts: TrainingParts, *, world_size: int) -> torch.nn.Module:
     if parts.config.compile:
         from dflash_core.target_runtime import compile_decoder_layers
 
-        target_mode, drafter_mode = layer_compile_modes(parts.config.compile_mode)
-        parts.drafter.compile_layers(mode=drafter_mode)
-        compile_decoder_layers(parts.target, mode=target_mode)
+        mode = parts.config.compile_mode
+        parts.drafter.compile_layers(mode=mode)
+        compile_decoder_layers(parts.target, mode=mode)
     if world_size == 1:
         return parts.drafter
     from torch.nn.parallel import DistributedDataParallel

@@ -76,19 +76,3 @@ def test_a_graphed_30_layer_target_keeps_each_layers_output(tmp_path):
     assert _graph_trees()
     assert graphed == pytest.approx(default, rel=2e-2)
 
-
-def test_graphing_the_target_alone_keeps_the_default_modes_losses(tmp_path):
-    """compile_mode reduce-overhead-target: the target's layers replay as CUDA graphs, the drafter compiles in the
-    default mode (whose graphs recorded again every step in reduce-overhead, session 25)."""
-    from torch._dynamo.utils import counters
-    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-
-    reset_cudagraph_trees()
-    torch.manual_seed(0)
-    default = _losses(tmp_path, "default", target="random:smollm2-135m", steps=4)
-    counters.clear()
-    torch.manual_seed(0)
-    graphed = _losses(tmp_path, "reduce-overhead-target", target="random:smollm2-135m", steps=4)
-    assert _graph_trees(), "reduce-overhead-target recorded no CUDA graph"
-    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
-    assert graphed == pytest.approx(default, rel=2e-2)
