@@ -51,9 +51,11 @@ def run_ours(job: Job, variant: Variant) -> dict:
     trained_path = config.run_dir / "trained.json"
     trained = json.loads(trained_path.read_text()) if resumed_from and trained_path.is_file() else None
     logged: list[tuple[int, float]] = []  # (step, time) of each record: steady-state steps/s between them
+    host = HostTime()
     sync_device()
     start = time.perf_counter()
-    result = trainer.run(on_log=lambda record: logged.append((record["step"], time.perf_counter())))
+    result = trainer.run(on_log=lambda record: logged.append((record["step"], time.perf_counter())),
+                         on_step=lambda *, step, metrics, timing: host.add(timing, steady=bool(logged)))
     sync_device()
     train_s = time.perf_counter() - start
     trainer.close()
@@ -62,7 +64,7 @@ def run_ours(job: Job, variant: Variant) -> dict:
         window = window.get("window") or window
         trained = {"train_s": train_s, "steps_per_s": steady_rate(logged, job.steps - resumed_from, train_s),
                    "resumed_from_step": resumed_from, "train_loss": window["loss"],
-                   "train_tau": window["acceptance_length_empirical"]}
+                   "train_tau": window["acceptance_length_empirical"], **host.summary()}
         trained_path.write_text(json.dumps(trained))
     drafter_config = trainer.drafter_config
     drafter = trainer.drafter
@@ -72,6 +74,31 @@ def run_ours(job: Job, variant: Variant) -> dict:
            "target_layer_ids": drafter_config.target_layer_ids, **evaluate_drafter(drafter)}
     shutil.rmtree(config.run_dir, ignore_errors=True)
     return row
+
+
+class HostTime:
+    """Where a job's main thread spends a step once the first record is logged (compilation over): packing
+    and copying batches, queuing the step's work (waiting too, when the GPU's launch queue is full), and the
+    log steps' wait on the device; with the graphs dynamo compiled in this process. A job whose steps/s is far
+    under its host's pace waits on a GPU it shares; one whose dispatch fills the step is host-bound."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.prepare_s = self.dispatch_s = self.wait_s = 0.0
+
+    def add(self, timing, *, steady: bool) -> None:
+        if steady:
+            self.steps += 1
+            self.prepare_s += timing.prepare_s
+            self.dispatch_s += timing.dispatch_s
+            self.wait_s += timing.wait_s
+
+    def summary(self) -> dict:
+        from torch._dynamo.utils import counters
+
+        per_step = {f"host_{name}_ms": 1e3 * getattr(self, f"{name}_s") / self.steps
+                    for name in ("prepare", "dispatch", "wait")} if self.steps else {}
+        return {**per_step, "compiled_graphs": int(counters["stats"]["unique_graphs"])}
 
 
 def check_recipe_applied(config, drafter_config, loss) -> None:

@@ -90,6 +90,15 @@ def _same_schedule_reference(variant: str, reference: str) -> str | None:
                  and v.drafter == base.drafter and v.optim == row_variant.optim), None)
 
 
+def host_text(result: dict) -> str:
+    """"; host ms/step: prepare 0.4, dispatch 30.1, wait 2.0 (41 graphs)" for a row of ours (its main thread's
+    time per step after compilation), "" for a row without it (speculators' own loop, older rows)."""
+    if "host_dispatch_ms" not in result:
+        return ""
+    return (f"; host ms/step: prepare {result['host_prepare_ms']:.1f}, dispatch {result['host_dispatch_ms']:.1f}, "
+            f"wait {result['host_wait_ms']:.1f} ({result['compiled_graphs']} graphs)")
+
+
 def _mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.fmean(values) if values else None

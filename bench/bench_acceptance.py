@@ -113,7 +113,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules,
 
 from acceptance_data import prepare_assets, prepare_data  # noqa: E402
 from acceptance_ours import check_recipe_applied, run_ours  # noqa: E402,F401  (check_recipe_applied: tests)
-from acceptance_report import row_command, run_header, write_report  # noqa: E402
+from acceptance_report import host_text, row_command, run_header, write_report  # noqa: E402
 from acceptance_scaling import plan_scaled_jobs  # noqa: E402
 from acceptance_speculators import run_speculators  # noqa: E402
 from acceptance_variants import (  # noqa: E402,F401  (Shape, Variant: tests and callers)
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
         log(f"{result['variant']} seed {result['seed']} {result['steps']} steps{size}: tau {result['tau']:.3f} "
             f"(acc@1 {result['acceptance_per_position'][0]:.2f}), {result['steps_per_s']:.1f} steps/s, "
             f"exact {result['all_match_target']}; {result['wall_s']:.0f} s (train {result['train_s']:.0f}, "
-            f"eval {result['eval_s']:.0f}) on {result['device']}")
+            f"eval {result['eval_s']:.0f}) on {result['device']}{host_text(result)}")
         report()
 
     for job in earlier:

@@ -364,3 +364,8 @@ def _call_ends_in_evaluation_then_resumes(bench, tmp_path, monkeypatch):
     assert row["variant"] == "default" and row["all_match_target"]
     assert {key: row[key] for key in trained} == trained  # the first call's training, not a 0-step rerun
     assert not run_dir.exists()
+    # where the main thread spent the steps after the first log (4 steps logged every step: 3 of them)
+    assert row["host_dispatch_ms"] > 0 and row["host_prepare_ms"] >= 0 and isinstance(row["compiled_graphs"], int)
+    from acceptance_report import host_text
+
+    assert host_text(row).startswith("; host ms/step: prepare ") and host_text({"tau": 1.5}) == ""
