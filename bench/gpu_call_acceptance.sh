@@ -28,8 +28,19 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_mps.sh"  # MPS=1: the workers share the GPU through an MPS server (bench/gpu_call_sharing.sh)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# Every 10 s while the jobs run: the GPU's busy share and memory, and the host's load (16 cores): which of the
+# two a set of jobs sharing the GPU waits on (their rows' host_*_ms say where each job's main thread went).
+if command -v nvidia-smi > /dev/null; then
+  (while sleep 10; do
+     echo "$(date +%T) gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader) load $(cut -d' ' -f1-3 /proc/loadavg)"
+   done) > "$OUT/utilization.txt" 2>&1 &
+  sampler=$!
+fi
 set -o pipefail
 # shellcheck disable=SC2086  # the seeds are several arguments
 python3 bench/bench_acceptance.py --assets .carry/acceptance --out "$OUT" --work /tmp/acceptance "${suite[@]}" \
   --steps "$steps" --long-multiplier 0 --seeds $seeds --data-multipliers "$multiplier" --eval-prompts 16 \
   --eval-new-tokens 96 --workers "$workers" --deadline-s "$deadline" "$@" 2>&1 | grep -v Warning | tee "$OUT/log.txt" | tail -60
+rc=$?
+[ -n "${sampler:-}" ] && kill "$sampler" 2> /dev/null
+exit $rc
