@@ -40,9 +40,19 @@ def test_the_plan_follows_the_runs_drafter(tmp_path):
     assert dflash2.drafter_params - dflash.drafter_params > 2 * shape.vocab_size * 256
     three_taps = _plan(_config(tmp_path, num_tapped_layers=3))
     assert three_taps.bytes_per_token == 3 * shape.hidden_size * 2
-    assert dflash2.bytes_per_token == 5 * shape.hidden_size * 2  # as many taps as drafter layers
+    assert dflash2.bytes_per_token == 5 * shape.hidden_size * 2  # 5 taps: the default's least
+    two_layers = _plan(_config(tmp_path, num_layers=2))
+    assert two_layers.bytes_per_token == 5 * shape.hidden_size * 2  # at least 5, not one per drafter layer
     fewer_anchors = _plan(_config(tmp_path, num_anchors=512))
     assert fewer_anchors.drafter_activation_bytes < dflash2.drafter_activation_bytes
+
+
+def test_a_shallow_target_plans_the_taps_it_can_give(tmp_path):
+    """The default's 5 taps spread over native ids 1 .. N-3: a 6-layer target gives 3, which the plan counts."""
+    config = _config(tmp_path, num_layers=2)
+    path = tmp_path / "target" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "num_hidden_layers": 6}))
+    assert _plan(config).bytes_per_token == 3 * PRESETS["qwen3.5-27b"].hidden_size * 2
 
 
 def test_a_run_that_does_not_fit_is_refused_with_the_fp8_advice(tmp_path):
