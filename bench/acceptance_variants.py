@@ -214,6 +214,8 @@ def variants() -> dict[str, Variant]:
                 "512 per 8,192)", drafter=_default(num_anchors=128)),
         Variant("default+taps=speculators", f"the default reading speculators' 3 taps on SmolLM2 ({SPECULATORS_TAPS}) "
                 "instead of its 5", drafter=_default(target_layer_ids=list(SPECULATORS_TAPS))),
+        Variant("default+taps=8", "the default reading 8 tapped layers (2 -> 3 -> 5 taps kept paying at 16,384 "
+                "completions: does 8?)", drafter=_default(num_tapped_layers=8)),
         Variant("default+taps=2", "the default reading one tap per drafter layer ([1, 27]; its setting until "
                 "session 27, when 5 taps won this ablation: 1.008 against 0.903 at seed 1)",
                 drafter=_default(num_tapped_layers=2)),
