@@ -55,7 +55,8 @@ def run_ours(job: Job, variant: Variant) -> dict:
     sync_device()
     start = time.perf_counter()
     result = trainer.run(on_log=lambda record: logged.append((record["step"], time.perf_counter())),
-                         on_step=lambda *, step, metrics, timing: host.add(timing, steady=bool(logged)))
+                         on_step=lambda *, step, metrics, timing: host.add(timing, steady=bool(logged)
+                                                                           and step > logged[0][0]))
     sync_device()
     train_s = time.perf_counter() - start
     trainer.close()
@@ -83,8 +84,11 @@ class HostTime:
     under its host's pace waits on a GPU it shares; one whose dispatch fills the step is host-bound."""
 
     def __init__(self) -> None:
+        from torch._dynamo.utils import counters
+
         self.steps = 0
         self.prepare_s = self.dispatch_s = self.wait_s = 0.0
+        self.graphs_before = counters["stats"]["unique_graphs"]  # a worker process runs several jobs
 
     def add(self, timing, *, steady: bool) -> None:
         if steady:
@@ -98,7 +102,7 @@ class HostTime:
 
         per_step = {f"host_{name}_ms": 1e3 * getattr(self, f"{name}_s") / self.steps
                     for name in ("prepare", "dispatch", "wait")} if self.steps else {}
-        return {**per_step, "compiled_graphs": int(counters["stats"]["unique_graphs"])}
+        return {**per_step, "compiled_graphs": int(counters["stats"]["unique_graphs"] - self.graphs_before)}
 
 
 def check_recipe_applied(config, drafter_config, loss) -> None:
@@ -108,7 +112,9 @@ def check_recipe_applied(config, drafter_config, loss) -> None:
     if loss != wanted:
         raise RuntimeError(f"the Trainer built a drafter training with {loss}, the run asks for {wanted}: the "
                            "assembly must build the drafter with DrafterSettings.loss_spec()")
-    taps = config.drafter.target_layer_ids
+    taps, depth = config.drafter.target_layer_ids, drafter_config.target_num_layers
+    if taps is None and depth:  # a tap count (num_tapped_layers, or the default's) spread over the target
+        taps = config.drafter.tapped_layer_ids(num_target_layers=depth)
     if taps is not None and list(drafter_config.target_layer_ids) != list(taps):
         raise RuntimeError(f"the Trainer built a drafter tapping {drafter_config.target_layer_ids}, the run asks "
                            f"for {taps}")

@@ -32,18 +32,22 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 
 def aggregate(results: list[dict], *, variant_order: list[str] | None = None) -> list[dict]:
-    """One row per (variant, steps, data multiplier, tokens per step): tau, tau - 1 and acc@k as mean and sd
+    """One row per (variant, steps, data multiplier, tokens per step, tapped layers: a variant's default taps
+    changed in session 27, and merged files keep both): tau, tau - 1 and acc@k as mean and sd
     over seeds, the rest averaged; rows by training tokens (steps x tokens per step), then in `variant_order`
     (by name without one), then by data size (runs without a multiplier: None). A seed run twice (merged calls)
     counts once, its first result. Ratios to the speculators rows are taken at the same steps, data and step size."""
     rows = []
     rank = {name: i for i, name in enumerate(variant_order or [])}
-    keys = sorted({(r["variant"], r["steps"], r.get("data_multiplier"), row_tokens(r)) for r in results},
-                  key=lambda k: (k[3] * k[1], k[3], rank.get(k[0], len(rank)), k[0], k[2] or 0))
-    for name, steps, multiplier, tokens in keys:
+    def key(r: dict) -> tuple:
+        return r["variant"], r["steps"], r.get("data_multiplier"), row_tokens(r), tuple(r.get("target_layer_ids") or ())
+
+    keys = sorted({key(r) for r in results},
+                  key=lambda k: (k[3] * k[1], k[3], rank.get(k[0], len(rank)), k[0], k[2] or 0, k[4]))
+    for name, steps, multiplier, tokens, taps in keys:
         by_seed: dict[int, dict] = {}
         for r in results:
-            if (r["variant"], r["steps"], r.get("data_multiplier"), row_tokens(r)) == (name, steps, multiplier, tokens):
+            if key(r) == (name, steps, multiplier, tokens, taps):
                 by_seed.setdefault(r["seed"], r)
         runs = [by_seed[s] for s in sorted(by_seed)]
         tau_mean, tau_sd = _mean_sd([r["tau"] for r in runs])
@@ -63,7 +67,7 @@ def aggregate(results: list[dict], *, variant_order: list[str] | None = None) ->
             **{f"{k}_mean": _mean(r.get(k) for r in runs) for k in ("wall_s", "train_s", "eval_s")},
             "all_match_target": all(r["all_match_target"] for r in runs),
             "mask_token_id": runs[0]["mask_token_id"], "mask_rule": runs[0].get("mask_rule"),
-            "target_layer_ids": runs[0]["target_layer_ids"], "command": runs[0].get("command")})
+            "target_layer_ids": runs[0].get("target_layer_ids"), "command": runs[0].get("command")})
     for row in rows:
         for reference in REFERENCES:
             ref = None

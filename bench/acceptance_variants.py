@@ -142,9 +142,9 @@ def variants() -> dict[str, Variant]:
         # Training-only levers on top of the default (each off in the library until measured here).
         Variant("default+taps=3", "the default reading 3 tapped target layers instead of 5", drafter=_default(
             num_tapped_layers=3)),
-        Variant("default+last-tap=N-2", f"the default, its last tap moved from N-3 to N-2 (native [1, "
-                f"{EMBEDDED_LAST_TAP}] instead of [1, 27]; drafter.target_layer_ids)",
-                drafter=_default(target_layer_ids=[1, EMBEDDED_LAST_TAP])),
+        Variant("default+last-tap=N-2", f"the default, its last tap moved from N-3 to N-2 (native [1, 8, 14, 20, "
+                f"{EMBEDDED_LAST_TAP}] instead of [1, 8, 14, 20, 27]; drafter.target_layer_ids)",
+                drafter=_default(target_layer_ids=[1, 8, 14, 20, EMBEDDED_LAST_TAP])),
         Variant("default+noise=0.05", "the default, Gaussian noise of 0.05 x RMS on the tapped states (EAGLE-style)",
                 drafter=_default(feature_noise=0.05)),
         Variant("default+noise=0.2", "the default, feature noise 0.2 x RMS", drafter=_default(feature_noise=0.2)),

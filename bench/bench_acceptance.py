@@ -189,8 +189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         choices=COMPILE_MODES,
                         help="our rows train with TrainConfig.compile, in this torch.compile mode (TrainConfig."
                         "compile_mode; default: default): drafter and target layers compiled, a step alone on an "
-                        "H200 49.9 ms instead of 66.5 eager; reduce-overhead replays them as CUDA graphs (untried "
-                        "on a GPU). Speculators' rows compile their forward anyway")
+                        "H200 49.9 ms instead of 66.5 eager; reduce-overhead replays them as CUDA graphs (it lost on "
+                        "a GPU: docs/benchmarks.md). Speculators' rows compile their forward anyway")
     parser.add_argument("--checkpoint-every", type=int, default=None,
                         help="each job saves its training state every N steps (in --work), so one the call's limit "
                         "kills goes on in the next call (--resume); default: none")

@@ -6,7 +6,7 @@ depend on the weights.
 
     .venv/bin/python bench/bench_draft_cost.py                       # SmolLM2-135M shape, 2 layers, B=8
     .venv/bin/python bench/bench_draft_cost.py --shape qwen3-8b --layers 5 --block 16 --context 512
-    .venv/bin/python bench/bench_draft_cost.py --layers 3 --taps 2 --intermediate-size 816   # issue #45's narrow row
+    .venv/bin/python bench/bench_draft_cost.py --layers 3 --intermediate-size 816   # issue #45's narrow row
     python bench/bench_draft_cost.py --shape qwen3-8b --layers 5 --block 16 --device cuda --dtype bfloat16
 
 Prints a table (ms per round, median of --rounds after warmup) and the command that reproduces it.
@@ -81,7 +81,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen3-8b"], default="smollm2-135m")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--taps", type=int, default=None, help="tapped target layers (default: --layers)")
+    parser.add_argument("--taps", type=int, default=None,
+                        help="tapped target layers (default: the library's, at least 5)")
     parser.add_argument("--intermediate-size", type=int, default=None,
                         help="the drafter's MLP width (drafter.intermediate_size; default: the target's)")
     parser.add_argument("--block", type=int, default=8)
@@ -99,7 +100,7 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = DFlashConfig.from_target(target_config, num_layers=args.layers, block_size=args.block,
-                                        num_tapped_layers=args.taps or args.layers, mask_token_id=0)
+                                        num_tapped_layers=args.taps, mask_token_id=0)
     if args.intermediate_size:
         base = dataclasses.replace(base, intermediate_size=args.intermediate_size)
     rows = [(variant, time_variant(variant, base, target_config, args, device, dtype))

@@ -12,6 +12,7 @@ if [ "${MPS:-0}" = 1 ]; then
       # a started control daemon does not prove clients work (a sandbox may refuse them): one tiny CUDA op
       if timeout 90 python3 -c "import torch; assert torch.ones(4, device='cuda').sum().item() == 4" 2> /tmp/mps/probe.err; then
         mps=on
+        echo "MPS: on (the processes of this call share the GPU at once)"
       else
         echo "MPS: the server started but a CUDA op through it failed ($(tail -n 2 /tmp/mps/probe.err)): processes take turns on the GPU"
         echo quit | nvidia-cuda-mps-control

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dflash_core import planner
-from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
+from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS, default_tapped_layer_count
 from dflash_core.nodes.cli import node_app
 from dflash_core.s3audit.cli import lineage_app, s3_app
 from dflash_core.settings import load_settings
@@ -48,7 +48,8 @@ def plan(
     hidden_size: Annotated[Optional[int], typer.Option(help="Target hidden size (overrides preset/config).")] = None,
     num_layers: Annotated[Optional[int], typer.Option(help="Target decoder layers.")] = None,
     target_params: Annotated[Optional[float], typer.Option(help="Target parameters, in billions.")] = None,
-    tapped_layers: Annotated[int, typer.Option(help="Target layers the drafter reads.")] = DEFAULT_NUM_LAYERS,
+    tapped_layers: Annotated[Optional[int], typer.Option(
+        help="Target layers the drafter reads; default: train's (one per drafter layer, at least 5).")] = None,
     dtype_bytes: Annotated[int, typer.Option(help="Bytes per stored value (bf16 = 2).")] = 2,
     target_fp8: Annotated[bool, typer.Option(help="Target decoder-layer weights in FP8 (train's target_fp8).")] = False,
     drafter_fp8: Annotated[bool, typer.Option(help="The drafter's linears in FP8 (train's drafter_fp8).")] = False,
@@ -70,6 +71,8 @@ def plan(
     """Storage, memory, transfer and generation arithmetic, before choosing an architecture."""
     try:
         shape = _resolve_shape(preset, model_config, hidden_size, num_layers, target_params)
+        if tapped_layers is None:
+            tapped_layers = default_tapped_layer_count(num_layers=drafter_layers, num_target_layers=shape.num_layers)
         inputs = planner.PlanInputs(
             target=shape, tapped_layers=tapped_layers, dtype_bytes=dtype_bytes, target_fp8=target_fp8,
             drafter_fp8=drafter_fp8, lm_head_fp8=lm_head_fp8, samples=samples,

@@ -1,5 +1,5 @@
 """Defaults that several layers share (the drafter's config, the run schema, the planner, the CLI), one
-named constant each. Plain Python: the planner and the CLI import it without torch."""
+named constant or rule each. Plain Python: the planner and the CLI import it without torch."""
 
 # The drafter's shape when a run does not say: z-lab's released drafters (5 layers, 16-token blocks).
 DEFAULT_NUM_LAYERS = 5
@@ -8,3 +8,13 @@ DEFAULT_BLOCK_SIZE = 16
 # layer below that lost at scale (bench/results/acceptance-ablate-16384-2026-12-05: a 2-layer drafter, tau - 1 0.903
 # with 2 taps, 0.975 with 3, 1.008 with 5; the draft round's cost barely moves).
 DEFAULT_MIN_TAPPED_LAYERS = 5
+
+
+def default_tapped_layer_count(*, num_layers: int, num_target_layers: int | None = None) -> int:
+    """The tapped layers a drafter of `num_layers` reads when a run does not say: one per drafter layer (the z-lab
+    reference), at least DEFAULT_MIN_TAPPED_LAYERS, that floor cut to the distinct ids (1 .. N-3) a shallow target
+    has; without the target's depth, the count on a deep one."""
+    floor = DEFAULT_MIN_TAPPED_LAYERS
+    if num_target_layers is not None:
+        floor = min(floor, max(1, num_target_layers - 3))
+    return max(num_layers, floor)

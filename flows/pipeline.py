@@ -106,10 +106,13 @@ class PipelineParams(StrictModel):
 
     def plan_inputs(self) -> PlanInputs:
         training = self.training.config if self.training is not None else None
+        target = PRESETS[self.target_preset]
         steps = {} if training is None else {
             "max_steps": training.max_steps, "target_fp8": training.target_fp8, "drafter_fp8": training.drafter_fp8,
-            "tokens_per_step": training.token_budget * training.optim.grad_accum * self.num_gpus}
-        return PlanInputs(target=PRESETS[self.target_preset], samples=self.samples, mean_tokens=self.mean_tokens,
+            "tokens_per_step": training.token_budget * training.optim.grad_accum * self.num_gpus,
+            "drafter_layers": training.drafter.num_layers,
+            "tapped_layers": training.drafter.tap_count(num_target_layers=target.num_layers)}
+        return PlanInputs(target=target, samples=self.samples, mean_tokens=self.mean_tokens,
                           gpu_memory_gib=self.gpu_memory_gib, num_gpus=self.num_gpus,
                           generation_tokens_per_s=self.generation_tokens_per_s, **steps)
 

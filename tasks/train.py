@@ -83,9 +83,8 @@ def plan_training(config: TrainConfig, *, gpu_memory_gib: float, num_gpus: int, 
         shape_from_config(Path(config.target) / "config.json")
     drafter = config.drafter
     ranks = max(1, num_gpus // (2 if config.placement == "pair" else 1))  # data-parallel ranks
-    tapped = len(drafter.tapped_layer_ids(num_target_layers=shape.num_layers)) if shape.num_layers \
-        else drafter.tapped_layer_count  # the default's count shrinks on a shallow target
-    result = plan(PlanInputs(target=shape, samples=samples, mean_tokens=mean_tokens, tapped_layers=tapped,
+    result = plan(PlanInputs(target=shape, samples=samples, mean_tokens=mean_tokens,
+                             tapped_layers=drafter.tap_count(num_target_layers=shape.num_layers),
                              drafter_layers=drafter.num_layers, block_size=drafter.block_size,
                              anchors_per_1k_tokens=config.resolved_num_anchors * 1000 / config.token_budget,
                              token_budget=config.token_budget, gpu_memory_gib=gpu_memory_gib, num_gpus=num_gpus,

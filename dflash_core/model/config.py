@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
+from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS, default_tapped_layer_count
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -45,9 +45,6 @@ def tapped_layer_ids(*, num_target_layers: int, num_tapped_layers: int) -> list[
     return [int(round(start + i * span / (num_tapped_layers - 1))) for i in range(num_tapped_layers)]
 
 
-def tappable_layers(num_target_layers: int) -> int:
-    """How many distinct layers `tapped_layer_ids` can spread over (ids 1 .. N-3)."""
-    return max(1, num_target_layers - 3)
 
 
 def _rope_settings(target_config: Any) -> tuple[float, float, str]:
@@ -157,7 +154,8 @@ class DFlashConfig:
             head_dim=head_dim,
             vocab_size=text.vocab_size,
             target_layer_ids=tapped_layer_ids(
-                num_target_layers=num_target_layers, num_tapped_layers=num_tapped_layers or num_layers
+                num_target_layers=num_target_layers, num_tapped_layers=num_tapped_layers
+                or default_tapped_layer_count(num_layers=num_layers, num_target_layers=num_target_layers)
             ),
             mask_token_id=mask_token_id,
             num_layers=num_layers,

@@ -10,8 +10,10 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_TAPPED_LAYERS, DEFAULT_NUM_LAYERS
-from dflash_core.model.config import tappable_layers, tapped_layer_ids
+from dflash_core.defaults import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_MIN_TAPPED_LAYERS, DEFAULT_NUM_LAYERS, default_tapped_layer_count,
+)
+from dflash_core.model.config import tapped_layer_ids
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.dflash2_config import DFLASH2_FIELDS, DFlash2Config
 
@@ -48,8 +50,8 @@ class DrafterSettings(StrictModel):
         "it is: the exported config carries it. Not with init: target, which copies the target's MLPs.")
     num_tapped_layers: int | None = Field(
         None, ge=1, description="Target layers the drafter reads, spread by the reference formula; None: one per "
-        f"drafter layer (the z-lab reference) but at least {DEFAULT_MIN_TAPPED_LAYERS}, or as many as a shallow "
-        "target has (2 taps on a 2-layer drafter lost to 5 at scale: dflash_core/defaults.py).")
+        f"drafter layer (the z-lab reference) but at least {DEFAULT_MIN_TAPPED_LAYERS}, a floor cut to the layers "
+        "a shallow target has (2 taps on a 2-layer drafter lost to 5 at scale: dflash_core/defaults.py).")
     target_layer_ids: list[int] | None = Field(
         None, description="Explicit native tapped ids (k = output of decoder layer k), ascending; overrides "
         "num_tapped_layers.")
@@ -187,7 +189,14 @@ class DrafterSettings(StrictModel):
         a target of fewer than DEFAULT_MIN_TAPPED_LAYERS + 3 layers may give the default fewer)."""
         if self.target_layer_ids is not None:
             return len(self.target_layer_ids)
-        return self.num_tapped_layers or max(self.num_layers, DEFAULT_MIN_TAPPED_LAYERS)
+        return self.num_tapped_layers or default_tapped_layer_count(num_layers=self.num_layers)
+
+    def tap_count(self, *, num_target_layers: int | None) -> int:
+        """How many target layers the drafter reads on a target of `num_target_layers` (its ids checked), or,
+        the depth unknown, on a deep one."""
+        if num_target_layers is None:
+            return self.tapped_layer_count
+        return len(self.tapped_layer_ids(num_target_layers=num_target_layers))
 
     def tapped_layer_ids(self, *, num_target_layers: int) -> list[int]:
         """Native ids of the tapped target layers, checked against a target of `num_target_layers`."""
@@ -198,8 +207,8 @@ class DrafterSettings(StrictModel):
                 raise ValueError(f"target_layer_ids {bad} out of range: a {num_target_layers}-layer target can be "
                                  f"tapped at native ids 0..{last} (id k is the output of decoder layer k)")
             return list(self.target_layer_ids)
-        count = self.num_tapped_layers or max(self.num_layers,
-                                              min(DEFAULT_MIN_TAPPED_LAYERS, tappable_layers(num_target_layers)))
+        count = self.num_tapped_layers or default_tapped_layer_count(num_layers=self.num_layers,
+                                                                     num_target_layers=num_target_layers)
         return tapped_layer_ids(num_target_layers=num_target_layers, num_tapped_layers=count)
 
 

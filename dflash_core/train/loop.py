@@ -170,6 +170,12 @@ class Trainer:
         if saved != ours:
             raise ValueError(f"{path} holds a {saved} drafter but this run's drafter.variant is {ours!r}: resume "
                              "with the variant it was trained as, or start a new run_name")
+        saved_taps = list(meta["drafter_config"].get("target_layer_ids") or [])
+        if saved_taps and saved_taps != list(self.drafter_config.target_layer_ids):
+            raise ValueError(f"{path} holds a drafter reading target layers {saved_taps}, this run's reads "
+                             f"{list(self.drafter_config.target_layer_ids)} (the default reads at least 5 since "
+                             f"2026-12-05, one per drafter layer before): set drafter.target_layer_ids: {saved_taps} "
+                             "to resume it, or start a new run_name")
         saved_optimizer = ((meta.get("config") or {}).get("optim") or {}).get("optimizer", "adamw")
         if saved_optimizer != self.config.optim.optimizer:
             raise ValueError(f"{path} was trained with optim.optimizer={saved_optimizer!r}, this run has "

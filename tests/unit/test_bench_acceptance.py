@@ -5,6 +5,8 @@ Run: .venv/bin/python -m pytest tests/unit/test_bench_acceptance.py -q
 """
 
 
+import dataclasses
+
 import pytest
 
 
@@ -175,9 +177,14 @@ def test_every_variant_is_a_valid_run_and_levers_must_reach_the_drafter(bench):
         bench.check_recipe_applied(config, built, default_loss)  # a trainer that dropped the lever: refused
     bench.check_recipe_applied(config, built, config.drafter.loss_spec())
     tapped = TrainConfig(target="embedded", data=["x"], drafter=bench.variants()["default+last-tap=N-2"].drafter)
-    assert tapped.drafter.target_layer_ids == [1, 28]
+    assert tapped.drafter.target_layer_ids == [1, 8, 14, 20, 28]
     with pytest.raises(RuntimeError, match="tapping"):
-        bench.check_recipe_applied(tapped, built, tapped.drafter.loss_spec())  # [1, 2] built, [1, 28] asked
+        bench.check_recipe_applied(tapped, built, tapped.drafter.loss_spec())  # [1, 2] built, [1, ..., 28] asked
+    two = TrainConfig(target="embedded", data=["x"], drafter=bench.variants()["default+taps=2"].drafter)
+    on_smollm2 = dataclasses.replace(built, target_layer_ids=[1, 8, 14, 20, 27], target_num_layers=30)
+    with pytest.raises(RuntimeError, match="tapping"):  # a tap count the trainer dropped: the default's 5 built
+        bench.check_recipe_applied(two, on_smollm2, two.drafter.loss_spec())
+    bench.check_recipe_applied(config, on_smollm2, config.drafter.loss_spec())
 
 
 def test_the_bench_evaluates_alike_in_both_harnesses_and_says_which_ran(bench):

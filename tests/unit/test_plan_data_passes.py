@@ -38,6 +38,8 @@ def test_the_pipeline_plans_with_its_training_stage_steps():
     assert inputs.max_steps == config.max_steps
     assert inputs.tokens_per_step == config.token_budget * config.optim.grad_accum * params.num_gpus
     assert plan(inputs).data_passes is not None
+    # the demo's 2-layer drafter reads the default's 5 target layers, and the plan counts them
+    assert (inputs.drafter_layers, inputs.tapped_layers) == (config.drafter.num_layers, 5) == (2, 5)
 
 
 def test_the_train_stage_plans_with_its_datasets_own_counts():

@@ -92,6 +92,17 @@ def test_cli_json_interface_is_stable() -> None:
     assert {v["fits"] for v in data["layouts"]} == {None}  # no target size given
 
 
+def test_cli_taps_default_to_trains() -> None:
+    """Without --tapped-layers the plan reads what train would: one per drafter layer, at least 5."""
+    def tapped(*args: str) -> int:
+        result = runner.invoke(app, ["plan", "--hidden-size", "1000", "--num-layers", "36", *args, "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["bytes_per_token"] // (1000 * 2)
+
+    assert (tapped("--drafter-layers", "2"), tapped("--drafter-layers", "7")) == (5, 7)
+    assert tapped("--drafter-layers", "2", "--tapped-layers", "3") == 3
+
+
 def test_cli_table_and_model_config(tmp_path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"text_config": {"hidden_size": 1024, "num_hidden_layers": 28,

@@ -169,3 +169,18 @@ def test_graphed_layers_hand_back_outputs_a_later_call_cannot_overwrite():
     compile_decoder_layers(target)  # the default mode hands back inductor's own outputs
     assert all(inspect.ismethod(vars(layer)["forward"].__wrapped__) for layer in language_model(target).layers)
 
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_the_compile_mode_reaches_the_target_and_drafter_layers(monkeypatch, mode):
+    import types
+
+    import dflash_core.target_runtime as target_runtime
+    from dflash_core.train.parallelize import parallelize
+
+    seen = {}
+    monkeypatch.setattr(target_runtime, "compile_decoder_layers", lambda model, *, mode: seen.update(target=mode))
+    drafter = types.SimpleNamespace(compile_layers=lambda *, mode: seen.update(drafter=mode))
+    parts = types.SimpleNamespace(config=types.SimpleNamespace(compile=True, compile_mode=mode), drafter=drafter,
+                                  target=None)
+    assert parallelize(parts, world_size=1) is drafter
+    assert seen == {"target": mode, "drafter": mode}

@@ -243,3 +243,24 @@ def test_dflash2_settings_errors_name_the_problem(tmp_path) -> None:
                                                      "conv_group_size": 24})
     with pytest.raises(ValueError, match="conv_group_size 24 must divide hidden_size 64"):
         build_trainer(config)
+
+
+def test_a_run_from_before_the_five_tap_default_resumes_only_with_its_taps(tmp_path) -> None:
+    """A 1-layer drafter read one tap before the default became at least 5 (3 on this 6-layer target): resuming
+    its checkpoint under the new default names the saved taps to set, and with them it resumes."""
+    drafter = {"num_layers": 1, "block_size": 4, "num_anchors": 16, "loss_gamma": 4.0, "loss_target": "data"}
+    old = build_trainer(tiny_config(tmp_path, max_steps=2, checkpoint_every=2,
+                                    drafter={**drafter, "num_tapped_layers": 1}))
+    saved = list(old.drafter_config.target_layer_ids)
+    old.run()
+    old.close()
+    assert len(saved) == 1
+    new = build_trainer(tiny_config(tmp_path, max_steps=4, checkpoint_every=2, drafter=drafter))
+    assert len(new.drafter_config.target_layer_ids) == 3
+    with pytest.raises(ValueError, match=rf"reading target layers \{saved}.*drafter.target_layer_ids: \{saved}"):
+        new.resume()
+    new.close()
+    kept = build_trainer(tiny_config(tmp_path, max_steps=4, checkpoint_every=2,
+                                     drafter={**drafter, "target_layer_ids": saved}))
+    assert kept.resume() and kept.step == 2
+    kept.close()
