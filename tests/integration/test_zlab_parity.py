@@ -29,13 +29,14 @@ from dflash_core.target import HiddenStateCapture, build_target, target_heads, t
 _BLOCK, _NEW = 4, 24
 
 
-def _trained_drafter(family, *, layer_types=None, sliding_window=None, intermediate_size=None, steps=100):
+def _trained_drafter(family, *, layer_types=None, sliding_window=None, intermediate_size=None, taps=2, steps=100):
     """A tiny target and a drafter overfit to its greedy continuations of two random prompts (`intermediate_size`:
-    an MLP narrower than the target's, drafter.intermediate_size)."""
+    an MLP narrower than the target's, drafter.intermediate_size; `taps`: more tapped layers than drafter layers,
+    as the default reads since it taps at least 5)."""
     torch.manual_seed(0)
     target_config = tiny_target_config(family, num_layers=8 if family == "qwen3_5" else 6)
     target = build_target(target_config).eval()
-    config = DFlashConfig.from_target(target_config, num_layers=2, block_size=_BLOCK, num_tapped_layers=2,
+    config = DFlashConfig.from_target(target_config, num_layers=2, block_size=_BLOCK, num_tapped_layers=taps,
                                       layer_types=layer_types, sliding_window=sliding_window)
     if intermediate_size is not None:
         config = dataclasses.replace(config, intermediate_size=intermediate_size)
@@ -76,20 +77,21 @@ def _zlab_generate(model, target, prompt, monkeypatch):
 
 
 CASES = [
-    ("llama", None, None, None),
-    ("qwen3", None, None, None),
-    ("qwen3", ["sliding_attention", "full_attention"], 8, None),
-    ("qwen3_5", None, None, None),
-    ("qwen3", None, None, 48),
+    ("llama", None, None, None, 2),
+    ("qwen3", None, None, None, 2),
+    ("qwen3", ["sliding_attention", "full_attention"], 8, None, 2),
+    ("qwen3_5", None, None, None, 2),
+    ("qwen3", None, None, 48, 2),
+    ("qwen3", None, None, None, 3),
 ]
-IDS = ["llama", "qwen3", "qwen3-sliding-window", "qwen3_5-hybrid", "qwen3-narrow-mlp"]
+IDS = ["llama", "qwen3", "qwen3-sliding-window", "qwen3_5-hybrid", "qwen3-narrow-mlp", "qwen3-three-taps"]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)
 def exported(request, tmp_path_factory):
-    family, layer_types, window, mlp = request.param
+    family, layer_types, window, mlp, taps = request.param
     target, target_config, drafter, prompts = _trained_drafter(family, layer_types=layer_types,
-                                                               sliding_window=window, intermediate_size=mlp)
+                                                               sliding_window=window, intermediate_size=mlp, taps=taps)
     out = tmp_path_factory.mktemp(f"zlab-{family}")
     path = export_drafter(drafter, target_config=target_config, out_dir=out, formats=("native",))["native"]
     return target, drafter, prompts, path
