@@ -45,8 +45,6 @@ def tapped_layer_ids(*, num_target_layers: int, num_tapped_layers: int) -> list[
     return [int(round(start + i * span / (num_tapped_layers - 1))) for i in range(num_tapped_layers)]
 
 
-
-
 def _rope_settings(target_config: Any) -> tuple[float, float, str]:
     """(rope_theta, partial_rotary_factor, rope_type) from a transformers 5.x config.
 

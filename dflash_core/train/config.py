@@ -280,8 +280,8 @@ class TrainConfig(StrictModel):
         "CUDA graph (for a fixed-shape step whose host dispatch, not the GPU, sets its time: a small target such as "
         "the acceptance bench's; docs/benchmarks.md 'The acceptance bench's step, alone on the GPU'); on an H200 "
         "(2026-12-05) it ran but lost, 82.2 against 37.3 ms, as 4 of the drafter's graphs recorded again every "
-        "step. Graphing the target's layers only lost too (84.8 against 35.6 ms on an H100, session 27) and was "
-        "taken out. On CPU the mode changes nothing.")
+        "step. Graphing the target's layers only lost too (84.8 against 35.6 ms on an H100, 2026-12-05) and "
+        "was taken out. On CPU the mode changes nothing.")
     target_fp8: bool = Field(
         False, description="Run the target's decoder-layer GEMMs in FP8 (row-wise scales, dflash_core.fp8; H100/H200 "
         "or newer, or CPU): faster and half the target's weight memory, but the drafter then learns from an FP8 "
