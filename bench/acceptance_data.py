@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import io
 import json
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -255,14 +257,15 @@ def cached_completions(model, prompts: list[tuple[str, list[int]]], *, work: Pat
     machine goes on from there. Growing the prompt list keeps every full chunk generated before.
 
     Across sessions (a machine given back loses --work): a chunk found gzipped in `carried` (the same name plus
-    .gz) is taken from there instead of generated, and a chunk generated now is also written gzipped to `export`
-    ($OUT/completions: it comes back, to be carried next time; docs/benchmarks.md says how)."""
+    .gz) is taken from there instead of generated, and the chunks generated now are also written, each gzipped,
+    into the tar archive `export` ($OUT/completions.tar: one file however many chunks a call generates, since a
+    call brings back at most 8; unpack it into the carried folder for next time, docs/benchmarks.md says how)."""
     folder = work / "completions"
     folder.mkdir(parents=True, exist_ok=True)
     chunks = [prompts[start:start + chunk] for start in range(0, len(prompts), chunk)]
     paths = chunk_files(prompts, work=work, max_new_tokens=max_new_tokens, tag=tag, chunk=chunk)
     records: list[dict] = []
-    generated = 0
+    generated: list[Path] = []
     for index, (part, path) in enumerate(zip(chunks, paths)):
         packed = carried / f"{path.name}.gz" if carried is not None else None
         if not path.is_file() and packed is not None and packed.is_file():
@@ -273,7 +276,7 @@ def cached_completions(model, prompts: list[tuple[str, list[int]]], *, work: Pat
         if not path.is_file():
             if stop_at is not None and time.time() > stop_at:
                 raise SystemExit(f"generation stopped at its deadline: {index} of {len(chunks)} chunks of {chunk} "
-                                 f"prompts are in {folder} ({generated} of them generated in this call); run the "
+                                 f"prompts are in {folder} ({len(generated)} of them generated in this call); run the "
                                  "same command again on the warm machine to go on")
             began = time.perf_counter()
             part_records = greedy_completions(model, part, max_new_tokens=max_new_tokens, eos_id=eos_id,
@@ -281,14 +284,27 @@ def cached_completions(model, prompts: list[tuple[str, list[int]]], *, work: Pat
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(part_records))
             tmp.replace(path)  # a call killed mid-write leaves no half chunk behind
+            generated.append(path)
             if export is not None:
-                export.mkdir(parents=True, exist_ok=True)
-                (export / f"{path.name}.gz").write_bytes(gzip.compress(path.read_bytes(), mtime=0))
-            generated += 1
+                write_chunk_archive(export, generated)
             log(f"generated chunk {index + 1} of {len(chunks)} ({len(part)} completions) in "
                 f"{time.perf_counter() - began:.0f} s")
         records += json.loads(path.read_text())
     return records
+
+
+def write_chunk_archive(archive: Path, chunks: list[Path]) -> None:
+    """`archive`, a tar of `chunks` each gzipped as <name>.gz (what a carried folder holds), written whole each
+    time: a call killed while writing it leaves the last complete one."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    tmp = archive.with_suffix(".tmp")
+    with tarfile.open(tmp, "w") as tar:
+        for path in chunks:
+            data = gzip.compress(path.read_bytes(), mtime=0)
+            member = tarfile.TarInfo(f"{path.name}.gz")
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    tmp.replace(archive)
 
 
 def cached_baselines(model, prompts: list[tuple[str, list[int]]], *, work: Path, max_new_tokens: int, eos_id: int,
@@ -363,7 +379,7 @@ def prepare_data(args, shape, work: Path, log) -> dict:
     records = cached_completions(target, train_prompts, work=work, max_new_tokens=shape.train_new_tokens,
                                  eos_id=eos_id, pad_id=pad_id, tag=args.eval_dtype, stop_at=stop_at, log=log,
                                  carried=args.assets / "completions" if args.assets else None,
-                                 export=args.out / "completions",
+                                 export=args.out / "completions.tar",
                                  static_width=shape.max_prompt_tokens if args.generate_static else None,
                                  batch_size=1024 if args.device.startswith("cuda") else 16)
     key = hashlib.sha256(json.dumps([train_prompts, shape.train_new_tokens, args.eval_dtype]).encode()).hexdigest()

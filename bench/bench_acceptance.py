@@ -68,10 +68,11 @@ reassembles the GGUF, checks its sha256 and converts it):
 Training completions are generated and cached in chunks of 4,096 prompts under --work
 (`acceptance_data.cached_completions`): at ~85 s a chunk on the H200, 32x (32,768) takes ~11 minutes, so
 `--generate-deadline-s 420` ends a call after the chunk in hand and the same command on the warm machine
-goes on from there. A machine given back loses --work, so each chunk generated is also written gzipped to
-$OUT/completions/ (~2.5 MB a chunk): copy those files into the ignored .carry/acceptance/completions/ here and
-carry that folder in a call of its own (after a/, before b/: b/ and 8 chunks together pass the 64 MiB a call
-carries); a later session's bench takes every chunk it finds there instead of generating it.
+goes on from there. A machine given back loses --work, so the chunks generated are also written, each
+gzipped (~0.9 MB), into one archive, $OUT/completions.tar (one file: a call brings back at most 8): unpack it
+here with `tar -xf completions.tar -C .carry/acceptance/completions/` and carry that folder in a call of its own
+(after a/, before b/: b/ and 8 chunks together pass the 64 MiB a call carries); a later session's bench takes
+every chunk it finds there instead of generating it.
 
 Jobs longer than a call: `--checkpoint-every 1000` saves each job's training state under --work (ours: the
 Trainer's checkpoint, exact; speculators: model, AdamW and schedule, the batches replayed from the seed), and

@@ -10,8 +10,8 @@
 # A point longer than one call runs in the background on the warm machine instead (bench/gpu_background.sh):
 #     bash bench/gpu_background.sh start bash bench/gpu_call_acceptance.sh scale 2000 16 "0 1" 6 1500 --token-budget 8192
 # Rows land in $OUT (results.jsonl, table.md, log.txt); merge the curve's with bench/acceptance_curve.py.
-# Completions generated in the call come back gzipped in $OUT/completions/: copy them into the ignored
-# .carry/acceptance/completions/ and carry that folder (a call of its own) in later sessions.
+# Completions generated in the call come back in $OUT/completions.tar: unpack it into the ignored
+# .carry/acceptance/completions/ (tar -xf ... -C) and carry that folder (a call of its own) in later sessions.
 set -u
 if [ $# -lt 6 ]; then
   echo "usage: bash bench/gpu_call_acceptance.sh SUITE STEPS MULTIPLIER \"SEEDS\" WORKERS DEADLINE_S [options]" >&2

@@ -221,9 +221,11 @@ def test_completions_are_cached_by_chunk_and_a_deadline_keeps_what_was_generated
 
 
 def test_completions_generated_in_one_session_are_carried_into_the_next(bench, tmp_path):
-    """A chunk generated now is also written gzipped to `export` ($OUT); a later session's machine, which lost
-    --work, takes it from the carried copy instead of generating it again."""
+    """The chunks generated now are also written, gzipped, into one tar archive in $OUT (a call brings back at
+    most 8 files); a later session's machine, which lost --work, takes them from the unpacked carried copy
+    instead of generating them again."""
     import random
+    import tarfile
 
     import acceptance_data as data
 
@@ -231,11 +233,14 @@ def test_completions_generated_in_one_session_are_carried_into_the_next(bench, t
     rng = random.Random(2)
     prompts = [(f"p{i}", [rng.randrange(3, 64) for _ in range(rng.randrange(1, 9))]) for i in range(5)]
     common = dict(max_new_tokens=6, eos_id=1, pad_id=0, batch_size=2, tag="float32", chunk=3)
-    first = data.cached_completions(model, prompts, work=tmp_path / "first", export=tmp_path / "out",
+    archive = tmp_path / "OUT" / "completions.tar"
+    first = data.cached_completions(model, prompts, work=tmp_path / "first", export=archive,
                                     log=lambda _: None, **common)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
-        sorted(f"{p.name}.gz" for p in data.chunk_files(prompts, work=tmp_path / "first", max_new_tokens=6,
-                                                         tag="float32", chunk=3))
+    assert [p.name for p in archive.parent.iterdir()] == ["completions.tar"]
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == sorted(f"{p.name}.gz" for p in data.chunk_files(
+            prompts, work=tmp_path / "first", max_new_tokens=6, tag="float32", chunk=3))
+        tar.extractall(tmp_path / "out", filter="data")  # what `tar -xf completions.tar -C` does here
 
     class _NoGeneration:
         def parameters(self):
