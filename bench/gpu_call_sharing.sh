@@ -2,10 +2,10 @@
 # One device call (issue #45; ~5 minutes on an H200): how many acceptance-bench jobs should share the GPU at once?
 # Several processes on one GPU take turns on it (time-slicing between their CUDA contexts; no MPS), and the
 # bench's small-target steps are host-bound: on 2026-12-05, 12 jobs sharing the H200 trained ~239K tokens/s
-# together, where one DFlash 8,192-token step of that shape alone runs 176K. This runs N copies of our default's step
-# (DFlash 2, the bench's SmolLM2 shape, one 8,192-token row, 512 anchors) at once for each N and prints the
-# tokens/s of each and of all together: the acceptance bench's --workers is the N past which the sum stops
-# growing. Carry [".carry/node/controller", ".carry/node/wheelhouse"] and run from the repository root:
+# together, where one DFlash 8,192-token step of that shape alone runs 176K. This runs N copies of our default's
+# step (DFlash 2, the bench's SmolLM2 shape, one 8,192-token row, 512 anchors: a quarter of the acceptance
+# default's 2,048) at once for each N and prints the tokens/s of each and of all together: the acceptance bench's
+# --workers is the N past which the sum stops growing. Carry [".carry/node/controller", ".carry/node/wheelhouse"] and run from the repository root:
 #     bash bench/gpu_call_sharing.sh ["1 2 4 8"]       (MODE=reduce-overhead to time that compile mode)
 # MPS=1 runs the copies through a CUDA MPS server of this call's own (bench/gpu_mps.sh), which lets several
 # processes' kernels run on the GPU at once instead of taking turns; the image may lack it (the run says so).
