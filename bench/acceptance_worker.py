@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from acceptance_data import read_completions, training_corpus
+from acceptance_completions import read_completions, training_corpus
 from acceptance_variants import FULL
 
 if TYPE_CHECKING:

@@ -66,7 +66,7 @@ reassembles the GGUF, checks its sha256 and converts it):
        505 s on 2026-12-03, generating the 4,096 completions included).
 
 Training completions are generated and cached in chunks of 4,096 prompts under --work
-(`acceptance_data.cached_completions`): at ~85 s a chunk on the H200, 32x (32,768) takes ~11 minutes, so
+(`acceptance_completions.cached_completions`): at ~85 s a chunk on the H200, 32x (32,768) takes ~11 minutes, so
 `--generate-deadline-s 420` ends a call after the chunk in hand and the same command on the warm machine
 goes on from there. A machine given back loses --work, so the chunks generated are also written, each
 gzipped (~0.9 MB), into one archive, $OUT/completions.tar (one file: a call brings back at most 8): unpack it

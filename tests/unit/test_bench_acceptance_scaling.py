@@ -129,7 +129,7 @@ def _tiny_model():
 def test_batched_greedy_generation_equals_one_prompt_at_a_time(bench):
     import random
 
-    import acceptance_data as data
+    import acceptance_completions as completions
 
     from dflash_core.evaluate import greedy_decode
 
@@ -142,14 +142,14 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time(bench):
     assert any(len(r) < 20 for r in reference) and any(len(r) == 20 for r in reference)
     for batch_size, static_width in ((1, None), (4, None), (16, None), (4, 12), (16, 12)):
         # static_width: fixed-shape batches (pad rows, left padding to 12) on a static cache: the same tokens
-        records = data.greedy_completions(model, prompts, max_new_tokens=20, eos_id=eos, pad_id=0,
+        records = completions.greedy_completions(model, prompts, max_new_tokens=20, eos_id=eos, pad_id=0,
                                           batch_size=batch_size, static_width=static_width)
         assert [r["id"] for r in records] == [i for i, _ in prompts]  # prompt order, whatever the batching
         assert [r["completion"] for r in records] == reference, (batch_size, static_width)
     with pytest.raises(ValueError, match="wider than static_width 4"):
-        data.greedy_completions(model, prompts, max_new_tokens=2, eos_id=eos, pad_id=0, batch_size=4, static_width=4)
+        completions.greedy_completions(model, prompts, max_new_tokens=2, eos_id=eos, pad_id=0, batch_size=4, static_width=4)
     every_row_ends = [(i, ids) for (i, ids), r in zip(prompts, reference) if len(r) < 20]
-    records = data.greedy_completions(model, every_row_ends, max_new_tokens=20, eos_id=eos, pad_id=0,
+    records = completions.greedy_completions(model, every_row_ends, max_new_tokens=20, eos_id=eos, pad_id=0,
                                       batch_size=8)  # every row of the batch ends at its EOS
     assert [r["completion"] for r in records] == [r for r in reference if len(r) < 20]
 
@@ -198,26 +198,26 @@ def test_completions_are_cached_by_chunk_and_a_deadline_keeps_what_was_generated
     import random
     import time
 
-    import acceptance_data as data
+    import acceptance_completions as completions
 
     model = _tiny_model()
     rng = random.Random(1)
     prompts = [(f"p{i}", [rng.randrange(3, 64) for _ in range(rng.randrange(1, 9))]) for i in range(7)]
-    whole = data.greedy_completions(model, prompts, max_new_tokens=6, eos_id=1, pad_id=0, batch_size=16)
+    whole = completions.greedy_completions(model, prompts, max_new_tokens=6, eos_id=1, pad_id=0, batch_size=16)
     common = dict(work=tmp_path, max_new_tokens=6, eos_id=1, pad_id=0, batch_size=2, tag="float32", chunk=3)
     logged = []
-    assert data.cached_completions(model, prompts[:6], log=logged.append, **common) == whole[:6]
+    assert completions.cached_completions(model, prompts[:6], log=logged.append, **common) == whole[:6]
     assert len(logged) == 2 and len(list((tmp_path / "completions").glob("chunk-*.json"))) == 2
     with pytest.raises(SystemExit, match="2 of 3 chunks"):  # the grown list keeps both chunks; the third waits
-        data.cached_completions(model, prompts, stop_at=time.time() - 1, log=logged.append, **common)
+        completions.cached_completions(model, prompts, stop_at=time.time() - 1, log=logged.append, **common)
     assert len(logged) == 2
-    assert data.cached_completions(model, prompts, log=logged.append, **common) == whole
+    assert completions.cached_completions(model, prompts, log=logged.append, **common) == whole
     assert len(logged) == 3 and not list((tmp_path / "completions").glob("*.tmp"))
     # the workers read the chunks through an index (prepare_data's), not a second copy of the corpus
-    paths = data.chunk_files(prompts, work=tmp_path, max_new_tokens=6, tag="float32", chunk=3)
+    paths = completions.chunk_files(prompts, work=tmp_path, max_new_tokens=6, tag="float32", chunk=3)
     assert all(path.is_file() for path in paths) and len(paths) == 3
     (tmp_path / "index.json").write_text(json.dumps({"chunks": [str(path) for path in paths]}))
-    assert data.read_completions(tmp_path / "index.json") == whole
+    assert completions.read_completions(tmp_path / "index.json") == whole
 
 
 def test_completions_generated_in_one_session_are_carried_into_the_next(bench, tmp_path):
@@ -227,18 +227,18 @@ def test_completions_generated_in_one_session_are_carried_into_the_next(bench, t
     import random
     import tarfile
 
-    import acceptance_data as data
+    import acceptance_completions as completions
 
     model = _tiny_model()
     rng = random.Random(2)
     prompts = [(f"p{i}", [rng.randrange(3, 64) for _ in range(rng.randrange(1, 9))]) for i in range(5)]
     common = dict(max_new_tokens=6, eos_id=1, pad_id=0, batch_size=2, tag="float32", chunk=3)
     archive = tmp_path / "OUT" / "completions.tar"
-    first = data.cached_completions(model, prompts, work=tmp_path / "first", export=archive,
+    first = completions.cached_completions(model, prompts, work=tmp_path / "first", export=archive,
                                     log=lambda _: None, **common)
     assert [p.name for p in archive.parent.iterdir()] == ["completions.tar"]
     with tarfile.open(archive) as tar:
-        assert sorted(tar.getnames()) == sorted(f"{p.name}.gz" for p in data.chunk_files(
+        assert sorted(tar.getnames()) == sorted(f"{p.name}.gz" for p in completions.chunk_files(
             prompts, work=tmp_path / "first", max_new_tokens=6, tag="float32", chunk=3))
         tar.extractall(tmp_path / "out", filter="data")  # what `tar -xf completions.tar -C` does here
 
@@ -247,20 +247,20 @@ def test_completions_generated_in_one_session_are_carried_into_the_next(bench, t
             raise AssertionError("a carried chunk was generated again")
 
     logged = []
-    again = data.cached_completions(_NoGeneration(), prompts, work=tmp_path / "next", carried=tmp_path / "out",
+    again = completions.cached_completions(_NoGeneration(), prompts, work=tmp_path / "next", carried=tmp_path / "out",
                                     log=logged.append, **common)
     assert again == first and len(logged) == 2 and all("taken from" in line for line in logged)
     # a chunk the carried folder lacks is generated, the others taken
-    second = data.chunk_files(prompts, work=tmp_path, max_new_tokens=6, tag="float32", chunk=3)[1]
+    second = completions.chunk_files(prompts, work=tmp_path, max_new_tokens=6, tag="float32", chunk=3)[1]
     (tmp_path / "out" / f"{second.name}.gz").unlink()
     logged.clear()
-    assert data.cached_completions(model, prompts, work=tmp_path / "third", carried=tmp_path / "out",
+    assert completions.cached_completions(model, prompts, work=tmp_path / "third", carried=tmp_path / "out",
                                    log=logged.append, **common) == first
     assert ["taken from" in line for line in logged] == [True, False]
 
 
 def test_held_out_baselines_are_decoded_once_per_work_dir(bench, tmp_path):
-    import acceptance_data as data
+    import acceptance_completions as completions
 
     from dflash_core.evaluate import greedy_decode
 
@@ -268,12 +268,12 @@ def test_held_out_baselines_are_decoded_once_per_work_dir(bench, tmp_path):
     prompts = [("a", [5, 9, 3]), ("b", [7, 2])]
     common = dict(work=tmp_path, max_new_tokens=5, eos_id=1, tag="float32:tiny")
     logged = []
-    first = data.cached_baselines(model, prompts, log=logged.append, **common)
+    first = completions.cached_baselines(model, prompts, log=logged.append, **common)
     assert [row["baseline"] for row in first] == [greedy_decode(model, p, max_new_tokens=5, eos_token_id=1).tokens
                                                   for _, p in prompts]
     assert [row["id"] for row in first] == ["a", "b"] and not logged
-    assert data.cached_baselines(model, prompts, log=logged.append, **common) == first  # the next call reads them
+    assert completions.cached_baselines(model, prompts, log=logged.append, **common) == first  # the next call reads them
     assert len(logged) == 1 and "earlier call" in logged[0]
     # other prompts, length or target: decoded again, beside the first
-    data.cached_baselines(model, prompts[:1], log=logged.append, **{**common, "tag": "bfloat16:tiny"})
+    completions.cached_baselines(model, prompts[:1], log=logged.append, **{**common, "tag": "bfloat16:tiny"})
     assert len(logged) == 1 and len(list(tmp_path.glob("baselines-*.json"))) == 2
