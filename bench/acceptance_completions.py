@@ -88,7 +88,7 @@ def cached_completions(model, prompts: list[tuple[str, list[int]]], *, work: Pat
     chunks = [prompts[start:start + chunk] for start in range(0, len(prompts), chunk)]
     paths = chunk_files(prompts, work=work, max_new_tokens=max_new_tokens, tag=tag, chunk=chunk)
     records: list[dict] = []
-    generated: list[Path] = []
+    generated: dict[str, bytes] = {}  # this call's chunks, gzipped once each: <name>.gz -> bytes
     for index, (part, path) in enumerate(zip(chunks, paths)):
         packed = carried / f"{path.name}.gz" if carried is not None else None
         if not path.is_file() and packed is not None and packed.is_file():
@@ -107,7 +107,7 @@ def cached_completions(model, prompts: list[tuple[str, list[int]]], *, work: Pat
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(part_records))
             tmp.replace(path)  # a call killed mid-write leaves no half chunk behind
-            generated.append(path)
+            generated[f"{path.name}.gz"] = gzip.compress(path.read_bytes(), mtime=0)
             if export is not None:
                 write_chunk_archive(export, generated)
             log(f"generated chunk {index + 1} of {len(chunks)} ({len(part)} completions) in "
@@ -116,15 +116,14 @@ def cached_completions(model, prompts: list[tuple[str, list[int]]], *, work: Pat
     return records
 
 
-def write_chunk_archive(archive: Path, chunks: list[Path]) -> None:
-    """`archive`, a tar of `chunks` each gzipped as <name>.gz (what a carried folder holds), written whole each
-    time: a call killed while writing it leaves the last complete one."""
+def write_chunk_archive(archive: Path, chunks: dict[str, bytes]) -> None:
+    """`archive`, a tar of the gzipped `chunks` (<name>.gz: what a carried folder holds), written whole each time:
+    a call killed while writing it leaves the last complete one."""
     archive.parent.mkdir(parents=True, exist_ok=True)
     tmp = archive.with_suffix(".tmp")
     with tarfile.open(tmp, "w") as tar:
-        for path in chunks:
-            data = gzip.compress(path.read_bytes(), mtime=0)
-            member = tarfile.TarInfo(f"{path.name}.gz")
+        for name, data in chunks.items():
+            member = tarfile.TarInfo(name)
             member.size = len(data)
             tar.addfile(member, io.BytesIO(data))
     tmp.replace(archive)
