@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from acceptance_worker import WORKER, corpus_for_worker, evaluate_drafter, steady_rate, sync_device, train_config
+from acceptance_worker import (WORKER, corpus_for_worker, evaluate_drafter, steady_rate, sync_device, train_config,
+                                training_attention)
 
 if TYPE_CHECKING:
     from acceptance_variants import Job, Variant
@@ -70,7 +71,7 @@ def run_ours(job: Job, variant: Variant) -> dict:
     drafter_config = trainer.drafter_config
     drafter = trainer.drafter
     del trainer
-    row = {**trained, "mask_token_id": drafter_config.mask_token_id,
+    row = {**trained, "mask_token_id": drafter_config.mask_token_id, "train_attention": training_attention(),
            "mask_rule": "ours" if variant.force_mask_token_id is None else "forced",
            "target_layer_ids": drafter_config.target_layer_ids, **evaluate_drafter(drafter)}
     shutil.rmtree(config.run_dir, ignore_errors=True)

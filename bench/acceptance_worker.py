@@ -114,11 +114,19 @@ def train_config(job: Job, variant: Variant, run_dir: Path):
                        data=["<in-memory>"], output_dir=run_dir, token_budget=shape["token_budget"],
                        max_steps=job.steps, seed=job.seed, checkpoint_every=checkpoint_every(job), keep_last=1,
                        upload_checkpoints=False, log_every=max(1, min(25, job.steps // 4)),
-                       validate_capture_batches=0, attention_backend=WORKER["attention"], drafter=drafter,
+                       validate_capture_batches=0, attention_backend=training_attention(), drafter=drafter,
                        compile=bool(WORKER.get("train_compile")),
                        compile_mode=WORKER.get("train_compile") or "default",
                        optim=variant.optim, target_device=WORKER["device"], **variant.train)
 
+
+
+def training_attention() -> str:
+    """Our rows' drafter attention in training, resolved as the drafter resolves `auto` (flex on a GPU)."""
+    backend = WORKER.get("attention", "auto")
+    if backend == "auto":
+        return "flex" if WORKER["device"].startswith("cuda") else "sdpa"
+    return backend
 
 
 def checkpoint_every(job: Job) -> int:

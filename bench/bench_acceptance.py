@@ -180,7 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker (default: cores / workers; 1 on CPU, where a busy machine "
                         "turns spinning intra-op threads into a 10x slowdown)")
-    parser.add_argument("--attention", choices=["sdpa", "flex", "auto"], default="sdpa")
+    parser.add_argument("--attention", choices=["sdpa", "flex", "auto"], default="auto",
+                        help="our rows' drafter attention in training (TrainConfig.attention_backend; auto: flex on a "
+                        "GPU, as a run trains). sdpa computes the whole [queries x keys] grid where the mask lets "
+                        "~1.5%% through (an 8,192-token row of ~27 documents); every row before 2026-12-05's session "
+                        "28 trained so (docs/benchmarks.md)")
     parser.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="target and drafter dtype while evaluating (fp32: exact greedy agreement)")
     parser.add_argument("--deadline-s", type=float, default=None,

@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "scaling recipe (default tensorwise; TrainConfig.drafter_fp8, drafter_fp8_recipe)")
     parser.add_argument("--lm-head-fp8", action="store_true",
                         help="the drafter loss's two LM-head GEMMs in FP8 (TrainConfig.lm_head_fp8)")
+    parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto",
+                        help="the drafter's training attention (TrainConfig.attention_backend; auto: flex on a GPU); "
+                        "sdpa, the dense path, is how bench_acceptance trained before session 28")
     parser.add_argument("--sync-debug", action="store_true", help="count synchronizing CUDA calls in the timed steps")
     parser.add_argument("--json", type=Path, help="write the result row here")
     args = parser.parse_args(argv)
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "loss_target": args.teacher, "variant": args.variant}, prefetch_batches=args.prefetch,
         target_fp8=args.target_fp8, target_fp8_fast_accum=args.fp8_fast_accum,
         drafter_fp8=args.drafter_fp8 is not None, drafter_fp8_recipe=args.drafter_fp8 or "tensorwise",
-        lm_head_fp8=args.lm_head_fp8,
+        lm_head_fp8=args.lm_head_fp8, attention_backend=args.attention,
     )
     started = time.perf_counter()
     trainer = build_trainer(config, corpus=corpus)

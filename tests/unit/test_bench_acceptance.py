@@ -332,6 +332,26 @@ def test_a_variants_anchors_keep_their_density_at_the_tiny_shape(bench, tmp_path
         worker.WORKER.clear()
 
 
+
+@pytest.mark.parametrize("asked, device, trained", [(None, "cuda", "flex"), ("auto", "cuda:1", "flex"),
+                                                   ("auto", "cpu", "sdpa"), ("sdpa", "cuda", "sdpa")])
+def test_our_rows_train_with_flex_attention_on_a_gpu_unless_told_otherwise(bench, tmp_path, asked, device, trained):
+    """The bench's default (auto) trains our rows as a run does: flex on a GPU. The dense SDPA path computed the
+    whole [queries x keys] grid, ~20x the blocks flex visits on the bench's packed rows."""
+    import dataclasses
+
+    import acceptance_variants as rows
+    import acceptance_worker as worker
+
+    if asked is None:
+        asked = bench.parse_args(["--tiny"]).attention
+    worker.WORKER.update(shape=dataclasses.asdict(rows.TINY), attention=asked, device=device)
+    try:
+        config = worker.train_config(rows.Job("default", 0, 4), rows.variants()["default"], tmp_path)
+        assert worker.training_attention() == config.attention_backend == trained
+    finally:
+        worker.WORKER.clear()
+
 @pytest.mark.slow
 def test_a_job_whose_call_ended_in_evaluation_resumes_trained_and_reports_its_training(bench, tmp_path, monkeypatch):
     import acceptance_worker as worker
