@@ -20,6 +20,7 @@ import torch
 from acceptance_variants import SPECULATORS_KINDS
 from acceptance_worker import (
     WORKER, checkpoint_every, corpus_for_worker, eval_target, evaluate_drafter, steady_rate, sync_device, train_config,
+    training_attention,
 )
 
 if TYPE_CHECKING:
@@ -46,6 +47,11 @@ def speculators_recipe(algorithm: str) -> dict:
     return schema(speculator_type=algorithm).flatten()
 
 
+# Its draft-layer attention for the bench's `--attention` as our rows resolve it: on a GPU its default, flex
+# (its dense `sdpa` is "for hardware that doesn't support flex attention"), on the CPU its dense path.
+SPECULATORS_ATTENTION = {"flex": "simple_flex_attention", "sdpa": "sdpa"}
+
+
 def speculators_model(algorithm: str, recipe: dict, mask_token_id: int):
     """Its drafter as its trainer builds it (from_training_args with the flat arguments), our shape."""
     import transformers
@@ -67,7 +73,7 @@ def speculators_model(algorithm: str, recipe: dict, mask_token_id: int):
     layer_config.rope_parameters = dict(verifier.rope_parameters)
     arguments = {**recipe, "verifier_name_or_path": model_dir, "draft_vocab_size": verifier.vocab_size,
                  "block_size": shape["block_size"], "num_layers": shape["num_layers"], "mask_token_id": mask_token_id,
-                 "draft_attn_impl": "sdpa"}
+                 "draft_attn_impl": SPECULATORS_ATTENTION[training_attention()]}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model_class.from_training_args(verifier_config=layer_config, **arguments)
@@ -233,7 +239,7 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     if trained is None:  # trained in this call (else a call the limit ended after training: its figures)
         train_s = time.perf_counter() - start
         trained = {"train_s": train_s, "steps_per_s": steady_rate(marks, job.steps - first_step, train_s),
-                   "compiled": compiled, "resumed_from_step": first_step,
+                   "compiled": compiled, "train_attention": training_attention(), "resumed_from_step": first_step,
                    "train_loss": float(torch.stack(losses).mean()), "train_tau": float(torch.stack(eals).mean())}
         if WORKER.get("checkpoint_every"):  # kept until the row is written: a call ended in evaluation resumes here
             _save(state_path, model=model, optimizer=optimizer, scheduler=scheduler, step=job.steps, trained=trained)
