@@ -87,22 +87,19 @@ class HostTime:
     def __init__(self) -> None:
         from torch._dynamo.utils import counters
 
-        self.steps = 0
-        self.prepare_s = self.dispatch_s = self.wait_s = 0.0
+        self.steady: list = []  # the Trainer's StepTiming of each steady step
         self.graphs_before = counters["stats"]["unique_graphs"]  # a worker process runs several jobs
 
     def add(self, timing, *, steady: bool) -> None:
         if steady:
-            self.steps += 1
-            self.prepare_s += timing.prepare_s
-            self.dispatch_s += timing.dispatch_s
-            self.wait_s += timing.wait_s
+            self.steady.append(timing)
 
     def summary(self) -> dict:
         from torch._dynamo.utils import counters
 
-        per_step = {f"host_{name}_ms": 1e3 * getattr(self, f"{name}_s") / self.steps
-                    for name in ("prepare", "dispatch", "wait")} if self.steps else {}
+        from dflash_core.train.strategies import StepTiming
+
+        per_step = {f"host_{name}_ms": ms for name, ms in StepTiming.mean_ms(self.steady).items()}
         return {**per_step, "compiled_graphs": int(counters["stats"]["unique_graphs"] - self.graphs_before)}
 
 

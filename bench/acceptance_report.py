@@ -67,6 +67,8 @@ def aggregate(results: list[dict], *, variant_order: list[str] | None = None) ->
             **{f"{k}_mean": _mean(r.get(k) for r in runs) for k in ("wall_s", "train_s", "eval_s")},
             "all_match_target": all(r["all_match_target"] for r in runs),
             "mask_token_id": runs[0]["mask_token_id"], "mask_rule": runs[0].get("mask_rule"),
+            # rows from before it was recorded trained with the bench's old default, the dense path
+            "train_attention": " + ".join(sorted({r.get("train_attention", "sdpa") for r in runs})),
             "target_layer_ids": runs[0].get("target_layer_ids"), "command": runs[0].get("command")})
     for row in rows:
         for reference in REFERENCES:
@@ -114,9 +116,9 @@ def table(rows: list[dict], *, command: str) -> str:
     scaled = any(r.get("data_multiplier") for r in rows)  # a data column only in a data-scaling table
     lines = [f"| variant | steps |{' data |' if scaled else ''} n | tau | tau-1 | {acc_head} | "
              f"{' | '.join(REFERENCES.values())} | "
-             "sharegpt / own tau | train tau | steps/s | train / eval s | exact | mask | taps | reproduce |",
+             "sharegpt / own tau | train tau | steps/s | attention | train / eval s | exact | mask | taps | reproduce |",
              "|---|---:|" + ("---:|" if scaled else "") + "---:|---|---|" + "---|" * NUM_ACC + "---:|" * len(REFERENCES)
-             + "---|---:|---:|---|---|---|---|---|"]
+             + "---|---:|---:|---|---|---|---|---|---|"]
     for r in rows:
         accept = " | ".join(f"{m:.3f} +- {s:.3f}" for m, s in zip(r["acceptance_per_position"][:NUM_ACC],
                                                                   r["acceptance_per_position_sd"][:NUM_ACC]))
@@ -135,7 +137,7 @@ def table(rows: list[dict], *, command: str) -> str:
         steps = steps_text(r["steps"], r["token_budget"])
         lines.append(f"| {r['variant']} | {steps} |{data} {len(r['seeds'])} | {r['tau_mean']:.3f} +- {r['tau_sd']:.3f} "
                      f"| {r['gain_mean']:.3f} +- {r['gain_sd']:.3f} | {accept} | {ratios} | {split} | "
-                     f"{r['train_tau']:.2f} | {r['steps_per_s']:.1f} | {seconds} | "
+                     f"{r['train_tau']:.2f} | {r['steps_per_s']:.1f} | {r['train_attention']} | {seconds} | "
                      f"{'yes' if r['all_match_target'] else 'NO'} | {mask} | {r['target_layer_ids']} | {reproduce} |")
     matched = sorted({r["variant"] for r in rows
                       if any(r.get(f"reference_{ref}") not in (None, ref) for ref in REFERENCES)})

@@ -85,6 +85,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from dflash_core.train.config import COMPILE_MODES, TrainConfig  # noqa: E402
 from dflash_core.train.data import TokenizedCorpus  # noqa: E402
 from dflash_core.train.assemble import build_trainer  # noqa: E402
+from dflash_core.train.strategies import StepTiming  # noqa: E402
 from dflash_core.target import real_shape_config  # noqa: E402
 from bench_train_step import measure_fp8_matmul_peak, measure_matmul_peak  # noqa: E402
 from train_profile import StepProfiler, default_profile_out, format_trace_summary  # noqa: E402
@@ -259,8 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     median_ms = statistics.median(step_ms)
     wall_ms = 1e3 * (window_wall[timed_last] - window_wall[timed_first]) / args.steps
     timed = [timings[s] for s in range(timed_first + 1, timed_last + 1)]
-    host = {name: 1e3 * sum(getattr(t, f"{name}_s") for t in timed) / len(timed)
-            for name in ("prepare", "dispatch", "wait")}
+    host = StepTiming.mean_ms(timed)
     real_tokens = args.token_budget  # every row is full: samples tile the budget exactly
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     last = records[-1]

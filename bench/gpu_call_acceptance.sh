@@ -35,12 +35,11 @@ if command -v nvidia-smi > /dev/null; then
      echo "$(date +%T) gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader) load $(cut -d' ' -f1-3 /proc/loadavg)"
    done) > "$OUT/utilization.txt" 2>&1 &
   sampler=$!
+  trap 'kill "$sampler" 2> /dev/null' EXIT  # however the script ends (a signal to the call's group takes it too)
 fi
 set -o pipefail
 # shellcheck disable=SC2086  # the seeds are several arguments
 python3 bench/bench_acceptance.py --assets .carry/acceptance --out "$OUT" --work /tmp/acceptance "${suite[@]}" \
   --steps "$steps" --long-multiplier 0 --seeds $seeds --data-multipliers "$multiplier" --eval-prompts 16 \
   --eval-new-tokens 96 --workers "$workers" --deadline-s "$deadline" "$@" 2>&1 | grep -v Warning | tee "$OUT/log.txt" | tail -60
-rc=$?
-[ -n "${sampler:-}" ] && kill "$sampler" 2> /dev/null
-exit $rc
+exit $?

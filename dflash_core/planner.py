@@ -183,9 +183,13 @@ class PlanInputs(BaseModel):
 
     @model_validator(mode="after")
     def _tapped_fit(self) -> PlanInputs:
-        if self.target.num_layers is not None and self.tapped_layers > self.target.num_layers:
+        layers = self.target.num_layers
+        # A run lists at most the ids 0 .. N-2 (the last layer's output is already final-normed: TrainConfig's
+        # DrafterSettings.tapped_layer_ids); a count it spreads itself fits in 1 .. N-3.
+        if layers is not None and self.tapped_layers > max(1, layers - 1):
             raise ValueError(
-                f"--tapped-layers {self.tapped_layers} exceeds the target's {self.target.num_layers} layers"
+                f"--tapped-layers {self.tapped_layers} exceeds the {max(1, layers - 1)} layers a drafter can read "
+                f"of a {layers}-layer target (ids 0..{layers - 2}): training would refuse it"
             )
         return self
 

@@ -20,6 +20,8 @@ from dflash_core.train.prefetch import BatchPrefetcher, InlineBatches, batch_pre
 from dflash_core.train.step import capture_batch, drafter_step, step_generator
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from dflash_core.train.devices import Distributed
     from dflash_core.train.parts import TrainingParts
 
@@ -35,6 +37,14 @@ class StepTiming:
     prepare_s: float = 0.0
     dispatch_s: float = 0.0
     wait_s: float = 0.0
+
+    @staticmethod
+    def mean_ms(timings: Sequence[StepTiming]) -> dict[str, float]:
+        """{"prepare": ms, "dispatch": ms, "wait": ms}: each part's mean over `timings` ({} when none)."""
+        if not timings:
+            return {}
+        return {field.name.removesuffix("_s"): 1e3 * sum(getattr(t, field.name) for t in timings) / len(timings)
+                for field in dataclasses.fields(StepTiming)}
 
 
 @dataclasses.dataclass

@@ -79,6 +79,10 @@ def test_transfer_and_generation_time() -> None:
 def test_tapped_layers_beyond_target_rejected() -> None:
     with pytest.raises(ValueError, match="tapped-layers 40"):
         PlanInputs(target=PRESETS["qwen3-8b"], tapped_layers=40, samples=1, mean_tokens=1)
+    # as many as a run can list (ids 0 .. N-2 of the 36 layers: the last one's output is final-normed), no more
+    PlanInputs(target=PRESETS["qwen3-8b"], tapped_layers=35, samples=1, mean_tokens=1)
+    with pytest.raises(ValueError, match=r"tapped-layers 36 exceeds the 35 layers .*\(ids 0..34\)"):
+        PlanInputs(target=PRESETS["qwen3-8b"], tapped_layers=36, samples=1, mean_tokens=1)
 
 
 def test_cli_json_interface_is_stable() -> None:
@@ -169,7 +173,7 @@ def test_every_figure_is_finite_at_the_ends_of_the_ranges() -> None:
     top = planner.MAX_SIZE
     target = ModelShape(num_layers=top, hidden_size=top, intermediate_size=top, num_attention_heads=top,
                         num_key_value_heads=top, head_dim=top, vocab_size=top)
-    result = plan(PlanInputs(target=target, tapped_layers=top, dtype_bytes=8, samples=planner.MAX_SAMPLES,
+    result = plan(PlanInputs(target=target, tapped_layers=top - 1, dtype_bytes=8, samples=planner.MAX_SAMPLES,
                              mean_tokens=planner.MAX_TOKENS, anchors_per_sample=planner.MAX_TOKENS,
                              drafter_layers=top, block_size=top, token_budget=planner.MAX_TOKENS,
                              anchors_per_1k_tokens=planner.MAX_TOKENS, gpu_memory_gib=top, num_gpus=top,

@@ -176,3 +176,11 @@ def test_prefetch_and_stop_check_are_config_fields(tmp_path) -> None:
     trainer.close()
     with pytest.raises(ValueError, match="prefetch_batches"):
         tiny_config(tmp_path, prefetch_batches=-1)
+
+
+def test_step_timing_gives_each_part_in_ms_a_step() -> None:
+    from dflash_core.train.strategies import StepTiming
+
+    timings = [StepTiming(prepare_s=0.001, dispatch_s=0.010), StepTiming(prepare_s=0.003, dispatch_s=0.020, wait_s=0.004)]
+    assert StepTiming.mean_ms(timings) == pytest.approx({"prepare": 2.0, "dispatch": 15.0, "wait": 2.0})
+    assert StepTiming.mean_ms([]) == {}
