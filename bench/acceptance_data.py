@@ -230,7 +230,7 @@ def prepare_data(args, shape, work: Path, log) -> dict:
                                  carried=args.assets / "completions" if args.assets else None,
                                  export=args.out / "completions.tar",
                                  static_width=shape.max_prompt_tokens if args.generate_static else None,
-                                 batch_size=1024 if args.device.startswith("cuda") else 16)
+                                 batch_size=args.generate_batch or (1024 if args.device.startswith("cuda") else 16))
     key = hashlib.sha256(json.dumps([train_prompts, shape.train_new_tokens, args.eval_dtype]).encode()).hexdigest()
     data_path = work / f"completions-{key[:16]}.json"  # the workers' index of the chunks, read once each
     chunks = chunk_files(train_prompts, work=work, max_new_tokens=shape.train_new_tokens, tag=args.eval_dtype)

@@ -209,6 +209,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="generate the training completions in fixed-shape batches on a static KV cache, which "
                         "transformers compiles and replays as CUDA graphs on a GPU (the same tokens). Slower on the "
                         "H200 (2026-12-05): 152 s a chunk of 4,096 with its compilation, ~85 s without")
+    parser.add_argument("--generate-batch", type=int, default=None,
+                        help="completions decoded at once (default 1,024 on a GPU, 16 on the CPU). The eager step at "
+                        "1,024 is mostly host time (~83 ms on an H200), so a larger batch may generate a chunk "
+                        "faster; fp32 KV of SmolLM2 is ~46 KB a token, ~24 GB a 1,024 batch at 512 tokens")
     parser.add_argument("--generate-deadline-s", type=float, default=None,
                         help="stop generating training completions after this many seconds (after the chunk in hand; "
                         "chunks are cached under --work), so a call that cannot generate them all ends in time and "
