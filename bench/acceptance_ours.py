@@ -66,12 +66,13 @@ def run_ours(job: Job, variant: Variant) -> dict:
         window = window.get("window") or window
         trained = {"train_s": train_s, "steps_per_s": steady_rate(logged, job.steps - resumed_from, train_s),
                    "resumed_from_step": resumed_from, "train_loss": window["loss"],
+                   "train_attention": training_attention(),
                    "train_tau": window["acceptance_length_empirical"], **host.summary()}
         trained_path.write_text(json.dumps(trained))
     drafter_config = trainer.drafter_config
     drafter = trainer.drafter
     del trainer
-    row = {**trained, "mask_token_id": drafter_config.mask_token_id, "train_attention": training_attention(),
+    row = {**trained, "mask_token_id": drafter_config.mask_token_id,
            "mask_rule": "ours" if variant.force_mask_token_id is None else "forced",
            "target_layer_ids": drafter_config.target_layer_ids, **evaluate_drafter(drafter)}
     shutil.rmtree(config.run_dir, ignore_errors=True)

@@ -47,9 +47,15 @@ def speculators_recipe(algorithm: str) -> dict:
     return schema(speculator_type=algorithm).flatten()
 
 
-# Its draft-layer attention for the bench's `--attention` as our rows resolve it: on a GPU its default, flex
-# (its dense `sdpa` is "for hardware that doesn't support flex attention"), on the CPU its dense path.
+# Its draft-layer attention implementations by the name our rows record.
 SPECULATORS_ATTENTION = {"flex": "simple_flex_attention", "sdpa": "sdpa"}
+
+
+def speculators_attention() -> str:
+    """Its draft layers' attention: on a GPU its default, flex (its dense sdpa is "for hardware that doesn't support
+    flex attention"), where our rows train with flex and its forward is compiled; its dense path otherwise (on the
+    CPU, and uncompiled: flex without torch.compile is torch's slow reference, which builds the whole score grid)."""
+    return "flex" if training_attention() == "flex" and WORKER.get("speculators_compile", True) else "sdpa"
 
 
 def speculators_model(algorithm: str, recipe: dict, mask_token_id: int):
@@ -73,7 +79,7 @@ def speculators_model(algorithm: str, recipe: dict, mask_token_id: int):
     layer_config.rope_parameters = dict(verifier.rope_parameters)
     arguments = {**recipe, "verifier_name_or_path": model_dir, "draft_vocab_size": verifier.vocab_size,
                  "block_size": shape["block_size"], "num_layers": shape["num_layers"], "mask_token_id": mask_token_id,
-                 "draft_attn_impl": SPECULATORS_ATTENTION[training_attention()]}
+                 "draft_attn_impl": SPECULATORS_ATTENTION[speculators_attention()]}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model_class.from_training_args(verifier_config=layer_config, **arguments)
@@ -174,6 +180,7 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     mask, mask_rule = _mask_for(variant, config, target=target, corpus=corpus, tokenizer=tokenizer)
     recipe = speculators_recipe(algorithm)
     torch.manual_seed(job.seed)
+    attention = speculators_attention()
     model = speculators_model(algorithm, recipe, mask).to(device)
     model_class = type(model)
     # Its own loss and slot weights; the eager loss implementation (its fused Triton loss crashes under
@@ -239,7 +246,9 @@ def run_speculators(job: Job, variant: Variant) -> dict:
     if trained is None:  # trained in this call (else a call the limit ended after training: its figures)
         train_s = time.perf_counter() - start
         trained = {"train_s": train_s, "steps_per_s": steady_rate(marks, job.steps - first_step, train_s),
-                   "compiled": compiled, "train_attention": training_attention(), "resumed_from_step": first_step,
+                   "compiled": compiled, "resumed_from_step": first_step,
+                   # a compiled forward that failed falls back to eager: flex then ran as torch's reference
+                   "train_attention": "flex, uncompiled" if attention == "flex" and not compiled else attention,
                    "train_loss": float(torch.stack(losses).mean()), "train_tau": float(torch.stack(eals).mean())}
         if WORKER.get("checkpoint_every"):  # kept until the row is written: a call ended in evaluation resumes here
             _save(state_path, model=model, optimizer=optimizer, scheduler=scheduler, step=job.steps, trained=trained)

@@ -122,11 +122,11 @@ def train_config(job: Job, variant: Variant, run_dir: Path):
 
 
 def training_attention() -> str:
-    """Our rows' drafter attention in training, resolved as the drafter resolves `auto` (flex on a GPU)."""
-    backend = WORKER.get("attention", "auto")
-    if backend == "auto":
-        return "flex" if WORKER["device"].startswith("cuda") else "sdpa"
-    return backend
+    """The rows' drafter attention in training, `--attention` resolved as the drafter resolves it (auto: flex on a
+    GPU, the dense path on the CPU)."""
+    from dflash_core.model.masks import resolve_attention_backend
+
+    return resolve_attention_backend(WORKER.get("attention", "auto"), cuda=WORKER["device"].startswith("cuda"))
 
 
 def checkpoint_every(job: Job) -> int:

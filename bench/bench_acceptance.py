@@ -182,9 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "turns spinning intra-op threads into a 10x slowdown)")
     parser.add_argument("--attention", choices=["sdpa", "flex", "auto"], default="auto",
                         help="our rows' drafter attention in training (TrainConfig.attention_backend; auto: flex on a "
-                        "GPU, as a run trains). sdpa computes the whole [queries x keys] grid where the mask lets "
-                        "~1.5%% through (an 8,192-token row of ~27 documents); every row before 2026-12-05's session "
-                        "28 trained so (docs/benchmarks.md)")
+                        "GPU, as a run trains; speculators' rows likewise). sdpa computes the whole [queries x "
+                        "keys] grid where the mask lets 1-2%% through (an 8,192-token row of ~29 documents); every "
+                        "row before 2026-12-05's session 28 trained so (docs/benchmarks.md)")
     parser.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="target and drafter dtype while evaluating (fp32: exact greedy agreement)")
     parser.add_argument("--deadline-s", type=float, default=None,
@@ -212,13 +212,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--generate-batch", type=int, default=None,
                         help="completions decoded at once (default 1,024 on a GPU, 16 on the CPU). The eager step at "
                         "1,024 is mostly host time (~83 ms on an H200), so a larger batch may generate a chunk "
-                        "faster; fp32 KV of SmolLM2 is ~46 KB a token, ~24 GB a 1,024 batch at 512 tokens")
+                        "faster; fp32 KV of SmolLM2 is ~46 KB a token, ~24 GB a 1,024 batch at 512 tokens. A chunk's "
+                        "cache key leaves the batch out: batched decoding may differ by a token here and there, and "
+                        "chunks made at two batch sizes mix")
     parser.add_argument("--generate-deadline-s", type=float, default=None,
                         help="stop generating training completions after this many seconds (after the chunk in hand; "
                         "chunks are cached under --work), so a call that cannot generate them all ends in time and "
                         "the next call on the warm machine goes on")
     parser.add_argument("--speculators-eager", action="store_true", help="do not torch.compile speculators' forward")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.generate_batch is not None and args.generate_batch < 1:
+        parser.error(f"--generate-batch must be at least 1, got {args.generate_batch}")
+    return args
 
 
 def resolve_shape(args: argparse.Namespace) -> Shape:

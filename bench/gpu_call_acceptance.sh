@@ -35,7 +35,7 @@ if command -v nvidia-smi > /dev/null; then
      echo "$(date +%T) gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader) load $(cut -d' ' -f1-3 /proc/loadavg)"
    done) > "$OUT/utilization.txt" 2>&1 &
   sampler=$!
-  trap 'kill "$sampler" 2> /dev/null' EXIT  # however the script ends (a signal to the call's group takes it too)
+  trap 'kill "$sampler" 2> /dev/null; mps_stop' EXIT  # this trap replaces gpu_mps.sh's: stop its server too
 fi
 set -o pipefail
 # shellcheck disable=SC2086  # the seeds are several arguments

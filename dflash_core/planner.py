@@ -189,7 +189,7 @@ class PlanInputs(BaseModel):
         if layers is not None and self.tapped_layers > max(1, layers - 1):
             raise ValueError(
                 f"--tapped-layers {self.tapped_layers} exceeds the {max(1, layers - 1)} layers a drafter can read "
-                f"of a {layers}-layer target (ids 0..{layers - 2}): training would refuse it"
+                f"of a {layers}-layer target (ids 0..{max(0, layers - 2)}): training would refuse it"
             )
         return self
 

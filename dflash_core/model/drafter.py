@@ -26,7 +26,7 @@ from dflash_core.model.loss import position_weights
 from dflash_core.model.loss import teacher_token_ids
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.masks import (
-    create_flex_block_mask, dense_mask, flex_attend, sdpa_attend, tuned_flex_options,
+    create_flex_block_mask, dense_mask, flex_attend, resolve_attention_backend, sdpa_attend, tuned_flex_options,
 )
 from dflash_core.model.regularize import dropout_masks, noisy_features
 from dflash_core.model.metrics import block_metrics
@@ -179,10 +179,7 @@ class DFlashDraftModel(nn.Module):
 
     # -- training ---------------------------------------------------------------------------
     def _training_attend_fns(self, plan: BlockPlan, backend: str) -> dict[str, AttendFn]:
-        if backend == "auto":
-            backend = "flex" if plan.anchors.is_cuda else "sdpa"
-        if backend not in ("flex", "sdpa"):
-            raise ValueError(f"attention_backend must be 'flex', 'sdpa' or 'auto', got {backend!r}")
+        backend = resolve_attention_backend(backend, cuda=plan.anchors.is_cuda)
         windows = {layer_type: None for layer_type in self.config.layer_types}
         if SLIDING_ATTENTION in windows:
             windows[SLIDING_ATTENTION] = self.config.sliding_window

@@ -77,6 +77,16 @@ def reference_dense_mask(plan: BlockPlan, *, sliding_window: int | None = None) 
     return mask
 
 
+def resolve_attention_backend(backend: str, *, cuda: bool) -> str:
+    """The training attention a backend setting means: auto is flex on a GPU (block-sparse, compiled), sdpa (the
+    dense mask) elsewhere, where flex has no backward."""
+    if backend == "auto":
+        return "flex" if cuda else "sdpa"
+    if backend not in ("flex", "sdpa"):
+        raise ValueError(f"attention_backend must be 'flex', 'sdpa' or 'auto', got {backend!r}")
+    return backend
+
+
 def create_flex_block_mask(plan: BlockPlan, *, sliding_window: int | None = None, compile_mask: bool):
     """flex_attention BlockMask for the plan; compile_mask=True on GPU builds it without a dense grid."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -138,22 +148,13 @@ def flex_attend(block_mask, *, compiled: bool, kernel_options: dict | None = Non
     return attend
 
 
-def sdpa_attend(mask_B1QK: torch.Tensor | None, *, expand_grouped_kv: bool | None = None) -> AttendFn:
-    """AttendFn through scaled_dot_product_attention with a dense boolean mask (None: all visible).
-
-    Grouped K/V heads with a mask: on CUDA, SDPA's fused kernels take either a mask (memory-efficient) or
-    grouped heads (flash), not both, so `enable_gqa` with a mask runs the math backend, which materializes
-    fp32 [B, heads, Q, K] scores. `expand_grouped_kv` (None: on CUDA with a mask) repeats K/V to the query
-    heads instead, so the memory-efficient kernel runs; the values are the same (tests/unit/test_model_masks.py)."""
+def sdpa_attend(mask_B1QK: torch.Tensor | None) -> AttendFn:
+    """AttendFn through scaled_dot_product_attention with a dense boolean mask (None: all visible)."""
 
     def attend(query, key, value):
-        grouped = query.shape[1] != key.shape[1]
-        expand = expand_grouped_kv if expand_grouped_kv is not None else query.is_cuda and mask_B1QK is not None
-        if grouped and expand:
-            groups = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-            grouped = False
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask_B1QK, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask_B1QK, enable_gqa=query.shape[1] != key.shape[1]
+        )
 
     return attend
 

@@ -118,34 +118,3 @@ def test_tuned_flex_backward_matches_torchs_default_config():
         grads.append([t.grad for t in leaves])
     for tuned, default in zip(grads[1], grads[0]):
         assert _relative_error(tuned, default) < 1e-2
-
-
-def test_dense_sdpa_with_grouped_heads_runs_a_fused_kernel_not_math():
-    """The dense training path (attention_backend sdpa) on grouped heads: with the K/V expansion the
-    memory-efficient kernel takes it (with `enable_gqa` and a mask only the math backend could, which
-    materializes fp32 scores), and its values match the math backend's."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from dflash_core.model.masks import dense_mask, sdpa_attend
-
-    torch.manual_seed(0)
-    loss_mask = torch.ones(1, _SEQ, dtype=torch.bool)
-    plan = plan_blocks(loss_mask_BT=loss_mask, num_anchors=_ANCHORS, block_size=16,
-                       generator=torch.Generator().manual_seed(0)).to("cuda")
-    q_len = _ANCHORS * 16
-    query = torch.randn(1, 8, q_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    key = torch.randn(1, 2, _SEQ + q_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    value = torch.randn_like(key, requires_grad=True)
-    mask = dense_mask(plan)
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-        fused = sdpa_attend(mask)(query, key, value)
-        fused.float().pow(2).sum().backward()
-    grads = [t.grad.clone() for t in (query, key, value)]
-    for t in (query, key, value):
-        t.grad = None
-    with sdpa_kernel([SDPBackend.MATH]):
-        math = sdpa_attend(mask, expand_grouped_kv=False)(query, key, value)
-        math.float().pow(2).sum().backward()
-    assert _relative_error(fused, math) < 1e-2
-    for grad, t in zip(grads, (query, key, value)):
-        assert _relative_error(grad, t.grad) < 2e-2

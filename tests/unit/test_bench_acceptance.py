@@ -337,7 +337,7 @@ def test_a_variants_anchors_keep_their_density_at_the_tiny_shape(bench, tmp_path
                                                    ("auto", "cpu", "sdpa"), ("sdpa", "cuda", "sdpa")])
 def test_our_rows_train_with_flex_attention_on_a_gpu_unless_told_otherwise(bench, tmp_path, asked, device, trained):
     """The bench's default (auto) trains our rows as a run does: flex on a GPU. The dense SDPA path computed the
-    whole [queries x keys] grid, ~20x the blocks flex visits on the bench's packed rows."""
+    whole [queries x keys] grid: ~45x the blocks flex visits on the bench's packed rows at the default's anchors."""
     import dataclasses
 
     import acceptance_variants as rows
@@ -408,6 +408,14 @@ def test_speculators_rows_train_with_its_flex_attention_on_a_gpu_and_the_same_lo
         worker.WORKER.update(saved)
     assert list(losses) == ["simple_flex_attention", "sdpa"]
     assert losses["simple_flex_attention"] == pytest.approx(losses["sdpa"], rel=1e-5)
+    try:  # its forward uncompiled (--speculators-eager): its dense path, not torch's slow flex reference
+        worker.WORKER.update(attention="auto", device="cuda", speculators_compile=False)
+        assert spec.speculators_attention() == "sdpa"
+        worker.WORKER.update(speculators_compile=True)
+        assert spec.speculators_attention() == "flex"
+    finally:
+        worker.WORKER.clear()
+        worker.WORKER.update(saved)
 
 @pytest.mark.slow
 def test_a_job_whose_call_ended_in_evaluation_resumes_trained_and_reports_its_training(bench, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from dflash_core.model.masks import (
     flex_attend,
     tuned_flex_options,
     reference_dense_mask,
+    resolve_attention_backend,
     sdpa_attend,
 )
 
@@ -96,26 +97,6 @@ def test_flex_and_sdpa_attention_agree_forward(window):
     torch.testing.assert_close(sdpa_out, explicit, atol=1e-5, rtol=1e-5)
 
 
-
-def test_sdpa_with_grouped_kv_expanded_gives_the_same_attention_and_gradients():
-    """The expansion CUDA gets (a mask and grouped heads: SDPA's fused kernels take one or the other) changes
-    which kernel runs, not the values, forward or backward."""
-    torch.manual_seed(0)
-    plan = _packed_plan(num_anchors=10)
-    q_len = plan.num_anchors * _BLOCK
-    mask = dense_mask(plan)
-    results = []
-    for expand in (False, True):
-        torch.manual_seed(1)
-        query = torch.randn(2, 4, q_len, 16, requires_grad=True)
-        key = torch.randn(2, 2, _SEQ + q_len, 16, requires_grad=True)
-        value = torch.randn(2, 2, _SEQ + q_len, 16, requires_grad=True)
-        out = sdpa_attend(mask, expand_grouped_kv=expand)(query, key, value)
-        out.pow(2).sum().backward()
-        results.append((out.detach(), query.grad, key.grad, value.grad))
-    for grouped, expanded in zip(*results):
-        torch.testing.assert_close(expanded, grouped, atol=1e-5, rtol=1e-5)
-
 @pytest.mark.parametrize("capability, head_dim, tuned", [((9, 0), 256, True), ((9, 0), 192, True),
                                                        ((9, 0), 128, False), ((10, 0), 256, False), ((8, 0), 256, False)])
 def test_the_tuned_backward_is_for_wide_heads_on_hopper_only(monkeypatch, capability, head_dim, tuned):
@@ -152,3 +133,10 @@ def test_drafting_mask_windows_only_context():
     assert mask[0, :10].nonzero().flatten().tolist() == [5, 6, 7, 8, 9]
     assert mask[3, :10].nonzero().flatten().tolist() == [8, 9]
     assert mask[:, 10:].all()
+
+
+def test_the_attention_setting_resolves_to_flex_on_a_gpu_and_the_dense_path_elsewhere():
+    assert [resolve_attention_backend("auto", cuda=cuda) for cuda in (True, False)] == ["flex", "sdpa"]
+    assert [resolve_attention_backend(name, cuda=True) for name in ("flex", "sdpa")] == ["flex", "sdpa"]
+    with pytest.raises(ValueError, match="attention_backend must be 'flex', 'sdpa' or 'auto', got 'dense'"):
+        resolve_attention_backend("dense", cuda=True)
