@@ -90,6 +90,14 @@ def refuse_unsupported_fp8(config: TrainConfig, devices: TrainDevices) -> None:
         raise SystemExit(f"error: drafter_fp8: {why}; set drafter_fp8: false to train the drafter's GEMMs in bf16")
 
 
+def refuse_flex_off_gpu(config: TrainConfig, devices: TrainDevices) -> None:
+    """attention_backend flex with the drafter off a GPU (flex_attention has no backward on the CPU): an `error:`
+    line before the target loads, rather than torch's error at the first step."""
+    if config.attention_backend == "flex" and devices.drafter.type != "cuda":
+        raise SystemExit(f"error: attention_backend: flex trains on a CUDA GPU only (flex_attention has no backward on "
+                         f"{devices.drafter.type}); set attention_backend: auto (flex on a GPU, sdpa elsewhere) or sdpa")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one DFlash training process.")
     parser.add_argument("--config", type=Path, required=True, help="run.yaml (TrainConfig)")
@@ -144,6 +152,7 @@ def _train(args: argparse.Namespace, config: TrainConfig, dist_info: Distributed
     if devices.process.type == "cuda":
         torch.cuda.set_device(devices.process)
     refuse_unsupported_fp8(config, devices)
+    refuse_flex_off_gpu(config, devices)
     if dist_info.world_size > 1:
         cuda = devices.process.type == "cuda"
         dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=args.pg_timeout_s),

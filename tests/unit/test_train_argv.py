@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
-from dflash_core.train.entry import Rendezvous, training_argv, weights_checksum
+from dflash_core.train.entry import Rendezvous, refuse_flex_off_gpu, training_argv, weights_checksum
 
 ENTRY = ["-m", "dflash_core.train.entry", "--config", "run.yaml"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -145,3 +145,13 @@ def test_only_the_node_of_global_rank_0_reports_a_checkpoint(tmp_path, monkeypat
     assert results == [str(config.run_dir / "checkpoints" / "step-000001"), None]
     assert launched == nodes
     assert train_tasks.run_training.fn(config, nproc_per_node=1, flow_run_id=None) is not None  # one node
+
+
+def test_flex_attention_off_a_gpu_is_refused_by_name_before_the_target_loads() -> None:
+    cpu = TrainDevices(torch.device("cpu"), torch.device("cpu"))
+    config = TrainConfig(target="embedded", data=["x"], attention_backend="flex")
+    with pytest.raises(SystemExit, match=r"^error: attention_backend: flex trains on a CUDA GPU only .* set "
+                                         r"attention_backend: auto"):
+        refuse_flex_off_gpu(config, cpu)
+    for backend in ("auto", "sdpa"):  # auto takes the dense path off a GPU
+        refuse_flex_off_gpu(config.model_copy(update={"attention_backend": backend}), cpu)
