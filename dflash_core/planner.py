@@ -183,14 +183,10 @@ class PlanInputs(BaseModel):
 
     @model_validator(mode="after")
     def _tapped_fit(self) -> PlanInputs:
-        layers = self.target.num_layers
-        # A run lists at most the ids 0 .. N-2 (the last layer's output is already final-normed: TrainConfig's
-        # DrafterSettings.tapped_layer_ids); a count it spreads itself fits in 1 .. N-3.
+        layers = self.target.num_layers  # a run lists at most ids 0..N-2: the last layer's output is final-normed
         if layers is not None and self.tapped_layers > max(1, layers - 1):
-            raise ValueError(
-                f"--tapped-layers {self.tapped_layers} exceeds the {max(1, layers - 1)} layers a drafter can read "
-                f"of a {layers}-layer target (ids 0..{max(0, layers - 2)}): training would refuse it"
-            )
+            raise ValueError(f"--tapped-layers {self.tapped_layers} exceeds the {max(1, layers - 1)} layers a drafter "
+                             f"can read of a {layers}-layer target (ids 0..{max(0, layers - 2)}): training would refuse it")
         return self
 
 
