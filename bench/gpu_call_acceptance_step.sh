@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (issue #45; ~3 minutes warm): the acceptance bench's default step alone on the GPU (random
+# One device call (issue #45; ~4-5 minutes warm with the speculators check, ~3 without): the acceptance bench's default step alone on the GPU (random
 # SmolLM2 shape, DFlash 2, 2 layers reading 5 target layers, one 8,192-token row of 2,048 anchors: the default's 512
 # per 2,048 tokens), its drafter attention flex (how the acceptance rows train from session 28 on), then dense
 # (SDPA over the whole [16,384 x 24,576] grid: how every row trained before). Carry [".carry/node/controller",
