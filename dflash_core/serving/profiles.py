@@ -50,7 +50,9 @@ class _EngineProfile(StrictModel):
 class VllmProfile(_EngineProfile):
     engine: Literal["vllm"] = "vllm"
     tensor_parallel_size: int = Field(1, ge=1)
-    reasoning_parser: str | None = Field("qwen3", description="Splits `<think>` into reasoning_content.")
+    reasoning_parser: str | None = Field(None, description=(
+        "Splits `<think>` into reasoning_content: qwen3 for Qwen3/3.5/3.6 targets; None for a target without a "
+        "thinking mode (Llama, SmolLM2), whose text stays in content."))
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     speculative_config: dict[str, Any] | None = Field(
@@ -96,7 +98,7 @@ _SGLANG_SHIM = (
 class SglangProfile(_EngineProfile):
     engine: Literal["sglang"] = "sglang"
     tensor_parallel_size: int = Field(1, ge=1)
-    reasoning_parser: str | None = Field("qwen3")
+    reasoning_parser: str | None = Field(None, description="qwen3 for Qwen3/3.5/3.6 targets; None without a thinking mode.")
     context_length: int | None = None
     mem_fraction_static: float | None = Field(None, gt=0, le=1)
     speculative_algorithm: str | None = Field(None, description="e.g. NEXTN for MTP heads.")
