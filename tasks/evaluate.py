@@ -27,6 +27,8 @@ _RETRY = {"retries": 3, "retry_delay_seconds": [2, 5, 15], "retry_condition_fn":
 @task(**_RETRY)
 def fetch_checkpoint(settings: Settings, *, checkpoint: str, cache_dir: Path) -> tuple[Path, list[InputRef]]:
     """A local checkpoint dir (downloaded from S3 unless `checkpoint` is a local dir) and its input refs."""
+    from dflash_core.local_paths import path_inside
+
     local = Path(checkpoint)
     names = (CHECKPOINT_MODEL_FILE, CHECKPOINT_META_FILE)
     if local.is_dir():
@@ -34,9 +36,9 @@ def fetch_checkpoint(settings: Settings, *, checkpoint: str, cache_dir: Path) ->
                        for n in names if (local / n).is_file()]
     store = ObjectStore.from_settings(settings)
     prefix = store.key_of(checkpoint).rstrip("/")
+    target = path_inside(cache_dir, prefix)
     if not store.exists(f"{prefix}/{CHECKPOINT_META_FILE}"):
         raise ValueError(f"checkpoint {checkpoint!r} is neither a local dir nor an S3 checkpoint with {CHECKPOINT_META_FILE}")
-    target = cache_dir / prefix
     refs = []
     for name in names:
         store.get_file(f"{prefix}/{name}", target / name)

@@ -14,6 +14,7 @@ from pathlib import Path, PurePosixPath
 
 import paramiko
 
+from dflash_core.local_paths import path_inside
 from dflash_core.nodes.access import CommandResult, CommandTimeout, HostKeyError, NodeAccess, NodeUnreachable
 
 _TIMEOUT_EXIT = 124  # coreutils timeout's exit status when it killed the command
@@ -127,10 +128,20 @@ class SSHAccess(NodeAccess):
         local.parent.mkdir(parents=True, exist_ok=True)
         if stat.S_ISDIR(attrs.st_mode):
             local.mkdir(exist_ok=True)
-            for entry in self.sftp.listdir_attr(remote):
-                self.get(f"{remote}/{entry.filename}", local / entry.filename)
+            self._get_folder(remote, local, relative="")
         else:
             self.sftp.get(remote, str(local))
+
+    def _get_folder(self, remote: str, root: Path, *, relative: str) -> None:
+        """The node's folder `remote` into `root / relative`; each name the node lists must stay inside `root`."""
+        for entry in self.sftp.listdir_attr(remote):
+            source, name = f"{remote}/{entry.filename}", f"{relative}{entry.filename}"
+            local = path_inside(root, name)
+            if stat.S_ISDIR(self.sftp.stat(source).st_mode):
+                local.mkdir(exist_ok=True)
+                self._get_folder(source, root, relative=f"{name}/")
+            else:
+                self.sftp.get(source, str(local))
 
 
 def _remote_exists(sftp: paramiko.SFTPClient, path: str) -> bool:

@@ -13,6 +13,7 @@ from dflash_core.data.verdict import (
     DATASET_MANIFEST_NAME, DatasetManifest, check_usable, read_dataset_manifest, shard_verdict,
 )
 from dflash_core.layout import is_heldout_key
+from dflash_core.local_paths import path_inside
 
 if TYPE_CHECKING:  # storage needs boto3, which a bare GPU image may lack; torch only the target needs
     import torch
@@ -56,8 +57,8 @@ def fetch_shards(items: list[str], *, store: ObjectStore | None, cache_dir: Path
         if not keys:
             raise ValueError(f"data item {item!r}: no .arrow shards under {store.uri(key)}")
         for shard_key in keys:
+            path = path_inside(cache_dir, shard_key)
             info = store.head(shard_key)
-            path = cache_dir / shard_key
             cached = path.is_file() and path.stat().st_size == info.size and \
                 (info.sha256 is None or _sha256_file(path) == info.sha256)
             if not cached:  # a re-tokenized shard can keep its size: the hash decides
