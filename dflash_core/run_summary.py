@@ -26,7 +26,7 @@ from dflash_core.lineage_views import flow_run_url, node_label, node_of
 
 # Which field of the pipeline's result (dflash_core.stage_results.PipelineResult) each stage's flow returned.
 STAGE_RESULTS = {"generate": "generation", "tokenize": "tokenization", "train": "training", "evaluate": "evaluation",
-                 "export": "export", "provision": "provision", "preserve": "preserve", "s3-audit": "audit"}
+                 "export": "export", "served": "served", "provision": "provision", "preserve": "preserve", "s3-audit": "audit"}
 # Where the user looks after a run: Prefect's Retry cannot rerun a Completed run (our results are persisted, so
 # the server refuses it while the UI still shows a success toast).
 RERUN_ADVICE = ("To run a finished stage again, start a new run of the pipeline or of the stage's deployment: Retry "
@@ -233,6 +233,7 @@ def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: di
         or ["| - | - | - | - | - | no evaluation in this run |"]
     fit = generalization_line(evaluation)
     lines += ["", fit] if fit else []
+    lines += served_lines(_stage_result(result, "served"))
     lines += node_lines(_stage_result(result, "generate").get("by_node") or [])
     lines += ["", "## Artifacts (each with a .manifest.json beside it)", "", "| kind | where | files | lineage |",
               "|---|---|---:|---|"]
@@ -246,6 +247,21 @@ def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: di
         lines.append("| - | nothing stored | 0 | |")
     lines += ["", "## Running a stage again", "", RERUN_ADVICE]
     return "\n".join(lines) + "\n"
+
+
+def served_lines(served: dict) -> list[str]:
+    """The drafter as the serving engine ran it (the served stage), beside our evaluator's tau; none without it."""
+    if not served.get("rows"):
+        return []
+    lines = ["", f"## Served by {served.get('engine', '?')}: engine tau {_number(served.get('tau'), '{:.3f}')}, "
+             f"our evaluator's {_number(served.get('evaluator_tau'), '{:.3f}')}", "",
+             "| requests in flight | target-only tokens/s | with drafter tokens/s | speedup | engine tau | outputs equal |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r.get('concurrency')} | {_number(r.get('target_tokens_per_s'), '{:,.0f}')} | "
+              f"{_number(r.get('drafted_tokens_per_s'), '{:,.0f}')} | {_number(r.get('speedup'), '{:.2f}x')} | "
+              f"{_number(r.get('tau'), '{:.3f}')} | {r.get('outputs_equal_target')}/{r.get('prompts')} |"
+              for r in served["rows"]]
+    return lines
 
 
 def node_lines(by_node: list[dict]) -> list[str]:
@@ -311,6 +327,12 @@ def _made(run: StageRun, result: dict) -> str:
         return f"{len(part.get('saved', []))} objects under {part.get('prefix')}"
     if run.stage == "s3-audit":
         return f"{part.get('objects', '?')} objects, {part.get('dead_objects', '?')} dead; report {part.get('report')}"
+    if run.stage == "served":
+        rows = "; ".join(f"{r.get('concurrency')} in flight {_number(r.get('speedup'), '{:.2f}x')}"
+                         for r in part.get("rows", []))
+        return (f"{part.get('engine', '?')}: tau {_number(part.get('tau'), '{:.3f}')} (ours "
+                f"{_number(part.get('evaluator_tau'), '{:.3f}')}), {rows}, outputs "
+                f"{'equal' if part.get('all_outputs_equal') else 'NOT all equal'} to target-only")
     if run.stage == "evaluate":
         return f"on {part.get('split', '?')} prompts: " + "; ".join(
             f"{s.get('mode')}: tau {_number(s.get('tau'), '{:.3f}')}" for s in part.get("summaries", []))

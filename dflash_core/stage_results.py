@@ -157,6 +157,21 @@ class ExportResult(StageResult):
     exports: dict[str, str] = Field(description="format -> s3://.../exports/(run)/(format)/")
 
 
+class ServedReport(StageResult):
+    """served's result: the export as a serving engine ran it, beside a target-only server and our evaluator."""
+
+    kind: Literal["served"] = "served"
+    report: str = Field(description="URI of report.json (every row, the engine's counters, the outputs' equality).")
+    export: str = Field(description="The export served (its S3 prefix).")
+    engine: str = Field(description="Engine and version, e.g. vllm 0.26.0.")
+    prompts: list[str] = Field(description="URIs of the prompt shards read (the evaluation's, when it ran).")
+    rows: list[dict[str, Any]] = Field(default_factory=list, description=(
+        "Per request concurrency: tokens/s with and without the drafter, speedup, the engine's tau, outputs equal."))
+    tau: float | None = Field(None, description="The engine's acceptance length over every pass (accepted + 1).")
+    evaluator_tau: float | None = Field(None, description="Our evaluator's block-mode tau on the same prompts.")
+    all_outputs_equal: bool = False
+
+
 class PipelineResult(BaseModel):
     """What the pipeline made: the plan report, then each stage's own result. (Here, not in flows/: a flow
     run's result is unpickled by whoever reads it, so its class must import by a stable module name.)"""
@@ -170,6 +185,7 @@ class PipelineResult(BaseModel):
     training: Checkpoint | dict[str, Any] | None = None
     evaluation: EvaluationReport | None = None
     export: ExportResult | None = None
+    served: ServedReport | None = None
     preserve: dict[str, Any] | None = None
     audit: dict[str, Any] | None = None
     artifacts: list[dict[str, Any]] = Field(default_factory=list)

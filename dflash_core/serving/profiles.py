@@ -54,6 +54,8 @@ class VllmProfile(_EngineProfile):
         "Splits `<think>` into reasoning_content: qwen3 for Qwen3/3.5/3.6 targets; None for a target without a "
         "thinking mode (Llama, SmolLM2), whose text stays in content."))
     max_model_len: int | None = None
+    dtype: str | None = Field(None, description="auto, bfloat16, float16; None: vLLM's auto, which serves float32 "
+                                                "weights (the converted embedded target's) in the GPU's preferred dtype.")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     speculative_config: dict[str, Any] | None = Field(
         None, description='e.g. {"method": "mtp", "num_speculative_tokens": 1} to generate faster with MTP.'
@@ -69,6 +71,8 @@ class VllmProfile(_EngineProfile):
             argv += ["--reasoning-parser", self.reasoning_parser]
         if self.max_model_len:
             argv += ["--max-model-len", str(self.max_model_len)]
+        if self.dtype:
+            argv += ["--dtype", self.dtype]
         if self.gpu_memory_utilization:
             argv += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.speculative_config:
