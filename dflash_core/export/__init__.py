@@ -8,7 +8,9 @@ speculators.py).
 
 Everything is validated before a byte is written (`checks`): layer ids in range and equal (+1)
 across formats, the mask id a real row of the target embedding, window and RoPE carried, no target
-weights in the file.
+weights in the file. Both formats state the draft length vLLM reads (`n_predict` = block_size - 1); an
+import that states another is refused. `engines` says which serving engine versions serve each variant,
+and gives the `--speculative-config` for an export.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from dflash_core.export.checks import (
     DRAFTER_PREFIXES,
     check_against_target,
+    check_draft_lengths,
     check_formats_agree,
     check_runtime_conventions,
     check_speculators_compatible,
@@ -78,6 +81,7 @@ def build_export_configs(
         check_formats_agree(out["native"], out["speculators"])
     # Each written config must read back to the drafter it describes.
     for name, data in out.items():
+        check_draft_lengths(data, block_size=config.block_size, source=f"{name} config.json")
         again = (config_from_native if name == "native" else config_from_speculators)(json.loads(json.dumps(data)))
         if again.to_dict() != config.to_dict():
             diff = {k: (v, again.to_dict()[k]) for k, v in config.to_dict().items() if again.to_dict()[k] != v}
@@ -123,9 +127,10 @@ def _read_export(path: Path) -> tuple[str, DFlashConfig, LossSpec]:
     if not config_path.is_file():
         raise ValueError(f"{config_path} does not exist")
     data = json.loads(config_path.read_text())
-    if "speculators_model_type" in data:
-        return "speculators", config_from_speculators(data), _loss_of(data)
-    return "native", config_from_native(data), _loss_of(data)
+    name = "speculators" if "speculators_model_type" in data else "native"
+    config = (config_from_speculators if name == "speculators" else config_from_native)(data)
+    check_draft_lengths(data, block_size=config.block_size, source=str(config_path))
+    return name, config, _loss_of(data)
 
 
 def _loss_of(data: dict[str, Any]) -> LossSpec:

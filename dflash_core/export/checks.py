@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_core.export.native import num_speculative_tokens
 from dflash_core.model.build import build_drafter
 from dflash_core.model.config import SLIDING_ATTENTION, DFlashConfig, _rope_settings, _text_config
 from dflash_core.model.dflash2 import DFlash2Config
@@ -124,3 +125,33 @@ def check_formats_agree(native: dict[str, Any], speculators: dict[str, Any]) -> 
     for name, (a, b) in pairs.items():
         if a != b:
             raise ValueError(f"{name} differs between formats: native {a!r}, speculators {b!r}")
+
+
+def draft_lengths(data: dict[str, Any]) -> dict[str, int]:
+    """The draft lengths a config.json states where vLLM reads them (absent ones left out): `n_predict`
+    (its default num_speculative_tokens; speculators format: inside transformer_layer_config) and, for the
+    speculators format, the proposal method's `speculative_tokens` (used when the directory is served as
+    the model)."""
+    if "speculators_model_type" not in data:
+        found = {"n_predict": data.get("n_predict")}
+    else:
+        methods = (data.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        found = {
+            "transformer_layer_config.n_predict": (data.get("transformer_layer_config") or {}).get("n_predict"),
+            "speculators_config.proposal_methods[0].speculative_tokens": methods[0].get("speculative_tokens"),
+        }
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def check_draft_lengths(data: dict[str, Any], *, block_size: int, source: str) -> None:
+    """Raise ValueError if `data` (read from `source`) states a draft length other than block_size - 1:
+    vLLM would start with that many mask slots and every drafted token would change. Configs that state
+    none (older exports, z-lab's) pass: the server is then started with an explicit value."""
+    want = num_speculative_tokens(block_size)
+    for name, value in draft_lengths(data).items():
+        if value != want:
+            raise ValueError(
+                f"{source}: {name} is {value}, but block_size {block_size} drafts block_size - 1 = {want} "
+                f"tokens; vLLM would run {value} mask slots per round and draft other tokens than this drafter "
+                f"was trained to. Re-export it, or set {name} to {want}."
+            )

@@ -11,6 +11,10 @@ embedding or LM head. Fields this project needs to rebuild an equal drafter that
 has no name for (qk_norm, target_model_type and the training loss settings) ride along inside
 `dflash_config`.
 
+Draft length: `n_predict` = block_size - 1 (the block is [anchor, MASK x (B-1)]). No runtime reads
+`block_size`; vLLM defaults `num_speculative_tokens` to `n_predict` and builds 1 + that many query
+slots, so a wrong value there would silently change every drafted token.
+
 DFlash 2 (a `DFlash2Config`) is the same format with `architectures: ["DFlash2DraftModel"]`, the
 DFlash 2 fields in `dflash_config` (conv_kernel_size, conv_group_size, selector_rank,
 selector_top_k, output_multiplier, final_logit_softcapping, input_embedding_scale 1.0; our
@@ -20,12 +24,13 @@ codebooks bare, without `.weight`, as published drafters and speculators store t
 `from_pretrained` key mapping expects.
 
 Causality: our blocks are non-causal on every layer type. z-lab's reference and vLLM make
-`sliding_attention` layers causal unless the config says otherwise (top-level `is_causal`, which
-both read; vLLM also reads `dflash_config.causal`), so both are written as false. SGLang builds
-before it read `is_causal` run sliding layers causally: serve sliding-window drafters on a build
-that reads it. The window is per query, as every runtime applies it: slot k of the block anchored
-at p sees context j when (p + k) - j < sliding_window. (speculators trains the window relative to
-the anchor, p - j <= sliding_window, which no runtime serves; we train what is served.)
+`sliding_attention` layers causal unless the config says otherwise, each in its own field (z-lab:
+top-level `is_causal`; vLLM: `dflash_config.causal`, it never reads `is_causal`), so both are written
+as false. SGLang builds before it read `is_causal` run sliding layers causally: serve sliding-window
+drafters on a build that reads it. The window is per query, as every runtime applies it: slot k of
+the block anchored at p sees context j when (p + k) - j < sliding_window. (speculators trains the
+window relative to the anchor, p - j <= sliding_window, which no runtime serves; we train what is
+served.)
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 # Training settings no runtime reads (the drafter's LossSpec, its regularizers left out); carried so an
 # export reads back to the drafter it was.
 LOSS_FIELDS = ("loss_gamma", "loss_type", "loss_weighting", "dpace_alpha")
+
+
+def num_speculative_tokens(block_size: int) -> int:
+    """Tokens one block drafts ([anchor, MASK x (B-1)]): what an export writes as `n_predict`, and the
+    `num_speculative_tokens` a vLLM server must be started with."""
+    return block_size - 1
 
 
 def exported_loss(loss: LossSpec, *, block_size: int) -> dict[str, Any]:
@@ -113,6 +124,8 @@ def native_config(config: DFlashConfig, *, loss: LossSpec, max_position_embeddin
         "architectures": [architecture(config)],
         **layer_config(config, max_position_embeddings=max_position_embeddings),
         "block_size": config.block_size,
+        # vLLM's default num_speculative_tokens (it never reads block_size).
+        "n_predict": num_speculative_tokens(config.block_size),
         "num_target_layers": config.target_num_layers,
         "is_causal": False,
         "dflash_config": dflash,
@@ -158,14 +171,15 @@ def config_from_layer_fields(
 
 
 def _causal_layers(data: dict[str, Any]) -> list[int]:
-    """Layers a runtime would run causally, by the rule z-lab's reference and vLLM share."""
+    """Layers some runtime would run causally. Each reads its own flag (z-lab's reference: top-level
+    `is_causal`; vLLM: `dflash_config.causal`) and, where its flag is absent, runs sliding_attention layers
+    causally."""
     layer_types = data.get("layer_types") or ["full_attention"] * int(data.get("num_hidden_layers", 0))
-    flag = data.get("is_causal")
-    if flag is None:
-        flag = (data.get("dflash_config") or {}).get("causal")
-    if flag is not None:
-        return list(range(len(layer_types))) if flag else []
-    return [index for index, kind in enumerate(layer_types) if kind == SLIDING_ATTENTION]
+    sliding = {index for index, kind in enumerate(layer_types) if kind == SLIDING_ATTENTION}
+    causal: set[int] = set()
+    for flag in (data.get("is_causal"), (data.get("dflash_config") or {}).get("causal")):
+        causal |= sliding if flag is None else set(range(len(layer_types))) if flag else set()
+    return sorted(causal)
 
 
 def config_from_native(data: dict[str, Any]) -> DFlashConfig:
@@ -193,9 +207,10 @@ def config_from_native(data: dict[str, Any]) -> DFlashConfig:
     causal_layers = _causal_layers(data)
     if causal_layers:
         raise ValueError(
-            f"config.json makes drafter layers {causal_layers} causal inside the block (runtimes read "
-            "`is_causal`, then `dflash_config.causal`, else sliding_attention layers are causal); this "
-            "project's drafter is non-causal on every layer and would draft differently"
+            f"config.json makes drafter layers {causal_layers} causal inside the block (z-lab reads "
+            "`is_causal`, vLLM `dflash_config.causal`; where its flag is absent a runtime runs "
+            "sliding_attention layers causally); this project's drafter is non-causal on every layer and "
+            "would draft differently"
         )
     return config_from_layer_fields(
         data, target_layer_ids=dflash["target_layer_ids"], mask_token_id=dflash["mask_token_id"],

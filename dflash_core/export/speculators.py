@@ -2,11 +2,14 @@
 
     {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
      "aux_hidden_state_layer_ids": [2, 10, 18, 26, 34], "block_size": 16, "mask_token_id": ...,
-     "draft_vocab_size": V, "transformer_layer_config": {Qwen3 fields}, "sliding_window_non_causal": true,
+     "draft_vocab_size": V, "transformer_layer_config": {Qwen3 fields, "n_predict": B-1},
+     "sliding_window_non_causal": true,
      "speculators_config": {"algorithm": "dflash", "proposal_methods": [greedy, B-1 tokens],
                             "verifier": {"name_or_path": ..., "architectures": [...]}}}
 
 Its aux id k is the INPUT of decoder layer k (transformers `hidden_states[k]`), so aux = native + 1.
+vLLM takes `num_speculative_tokens` from `transformer_layer_config.n_predict` (its default) or, serving
+this directory as the model, from the proposal method's `speculative_tokens`: both are block_size - 1.
 Written without importing speculators; the parity test loads it with speculators itself.
 
 DFlash 2 (speculators 0.9's experimental `DFlash2SpeculatorConfig`): `speculators_model_type` and
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_core.export.native import DFLASH2_ARCHITECTURE, config_from_layer_fields, exported_loss, layer_config
+from dflash_core.export.native import (
+    DFLASH2_ARCHITECTURE, config_from_layer_fields, exported_loss, layer_config, num_speculative_tokens,
+)
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.config import DFlashConfig
 from dflash_core.model.dflash2 import variant_of
@@ -37,6 +42,7 @@ def speculators_config(
     """config.json of the speculators format."""
     layer = layer_config(config, max_position_embeddings=max_position_embeddings)
     layer["dtype"] = dtype
+    layer["n_predict"] = num_speculative_tokens(config.block_size)
     # Fields speculators has no name for; Qwen3Config keeps unknown keys, so they survive its loader.
     layer["dflash_pipeline"] = {
         "target_model_type": config.target_model_type,
@@ -65,7 +71,7 @@ def speculators_config(
             "algorithm": model_type,
             "default_proposal_method": "greedy",
             "proposal_methods": [{
-                "proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
+                "proposal_type": "greedy", "speculative_tokens": num_speculative_tokens(config.block_size),
                 "accept_tolerance": 0.0, "verifier_accept_k": 1,
             }],
             "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},

@@ -5,6 +5,7 @@ Run: .venv/bin/python -m pytest tests/unit/test_export.py -q
 
 import dataclasses
 import json
+import re
 import warnings
 
 import pytest
@@ -99,28 +100,57 @@ def test_config_fields_and_the_layer_id_offset(tmp_path):
     assert spec["speculators_config"]["verifier"]["name_or_path"] == "/models/t"
     assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert spec["transformer_layer_config"]["sliding_window"] == 8
-    # What runtimes read: non-causal blocks on every layer (z-lab and vLLM: is_causal; vLLM also
-    # dflash_config.causal; speculators -> vLLM: sliding_window_non_causal), and a top-level rope_theta.
+    # vLLM's default num_speculative_tokens: block_size - 1 in both formats.
+    assert native["n_predict"] == spec["transformer_layer_config"]["n_predict"] == 3
+    # What runtimes read: non-causal blocks on every layer (z-lab: is_causal; vLLM: dflash_config.causal;
+    # speculators -> vLLM: sliding_window_non_causal), and a top-level rope_theta.
     assert native["is_causal"] is False and native["dflash_config"]["causal"] is False
     assert spec["sliding_window_non_causal"] is True
     assert native["rope_theta"] == native["rope_parameters"]["rope_theta"] == drafter.config.rope_theta
 
 
-@pytest.mark.parametrize("flags", [{}, {"is_causal": True}, {"dflash_config_causal": True}])
+@pytest.mark.parametrize("flags", [{}, {"is_causal": True}, {"causal": True}, {"is_causal": False},
+                                   {"causal": False}])
 def test_a_native_config_with_causal_layers_is_refused(tmp_path, flags):
-    """A z-lab config with sliding layers and no flag runs them causally in every runtime: our
-    non-causal drafter would draft something else, so it is not loaded as if it were ours."""
+    """A z-lab config with sliding layers runs them causally in a runtime whose flag it lacks (z-lab reads
+    only `is_causal`, vLLM only `dflash_config.causal`): our non-causal drafter would draft something else
+    there, so it is not loaded as if it were ours."""
     drafter, target_config = _drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     path = export_drafter(drafter, target_config=target_config, out_dir=tmp_path, formats=("native",))["native"]
     data = json.loads((path / "config.json").read_text())
     del data["is_causal"], data["dflash_config"]["causal"]
     if "is_causal" in flags:
-        data["is_causal"] = True
-    if "dflash_config_causal" in flags:
-        data["dflash_config"]["causal"] = True
+        data["is_causal"] = flags["is_causal"]
+    if "causal" in flags:
+        data["dflash_config"]["causal"] = flags["causal"]
     (path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="causal"):
         load_drafter(path)
+
+
+@pytest.mark.parametrize(
+    ("form", "field", "where"),
+    [("native", "n_predict", ()), ("speculators", "n_predict", ("transformer_layer_config",)),
+     ("speculators", "speculative_tokens", ("speculators_config", "proposal_methods", 0))],
+)
+def test_an_export_stating_another_draft_length_is_refused(tmp_path, form, field, where):
+    """vLLM takes num_speculative_tokens from these fields and never reads block_size: an export whose value
+    is not block_size - 1 would be served with another number of mask slots, so it does not load."""
+    drafter, target_config = _drafter()  # block_size 4
+    path = export_drafter(drafter, target_config=target_config, out_dir=tmp_path, verifier_name_or_path="/t")[form]
+    data = json.loads((path / "config.json").read_text())
+    holder = data
+    for key in where:
+        holder = holder[key]
+    assert holder[field] == 3
+    holder[field] = 7
+    (path / "config.json").write_text(json.dumps(data))
+    message = rf"{re.escape(str(path / 'config.json'))}: .*{field} is 7, but block_size 4 .* = 3"
+    with pytest.raises(ValueError, match=message):
+        load_drafter(path)
+    del holder[field]  # older exports and z-lab's configs state none: they load
+    (path / "config.json").write_text(json.dumps(data))
+    _assert_equal_drafters(drafter, load_drafter(path))
 
 
 def test_no_target_weights_in_the_files(tmp_path):
