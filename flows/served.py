@@ -23,6 +23,7 @@ from pydantic import Field
 
 from dflash_core.evaluate.served import compare_served, markdown_table
 from dflash_core.layout import ArtifactKind, artifact_key
+from dflash_core.local_paths import path_inside
 from dflash_core.settings import Settings, load_settings
 from dflash_core.stage_results import RESULT_FILE, EvaluationReport, ExportResult, ServedReport
 from dflash_core.strict import StrictModel
@@ -117,7 +118,7 @@ def served(params: ServedParams) -> ServedReport:
     evaluation = resolve_result(settings, params.evaluation, EvaluationReport) if params.evaluation else None
     run = params.run or export.exports[params.format].rstrip("/").split("/")[-2]
     export_dir, export_refs = fetch_export(settings, prefix_uri=export.exports[params.format],
-                                           dest=settings.work_path("served", run, params.format))
+                                           dest=path_inside(settings.work_path("served"), f"{run}/{params.format}"))
     draft_config = json.loads((export_dir / "config.json").read_text())
     python = params.python or None
     version = engine_version(python or __import__("sys").executable)
@@ -128,7 +129,7 @@ def served(params: ServedParams) -> ServedReport:
               "gpu_memory_utilization": params.gpu_memory_utilization, "ready_timeout_s": params.ready_timeout_s,
               "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}}
     spec = speculative_config(export_dir, engine="vllm", version=version)
-    run_dir = settings.work_path("served", run, "servers")
+    run_dir = path_inside(settings.work_path("served"), f"{run}/servers")
     measure = {"run_dir": run_dir, "port": params.base_port, "device": params.device, "prompts": prompts,
                "max_new_tokens": max_new_tokens, "concurrencies": list(params.concurrency)}
     logger.info("serving %d prompts x %d tokens with vLLM %s: target-only, then drafting with %s", len(prompts),

@@ -234,6 +234,8 @@ def reassemble(staging: Path, dest: Path) -> list[Path]:
     for folder in parts:
         listed = json.loads((folder / MANIFEST).read_text())["files"]
         for entry in listed:
+            if Path(entry["file"]).name != entry["file"] or entry["file"] in ("", ".", ".."):
+                raise ValueError(f"{folder / MANIFEST} lists {entry['file']!r}, not a file name in its folder")
             path = folder / entry["file"]
             if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_of(path) != entry["sha256"]:
                 raise ValueError(f"wheelhouse file {path} is missing or damaged (expected {entry['bytes']:,} bytes, "
