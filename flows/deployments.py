@@ -33,6 +33,13 @@ def flow_name(entrypoint: str) -> str:
     return _load_flow(entrypoint).name
 
 
+def params_model(entrypoint: str) -> type[BaseModel]:
+    """The model of the `params` argument of the flow behind `entrypoint` (TrainFlowParams for flows/train.py:train)."""
+    from typing import get_type_hints
+
+    return get_type_hints(_load_flow(entrypoint).fn)["params"]
+
+
 def _load_flow(entrypoint: str):
     """The flow object of `flows/train.py:train`, imported as flows.train (the same classes its callers use)."""
     import importlib

@@ -1,5 +1,7 @@
 """`dflash run <flow>` / `dflash demo`: start a flow as a run of its deployment (so it has a Retry in
-the UI, and its stages too), wait for it, print its result; exit 1 when it did not complete.
+the UI, and its stages too), wait for it, print its result; exit 1 when it did not complete. Parameters its flow's
+model refuses (a typo, JSON that is not an object) and an unknown flow end in one `error:` line and exit 2 before
+anything reaches the server.
 
 Run: `python -m flows.launch pipeline --params '{}'` (the stage server must be up: `dflash services up`).
 """
@@ -16,8 +18,36 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_UI_URL
 
+from pydantic import ValidationError
+
+from dflash_core.strict import validation_summary
 from flows.command_line import result_json
-from flows.deployments import deployment_for
+from flows.deployment_table import spec_for
+from flows.deployments import deployment_for, params_model
+
+
+def checked_params(module: str, params_text: str) -> dict:
+    """`params_text` as the flow's params, checked against the flow's own parameter model before anything reaches
+    the server; a ValueError naming what is wrong (a typo's dotted path and its nearest field) otherwise. `{}`
+    leaves the deployment's defaults, so it is not checked here."""
+    model = params_model(spec_for(module).entrypoint)
+    try:
+        params = json.loads(params_text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--params is not JSON: {error}") from None
+    if not isinstance(params, dict):
+        raise ValueError(f"--params must be a JSON object ({model.__name__}'s fields), not a "
+                         f"{_json_kind(params)}")
+    if params:
+        try:
+            model.model_validate(params)
+        except ValidationError as error:
+            raise ValueError(f"--params: {validation_summary(error)}") from None
+    return params
+
+
+def _json_kind(value) -> str:
+    return {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
 
 
 def launch(module: str, params: dict) -> int:
@@ -136,7 +166,12 @@ def main() -> None:
     parser.add_argument("flow", help="module under flows/ (e.g. pipeline)")
     parser.add_argument("--params", default="{}", help="the flow's params as JSON ({} for the deployment's defaults)")
     args = parser.parse_args()
-    sys.exit(launch(args.flow, json.loads(args.params)))
+    try:
+        params = checked_params(args.flow, args.params)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(launch(args.flow, params))
 
 
 if __name__ == "__main__":
