@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -53,19 +54,52 @@ class TrainingOutOfMemory(TrainingRefused):
     """A rank ran out of GPU memory: the same config runs out again."""
 
 
+class TrainingFailureRecurred(TrainingRefused):
+    """A transient-looking error recurred at the same step after a resume from the last checkpoint: the step
+    (its data, the state it starts from) makes it, so another retry repeats it."""
+
+
 _FINAL = {"config": TrainingConfigError, "data": TrainingDataError, "oom": TrainingOutOfMemory,
           "refused": TrainingRefused}
 _OOM_ADVICE = ("; lower token_budget (or drafter.num_anchors), or use placement=pair or target_fp8 (`dflash plan` "
                "says what fits)")
 
 
-def training_failure(failure: RankFailure, *, returncode: int, tail: deque[str]) -> TrainingFailed:
+# The run dir's record of its last failure, which the next attempt's failure is compared with.
+FAILURE_RECORD = "last_failure.json"
+
+
+def training_failure(failure: RankFailure, *, returncode: int, tail: deque[str],
+                     previous: RankFailure | None = None) -> TrainingFailed:
     """The exception a run that failed with `failure` raises: a final one carries the rank's line alone, a
-    transient one the log tail as well."""
+    transient one the log tail as well, unless it repeats `previous` (the attempt before) at the same step."""
     if failure.final:
         return _FINAL[failure.kind](failure.line + (_OOM_ADVICE if failure.kind == "oom" else ""))
-    return TrainingFailed(f"training exited with {returncode}: {failure.line}; a retry resumes from the last "
-                          "checkpoint. Log tail:\n" + "\n".join(tail))
+    if failure.step is not None and failure == previous:
+        return TrainingFailureRecurred(
+            f"{failure.line} at step {failure.step} again, after resuming from the last checkpoint: the same error "
+            "at the same step is not transient, so it is not retried again; look at what that step trains on "
+            "(its batch, the checkpoint it resumed from) or the run's config")
+    at_step = f" at step {failure.step}" if failure.step is not None else ""
+    return TrainingFailed(f"training exited with {returncode}{at_step}: {failure.line}; a retry resumes from the "
+                          "last checkpoint. Log tail:\n" + "\n".join(tail))
+
+
+def recorded_failure(run_dir: Path) -> RankFailure | None:
+    """The failure the run dir's last attempt recorded (None: none, or it ended well since)."""
+    try:
+        return RankFailure(**json.loads((run_dir / FAILURE_RECORD).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def record_failure(run_dir: Path, failure: RankFailure | None) -> None:
+    """Keep `failure` for the next attempt to compare with; None forgets the last one."""
+    path = run_dir / FAILURE_RECORD
+    if failure is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_text(json.dumps(asdict(failure)))
 
 
 # A transient failure (a connection reset, a lost or preempted rank, a crash): a retry resumes from the last
@@ -138,7 +172,10 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
     if process.returncode == 143:
         raise TrainingFailed("training was stopped by SIGTERM after a checkpoint; a retry resumes it")
     if process.returncode != 0:
-        raise training_failure(watch.failure(process.returncode), returncode=process.returncode, tail=tail)
+        failure, previous = watch.failure(process.returncode), recorded_failure(config.run_dir)
+        record_failure(config.run_dir, failure)
+        raise training_failure(failure, returncode=process.returncode, tail=tail, previous=previous)
+    record_failure(config.run_dir, None)
     if rendezvous.nnodes > 1 and not hosted_rank_0:
         logger.info("global rank 0 ran on another node: its flow run reports, evaluates and exports")
         return None

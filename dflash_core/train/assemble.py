@@ -20,7 +20,9 @@ from dflash_core.model.init_from_target import init_from_target_layers, init_sel
 from dflash_core.target import HiddenStateCapture, has_recurrent_layers, language_model, target_heads
 from dflash_core.target_runtime import use_flex_attention
 from dflash_core.train.config import TrainConfig
-from dflash_core.train.data import PackedBatchSampler, TokenizedCorpus, load_corpus, read_shard_table, usable_samples
+from dflash_core.train.data import (
+    PackedBatchSampler, TokenizedCorpus, ids_beyond_vocab, load_corpus, read_shard_table, usable_samples,
+)
 from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
 from dflash_core.train.drafter_setup import drafter_config_for, load_target_tokenizer
 from dflash_core.train.inputs import fetch_shards, load_target_model
@@ -50,6 +52,7 @@ def build_training(config: TrainConfig, *, devices: TrainDevices, dist_info: Dis
         corpus = load_corpus([(str(path), read_shard_table(path)) for path, _ in shards])
     usable = _usable_samples(corpus, token_budget=config.token_budget, log=dist_info.is_main)
     target = load_target_model(config.target, device=devices.target, models_dir=models_dir, seed=config.seed)
+    _refuse_ids_beyond_vocab(corpus, target, spec=config.target)
     if store is not None and config.upload_checkpoints and dist_info.is_main:
         from dflash_core.lineage_refs import target_refs  # boto3 only where S3 is used
 
@@ -113,6 +116,20 @@ def _usable_samples(corpus: TokenizedCorpus, *, token_budget: int, log: bool):
     if message and log:
         print(f"warning: {message}", file=sys.stderr, flush=True)
     return usable
+
+
+def _refuse_ids_beyond_vocab(corpus: TokenizedCorpus, target: torch.nn.Module, *, spec: str) -> None:
+    """Shards tokenized for another target (ids its embedding lacks) are refused by name before the first step
+    (`UnusableData`, which the flow does not retry), rather than failing it with the embedding's IndexError."""
+    from dflash_core.data.verdict import UnusableData
+
+    vocab_size = language_model(target).embed_tokens.num_embeddings
+    beyond = ids_beyond_vocab(corpus, vocab_size=vocab_size)
+    if beyond:
+        shards = "; ".join(f"{name}: token ids up to {largest}" for name, largest in beyond)
+        raise UnusableData(f"training data refused: {shards}, but the target {spec} has a vocabulary of {vocab_size} "
+                           f"(ids 0..{vocab_size - 1}): tokenize it with the target's tokenizer (the tokenize stage "
+                           f"with this target) and train on that")
 
 
 def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool,

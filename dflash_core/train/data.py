@@ -40,6 +40,7 @@ class TokenizedCorpus:
     loss_mask: np.ndarray  # uint8  [total_tokens]
     offsets: np.ndarray    # int64  [num_samples + 1]
     names: tuple[str, ...]
+    shard_ends: tuple[int, ...] = ()  # where each shard in `names` ends in `tokens` (load_corpus); () built in code
 
     @property
     def num_samples(self) -> int:
@@ -99,7 +100,21 @@ def load_corpus(tables: Sequence[tuple[str, pa.Table]]) -> TokenizedCorpus:
         tokens=np.concatenate(token_parts) if token_parts else np.zeros(0, np.uint32),
         loss_mask=np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
         offsets=offsets, names=tuple(name for name, _ in tables),
+        shard_ends=tuple(int(end) for end in np.cumsum([part.size for part in token_parts])),
     )
+
+
+def ids_beyond_vocab(corpus: TokenizedCorpus, *, vocab_size: int) -> list[tuple[str, int]]:
+    """(shard name, its largest token id) for each shard holding an id that a vocabulary of `vocab_size` lacks.
+    A corpus built in code, without shard ends, counts as one shard named by all its names."""
+    ends = corpus.shard_ends or (corpus.tokens.size,)
+    names = corpus.names if corpus.shard_ends else (" + ".join(corpus.names),)
+    beyond, start = [], 0
+    for name, end in zip(names, ends):
+        if end > start and (largest := int(corpus.tokens[start:end].max())) >= vocab_size:
+            beyond.append((name, largest))
+        start = end
+    return beyond
 
 
 def loss_tokens(corpus: TokenizedCorpus, *, within: int | None = None) -> np.ndarray:

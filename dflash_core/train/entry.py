@@ -45,7 +45,7 @@ from dflash_core.train.assemble import build_trainer
 from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
 from dflash_core.train.loop import EXIT_PREEMPTED, Trainer
 from dflash_core.train.launch_argv import Rendezvous, training_argv  # noqa: F401 - re-exported
-from dflash_core.train.rank_failure import error_line
+from dflash_core.train.rank_failure import error_line, failed_at_step_line
 from dflash_core.train.run_lock import RunLock, RunLocked
 
 if TYPE_CHECKING:  # boto3 is imported only when a run reads S3 or uploads checkpoints
@@ -181,6 +181,9 @@ def _train(args: argparse.Namespace, config: TrainConfig, dist_info: Distributed
             result = trainer.run(on_log=log)
         except _refusals(store) as error:  # local checkpoints are intact; the message says what to do
             raise SystemExit(f"error: {error}") from None
+        except Exception:
+            print(failed_at_step_line(trainer.step + 1), file=sys.stderr, flush=True)
+            raise
         _print_rank_summary(trainer)
     finally:
         trainer.close()

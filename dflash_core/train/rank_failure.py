@@ -13,13 +13,15 @@ exception, or nothing (killed by a signal: torchrun's report says which). Kinds,
   with no known cause): a retry resumes from the last checkpoint.
 
 Several ranks fail at once when one does (the others lose their peer): a final kind seen on any rank wins
-over a transient one, and the first line of a kind over later ones. No torch here.
+over a transient one, and the first line of a kind over later ones. A rank whose loop raised says at which
+step first (`failed_at_step_line`): the training task makes a transient-looking error final when it recurs at
+the same step after a resume. No torch here.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 Kind = Literal["config", "data", "oom", "refused", "transient"]
@@ -29,6 +31,7 @@ ERROR_PREFIX = "error: "
 # What follows `error: ` on a line the entry writes for a config or data error.
 KIND_PREFIXES: dict[str, str] = {"config": "run config: ", "data": "training data refused: "}
 
+_FAILED_AT_STEP = re.compile(r"^failed at step (?P<step>\d+)$")
 _RANK_PREFIX = re.compile(r"^\[[^\]]*\]:\s?")  # torchrun --tee / --local-ranks-filter: `[rank3]:`, `[default0]:`
 _EXCEPTION = re.compile(r"^(?P<name>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
 _KILLED = re.compile(r"Signal (?P<number>\d+) \((?P<name>SIG\w+)\) received by PID (?P<pid>\d+)")
@@ -46,12 +49,19 @@ def error_line(kind: Literal["config", "data"], error: BaseException) -> str:
     return f"{ERROR_PREFIX}{'' if reason.startswith(prefix) else prefix}{reason}"
 
 
+def failed_at_step_line(step: int) -> str:
+    """The line a rank prints when its training loop raises in (or right after) optimizer step `step`."""
+    return f"failed at step {step}"
+
+
 @dataclass(frozen=True)
 class RankFailure:
-    """What made a run fail: its kind and the rank's own line saying so."""
+    """What made a run fail: its kind, the rank's own line saying so, and the step it failed at (None: before
+    the loop, or not said)."""
 
     kind: Kind
     line: str
+    step: int | None = None
 
     @property
     def final(self) -> bool:
@@ -66,6 +76,7 @@ class FailureWatch:
     def __init__(self) -> None:
         self._found: list[RankFailure] = []
         self._in_traceback = False
+        self._step: int | None = None
 
     def read(self, line: str) -> None:
         line = _RANK_PREFIX.sub("", line.rstrip())
@@ -74,6 +85,8 @@ class FailureWatch:
         elif self._in_traceback and line[:1] not in (" ", "\t", ""):  # the exception ends the traceback
             self._in_traceback = False
             self._exception(line)
+        elif (match := _FAILED_AT_STEP.match(line)) and self._step is None:
+            self._step = int(match["step"])
         elif line.startswith(ERROR_PREFIX):
             reason = line.removeprefix(ERROR_PREFIX)
             kind = next((k for k, prefix in KIND_PREFIXES.items() if reason.startswith(prefix)), "refused")
@@ -98,7 +111,10 @@ class FailureWatch:
         self._found.append(RankFailure(kind, line))
 
     def failure(self, returncode: int) -> RankFailure:
-        """Why the run that printed what was read exited with `returncode` (not 0)."""
+        """Why the run that printed what was read exited with `returncode` (not 0), and at which step."""
+        return replace(self._cause(returncode), step=self._step)
+
+    def _cause(self, returncode: int) -> RankFailure:
         final = [found for found in self._found if found.final]
         if final:
             return final[0]
