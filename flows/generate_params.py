@@ -16,11 +16,20 @@ from dflash_core.strict import StrictModel
 from flows.nodes import ProvisionParams
 
 
+def _engine_buttons(field_schema: dict) -> None:
+    """`EngineProfile | None` as Prefect's form can draw it: pydantic writes `anyOf: [{oneOf: [profiles...],
+    discriminator}, null]`, whose first option has no title, so the form shows a blank button and no engine can be
+    picked without JSON. One flat `anyOf: [null, vllm, sglang, transformers]` gives a button per engine (None first,
+    the default); each profile's `engine` const still tells them apart, so the same JSON is accepted."""
+    profiles, none = field_schema.pop("anyOf")
+    field_schema["anyOf"] = [none, *profiles["oneOf"]]
+
+
 class GenerationNode(StrictModel):
     provision: ProvisionParams = Field(description=(
         "The node (inline, or node_name + inventory) and how to provision it; provision starts its worker, "
         "which runs this node's share."))
-    engine: EngineProfile | None = Field(None, description=(
+    engine: EngineProfile | None = Field(None, json_schema_extra=_engine_buttons, description=(
         "Its server profile; None: the run's engine. Every node serves the same model (the same name in requests) "
         "with the same engine, so a shard one node answered counts as done for the others. `@node` as its model: "
         "the model this node's provision placed."))
@@ -59,7 +68,8 @@ class GenerateParams(StrictModel):
         "Check every shard again instead of trusting the all-done shortcut and cached task results (shards already "
         "answered with the same prompts, model and sampling are kept; change `run` to answer anew): how to rerun a "
         "finished generation: the server refuses Retry on a Completed run (the UI still shows a success toast)."))
-    engine: EngineProfile | None = Field(None, description="Server profile; None: transformers serve on the embedded model.")
+    engine: EngineProfile | None = Field(None, json_schema_extra=_engine_buttons,
+                                         description="Server profile; None: transformers serve on the embedded model.")
     node: Node | None = Field(None, description=(
         "The node this runs on (from the inventory): preserved (logs, configs, inventory to S3; nothing deleted) "
         "when the flow fails, crashes or is cancelled."))
