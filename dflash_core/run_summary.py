@@ -208,17 +208,24 @@ def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: di
                      title: str = "dflash pipeline", failure: str | None = None) -> str:
     """The same three tables in markdown, each artifact group linked to its lineage page (`lineage`: node ->
     page URL, nodes as dflash_core.lineage_views.node_of names them), under the pipeline's outcome (and
-    `failure`, what ended it), and how to rerun a finished stage."""
+    `failure`, what ended it), and how to rerun a finished stage. A row's links come before its long cells (a long
+    unbroken URI widens the table past the page), and a "made" cell names a long URI the artifacts section lists in
+    full by its last segments."""
     result, lineage = result or {}, lineage or {}
+    groups: dict[tuple[str, str], int] = defaultdict(int)
+    for record in _records(result):
+        groups[(record.get("kind", "?"), node_of(record["uri"], record.get("kind")))] += 1
+    listed = {node for _, node in groups}
     outcome = outcome_line(stages)
     lines = [f"# {title}: stages", ""]
     lines += [f"**{outcome}**", ""] if outcome else []
     lines += [f"Why: {_cell(failure)}", ""] if failure else []
-    lines += ["| stage | state | duration | made | flow run |", "|---|---|---:|---|---|"]
+    lines += ["| stage | state | duration | flow run | made |", "|---|---|---:|---|---|"]
     for run in stages:
         label = ("↳ " * run.depth) + ("pipeline" if run.depth == 0 else run.stage)
         link = f"[{run.name}]({run.url})" if run.url else run.name
-        lines.append(f"| {label} | {run.state} | {_duration(run.seconds)} | {_cell(_made(run, result))} | {link} |")
+        made = _shortened_uris(_made(run, result), listed)
+        lines.append(f"| {label} | {run.state} | {_duration(run.seconds)} | {link} | {_cell(made)} |")
     if not stages:
         lines.append("| ? | ? | - | the Prefect server did not list this run's stages | |")
     evaluation = _stage_result(result, "evaluate")
@@ -235,16 +242,13 @@ def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: di
     lines += ["", fit] if fit else []
     lines += served_lines(_stage_result(result, "served"))
     lines += node_lines(_stage_result(result, "generate").get("by_node") or [])
-    lines += ["", "## Artifacts (each with a .manifest.json beside it)", "", "| kind | where | files | lineage |",
-              "|---|---|---:|---|"]
-    groups: dict[tuple[str, str], int] = defaultdict(int)
-    for record in _records(result):
-        groups[(record.get("kind", "?"), node_of(record["uri"], record.get("kind")))] += 1
+    lines += ["", "## Artifacts (each with a .manifest.json beside it)", "", "| kind | files | lineage | where |",
+              "|---|---:|---|---|"]
     for (kind, node), count in groups.items():
         page = lineage.get(node)
-        lines.append(f"| {kind} | `{node}` | {count} | {f'[lineage of {node_label(node)}]({page})' if page else '-'} |")
+        lines.append(f"| {kind} | {count} | {f'[lineage of {node_label(node)}]({page})' if page else '-'} | `{node}` |")
     if not groups:
-        lines.append("| - | nothing stored | 0 | |")
+        lines.append("| - | 0 | | nothing stored |")
     lines += ["", "## Running a stage again", "", RERUN_ADVICE]
     return "\n".join(lines) + "\n"
 
@@ -276,6 +280,23 @@ def node_lines(by_node: list[dict]) -> list[str]:
                      f"{outcomes.get('failed', 0):,} | {outcomes.get('completion_tokens_now', 0):,} | "
                      f"{len(share.get('flow_runs', []))} | {_cell((share.get('lost') or '-')[:200])} |")
     return lines
+
+
+MAX_CELL_URI_CHARS = 48  # a longer URI in a "made" cell is named by its last segments (the table stays on screen)
+_URI = re.compile(r"\b(?:s3|file)://[^\s;,)]+")
+
+
+def _shortened_uris(text: str, listed: set[str]) -> str:
+    """`text` with each long URI that `listed` (the artifact section's nodes) holds in full, itself or a folder
+    under it, written as `…/` and its last two segments; any other URI stays whole, so none is lost."""
+    def short(match: re.Match) -> str:
+        uri = match.group(0)
+        folder = uri.rstrip("/") + "/"
+        if len(uri) <= MAX_CELL_URI_CHARS or not any(node == uri or node.startswith(folder) for node in listed):
+            return uri
+        return "…/" + "/".join(uri.rstrip("/").split("/")[-2:])
+
+    return _URI.sub(short, text)
 
 
 def _cell(text: str) -> str:
