@@ -87,6 +87,21 @@ _SUBMISSION_REFUSED = re.compile(r"Aborted submission of flow run '[^']*': Serve
                                  r"'?(?P<state>\w+)'?")
 
 
+# What a worker logs to a flow run before each try to start it, refused or not (Prefect 3.9's workers/base.py).
+_RESUBMITTING = re.compile(r"Worker '[^']*' submitting flow run '|Running on worker id: ")
+
+
+def followed_line(message: str, *, waiting: bool) -> tuple[str | None, bool]:
+    """(what to print for a flow run's log line, or None; whether the run waits to start after it). A waiting run's
+    wait is said once: its refusals and the worker's submission line before each are not printed again."""
+    said = waiting_message(message)
+    if said is not None:
+        return (None if waiting else said), True
+    if waiting and _RESUBMITTING.match(message):
+        return None, True
+    return message, False
+
+
 def waiting_message(message: str) -> str | None:
     """What a worker's refused submission says, once, for a run that waits to start; None for any other line."""
     refused = _SUBMISSION_REFUSED.match(message)
@@ -101,7 +116,7 @@ def _follow(client, root_id, *, poll_s: float = 2.0, patience: int = 3):
     labelled by its stage, run and (for a task's line) task run. Flow and task run names are read once each.
     A task run is recorded from events and may reach the server after its log line: a line whose task run is
     not known yet waits (with the lines after it) up to `patience` polls, then is printed with the task run's id.
-    A run waiting to start is said once (`waiting_message`), not at each of the worker's polls."""
+    A run waiting to start is said once (`followed_line`), not at each of the worker's polls."""
     from prefect.client.schemas.filters import (
         FlowFilter, FlowFilterId, FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId,
         LogFilterTimestamp, TaskRunFilter, TaskRunFilterId,
@@ -146,12 +161,12 @@ def _follow(client, root_id, *, poll_s: float = 2.0, patience: int = 3):
                     task_name = f"task run {str(log.task_run_id)[:8]}"
             label = log_label(flow_names.get(run_flows.get(log.flow_run_id)), run_names.get(log.flow_run_id),
                               task_name)
-            message = waiting_message(log.message)
-            if message is None:
-                waiting.discard(log.flow_run_id)
-                print(log_line(log.timestamp, log.message, label), flush=True)
-            elif log.flow_run_id not in waiting:
+            message, still_waiting = followed_line(log.message, waiting=log.flow_run_id in waiting)
+            if still_waiting:
                 waiting.add(log.flow_run_id)
+            else:
+                waiting.discard(log.flow_run_id)
+            if message is not None:
                 print(log_line(log.timestamp, message, label), flush=True)
             if log.timestamp != after:
                 after, printed_at_after = log.timestamp, set()
