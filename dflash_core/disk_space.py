@@ -1,13 +1,15 @@
-"""A full disk while writing a checkpoint, a converted model or a download (dflash_core.storage): one
-error, `DiskFull`, raised after the partial output is removed, naming the dir, what the write needs and
-what is free, so a run stops with a reason instead of a writer's traceback (torch's zip writer says only
-`inline_container.cc ... unexpected pos`, safetensors `I/O error ... (os error 28)`, s3transfer a bare
-`OSError` from its IO thread) and a disk left full.
+"""A full disk while writing a checkpoint, a converted model, a download (dflash_core.storage) or a small file
+of a run (`write_atomically`, `append_whole`: its run record, its metrics): one error, `DiskFull`, raised
+after the partial output is removed, naming the dir, what the write needs and what is free, so a run stops
+with a reason instead of a writer's traceback (torch's zip writer says only `inline_container.cc ...
+unexpected pos`, safetensors `I/O error ... (os error 28)`, s3transfer a bare `OSError` from its IO thread)
+and a disk left full.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,9 @@ from typing import Any
 
 from dflash_core.units import binary_bytes
 
+# What to do when a training run's output_dir fills: its checkpoints, run record or metrics.
+RUN_DISK_FULL_ADVICE = ("Free space on that disk or set output_dir to one with room, then rerun with --resume "
+                        "(the last complete checkpoint is intact)")
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _DISK_FULL_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
 # torch.save's C++ writer loses the errno: these say only that a write came up short.
@@ -73,6 +78,53 @@ def discard_partial_write(error: BaseException, *, partial: Path, needed_bytes: 
     if is_disk_full(error, free_after_bytes=free, needed_bytes=needed_bytes):
         raise DiskFull(_message(what, directory=directory, needed_bytes=needed_bytes, free=free,
                                 removed=Path(partial), advice=advice)) from error
+
+
+def write_atomically(path: Path, data: bytes | str, *, what: str, advice: str) -> None:
+    """Write `data` to `path` through a temp file beside it, renamed into place: a failed write leaves the old
+    file (or none) and no partial one, and a full disk raises `DiskFull`."""
+    path = Path(path)
+    data = data.encode() if isinstance(data, str) else data
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(partial, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except OSError as error:
+        discard_partial_write(error, partial=partial, needed_bytes=len(data), what=what, advice=advice)
+        raise
+
+
+def append_whole(path: Path, data: bytes | str, *, what: str, advice: str) -> None:
+    """Append `data` to `path` whole or not at all: a failed write cuts the file back to where it ended (a file
+    it created goes), and a full disk raises `DiskFull`."""
+    path = Path(path)
+    data = data.encode() if isinstance(data, str) else data
+    existed = path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        end = os.fstat(fd).st_size
+        try:
+            rest = memoryview(data)
+            while rest:  # a write that runs out of space mid-way returns short before it fails
+                rest = rest[os.write(fd, rest):]
+        except OSError as error:
+            os.ftruncate(fd, end)
+            if not existed:
+                path.unlink()
+            _raise_if_disk_full(error, directory=path.parent, needed_bytes=len(data), what=what, advice=advice)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _raise_if_disk_full(error: OSError, *, directory: Path, needed_bytes: int, what: str, advice: str) -> None:
+    free = free_bytes(directory)
+    if is_disk_full(error, free_after_bytes=free, needed_bytes=needed_bytes):
+        raise DiskFull(_message(what, directory=directory, needed_bytes=needed_bytes, free=free, removed=None,
+                                advice=advice)) from error
 
 
 def is_disk_full(error: BaseException, *, free_after_bytes: int, needed_bytes: int) -> bool:

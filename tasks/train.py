@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact
 from prefect.artifacts import update_progress_artifact
 
+from dflash_core.disk_space import RUN_DISK_FULL_ADVICE, DiskFull, write_atomically
 from dflash_core.layout import TRAIN_RUN_FILES, ArtifactKind, checkpoints_key, is_heldout_key, train_report_key
 from dflash_core.lineage import InputRef, Manifest, read_manifest, write_artifact
 from dflash_core.planner import PRESETS, Plan, PlanInputs, plan, shape_from_config
@@ -94,17 +96,20 @@ def recorded_failure(run_dir: Path) -> RankFailure | None:
 
 
 def record_failure(run_dir: Path, failure: RankFailure | None) -> None:
-    """Keep `failure` for the next attempt to compare with; None forgets the last one."""
+    """Keep `failure` for the next attempt to compare with; None forgets the last one. A record the disk has no
+    room for is skipped: the training failure is what the task reports."""
     path = run_dir / FAILURE_RECORD
     if failure is None:
         path.unlink(missing_ok=True)
-    else:
-        path.write_text(json.dumps(asdict(failure)))
+        return
+    with contextlib.suppress(OSError):
+        write_atomically(path, json.dumps(asdict(failure)), what=f"the failure record {FAILURE_RECORD}",
+                         advice=RUN_DISK_FULL_ADVICE)
 
 
 # A transient failure (a connection reset, a lost or preempted rank, a crash): a retry resumes from the last
-# checkpoint; a refusal, a config or data error or CUDA out of memory fails the same way again.
-retry_unless_refused = retry_unless(TrainingRefused)
+# checkpoint; a refusal, a config or data error, CUDA out of memory or a full disk fails the same way again.
+retry_unless_refused = retry_unless(TrainingRefused, DiskFull)
 
 
 @task(persist_result=True)
@@ -146,7 +151,7 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
     rendezvous = rendezvous or Rendezvous()
     config.run_dir.mkdir(parents=True, exist_ok=True)
     config_path = config.run_dir / "run.yaml"
-    config_path.write_text(config.to_yaml())
+    write_atomically(config_path, config.to_yaml(), what="the run config run.yaml", advice=RUN_DISK_FULL_ADVICE)
     extra = (["--flow-run-id", flow_run_id] if flow_run_id else []) + \
         (["--s3-outage-limit-s", str(s3_outage_limit_s)] if s3_outage_limit_s else [])
     argv = training_argv(config_path, nproc_per_node=nproc_per_node, resume=True, rendezvous=rendezvous,
@@ -173,7 +178,8 @@ def run_training(config: TrainConfig, *, nproc_per_node: int, flow_run_id: str |
         raise TrainingFailed("training was stopped by SIGTERM after a checkpoint; a retry resumes it")
     if process.returncode != 0:
         failure, previous = watch.failure(process.returncode), recorded_failure(config.run_dir)
-        record_failure(config.run_dir, failure)
+        if not failure.final:  # a final failure is not retried: nothing compares with it
+            record_failure(config.run_dir, failure)
         raise training_failure(failure, returncode=process.returncode, tail=tail, previous=previous)
     record_failure(config.run_dir, None)
     if rendezvous.nnodes > 1 and not hosted_rank_0:

@@ -23,14 +23,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_core.disk_space import RUN_DISK_FULL_ADVICE as DISK_FULL_ADVICE
 from dflash_core.disk_space import discard_partial_write, require_free, tensor_bytes
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
 META_FILE = "meta.json"
 _FILES = (MODEL_FILE, STATE_FILE, META_FILE)
-DISK_FULL_ADVICE = ("Free space on that disk or set output_dir to one with room, then rerun with --resume "
-                    "(the last complete checkpoint is intact)")
 
 
 def step_dir_name(step: int) -> str:

@@ -5,9 +5,11 @@ one process per device (per GPU pair in the pair layout) under torchrun, on one 
 Exit codes: 0 done (with the final checkpoint complete in S3 when uploading), 143 stopped by SIGTERM
 after writing a checkpoint (rerun with --resume), 1 with a one-line `error: <reason>` (the run is
 already running, in this run dir or, by its lease in S3, anywhere else; S3 is misconfigured or stayed
-down past --s3-outage-limit-s; the disk is full at a checkpoint or at the target's conversion; a
-ValueError, this project's user error, as `error: run config: ...`; data whose quality gate refuses it
-as `error: training data refused: ...`), which the flow does not retry (dflash_core.train.rank_failure).
+down past --s3-outage-limit-s; the disk is full at a checkpoint, the run record, a metrics record or the
+target's conversion; a ValueError, this project's user error, as `error: run config: ...`; data whose
+quality gate refuses it, or whose token ids the target's vocabulary lacks, as `error: training data
+refused: ...`), which the flow does not retry (dflash_core.train.rank_failure). A rank whose loop raises
+anything else prints `failed at step N` before its traceback.
 Rank 0 of a run with S3 checkpoints holds the run name's lease
 (dflash_core.train.run_lease) from before it touches a checkpoint to its exit.
 Every rank prints one `rank-summary {json}` line at the end: step, a checksum of its drafter
@@ -40,7 +42,7 @@ from dflash_core.provenance import current_producer
 from dflash_core.settings import Settings, load_settings
 from dflash_core.train.checkpoint import complete_checkpoints, latest_checkpoint, remove_debris
 from dflash_core.train.config import TrainConfig
-from dflash_core.disk_space import DiskFull
+from dflash_core.disk_space import RUN_DISK_FULL_ADVICE, DiskFull, write_atomically
 from dflash_core.train.assemble import build_trainer
 from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
 from dflash_core.train.loop import EXIT_PREEMPTED, Trainer
@@ -59,10 +61,10 @@ def write_run_record(config: TrainConfig) -> None:
     """run.yaml (the resolved config: defaults filled in, e.g. drafter.num_anchors from the token budget) and
     provenance.json (git SHA, versions, argv) beside the checkpoints."""
     config.run_dir.mkdir(parents=True, exist_ok=True)
-    (config.run_dir / "run.yaml").write_text(config.resolved().to_yaml())
     versions = {name: _version(name) for name in ("dflash-pipeline", "torch", "transformers", "prefect")}
     record = {**current_producer().model_dump(), "versions": versions, "python": sys.version.split()[0]}
-    (config.run_dir / "provenance.json").write_text(json.dumps(record, indent=2))
+    for name, text in (("run.yaml", config.resolved().to_yaml()), ("provenance.json", json.dumps(record, indent=2))):
+        write_atomically(config.run_dir / name, text, what=f"the run record {name}", advice=RUN_DISK_FULL_ADVICE)
 
 
 def _version(name: str) -> str | None:

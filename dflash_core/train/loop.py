@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from dflash_core.disk_space import RUN_DISK_FULL_ADVICE, append_whole, write_atomically
 from dflash_core.layout import DEFAULT_PREFIXES, TRAIN_RUN_FILES, ArtifactKind, checkpoints_key, train_report_key
 from dflash_core.model.dflash2 import config_from_dict, variant_of
 from dflash_core.provenance import current_producer
@@ -59,7 +60,8 @@ def record_target_kernels(run_dir: Path, kernels: GDNKernels) -> None:
     path = run_dir / "provenance.json"
     record = json.loads(path.read_text()) if path.is_file() else {}
     record["target_kernels"] = kernels.as_dict()
-    path.write_text(json.dumps(record, indent=2))
+    write_atomically(path, json.dumps(record, indent=2), what="the run record provenance.json",
+                     advice=RUN_DISK_FULL_ADVICE)
 
 
 class Trainer:
@@ -251,8 +253,8 @@ class Trainer:
                     elapsed = time.perf_counter() - started
                     record = self._log_record(to_host(metrics), tokens_since_log / max(elapsed, 1e-9),
                                               window=window_means)
-                    with open(metrics_path, "a") as handle:
-                        handle.write(json.dumps(record) + "\n")
+                    append_whole(metrics_path, json.dumps(record) + "\n", what=f"the metrics record of step {self.step}",
+                                 advice=RUN_DISK_FULL_ADVICE)
                     if on_log is not None:
                         on_log(record)
                     started, tokens_since_log = time.perf_counter(), 0
@@ -286,7 +288,8 @@ class Trainer:
 
             key = self.run_file_keys["metrics.jsonl"]
             try:
-                path.write_bytes(self.store.get_bytes(key))
+                write_atomically(path, self.store.get_bytes(key), what=f"{path.name} from {self.store.uri(key)}",
+                                 advice=RUN_DISK_FULL_ADVICE)
             except ObjectNotFound:
                 pass
             except StoreUnavailable as error:  # the log restarts here; S3's copy is replaced at the next upload

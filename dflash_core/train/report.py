@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+from dflash_core.disk_space import RUN_DISK_FULL_ADVICE, write_atomically
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,8 @@ def trim_metrics(path: Path, *, step: int) -> int:
     data = b"".join(lines[:kept])
     if kept == len(lines) and data.endswith(b"\n") or not lines:
         return 0
-    temp = path.with_name(path.name + ".tmp")
-    temp.write_bytes(data if not data or data.endswith(b"\n") else data + b"\n")
-    os.replace(temp, path)
+    write_atomically(path, data if not data or data.endswith(b"\n") else data + b"\n",
+                     what=f"{path.name} cut after step {step}", advice=RUN_DISK_FULL_ADVICE)
     return len(lines) - kept
 
 
