@@ -27,6 +27,7 @@ from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.utilities.annotations import opaque
 from pydantic import Field, model_validator
 
 from dflash_core.layout import ArtifactKind, artifact_key
@@ -141,11 +142,13 @@ def _preserve_on_crash(flow_obj, flow_run_obj, state) -> None:
       on_cancellation=[_preserve_on_crash])
 def pipeline(params: PipelineParams = PipelineParams()) -> PipelineResult:
     """Plan here; each stage runs as a run of its own deployment (a subflow with its own Retry) on the result
-    of the stage before it."""
+    of the stage before it. Tasks take the settings `opaque`: Prefect links a task's input to an earlier task's
+    result by identity, through every field of the input, and a Manifest's kind is an ArtifactKind that the
+    settings hold too (as s3_prefixes keys): each task given them would draw a false edge from the last report."""
     settings = load_settings()
-    bucket_uri = check_store(settings)
+    bucket_uri = check_store(opaque(settings))
     capacity = plan_capacity(params.plan_inputs(), name=params.target_preset)
-    manifest = publish_report(settings, name="plan", run_id=str(flow_run.id or "local"),
+    manifest = publish_report(opaque(settings), name="plan", run_id=str(flow_run.id or "local"),
                               report=capacity.model_dump(mode="json"), config=params.model_dump(mode="json"))
     print(f"bucket {bucket_uri} ok; plan report at {manifest.uri} (sha256 {manifest.sha256[:12]})")
     result = PipelineResult(report=manifest.uri, sha256=manifest.sha256,
@@ -214,16 +217,17 @@ def _publish_evidence(settings: Settings, params: PipelineParams, result: Pipeli
     pages; the run's own outcome: Completed, or Failed with `failed`'s message); either failing is logged (its
     task run says why), never the run's story."""
     result.artifacts = _records(result)
-    stages = stage_runs(settings, flow_run_id=str(flow_run.id), return_state=True)
+    stages = stage_runs(opaque(settings), flow_run_id=str(flow_run.id), return_state=True)
     runs = _settled(stages.result(), failed=failed) if stages.is_completed() else []
     key = artifact_key(settings.s3_prefixes, ArtifactKind.REPORT, "usage", *attempt_segments(), "usage.json")
     by_node = [share.model_dump(mode="json") for share in result.generation.by_node] \
         if isinstance(result.generation, CompletionsDataset) else []
-    usage = publish_usage(settings, run_ids=[run.id for run in runs] or [str(flow_run.id)], key=key, by_node=by_node,
-                          retention=params.audit.retention if params.audit else Retention(), return_state=True)
+    usage = publish_usage(opaque(settings), run_ids=[run.id for run in runs] or [str(flow_run.id)], key=key,
+                          by_node=by_node, retention=params.audit.retention if params.audit else Retention(),
+                          return_state=True)
     if usage.is_completed():
         result.artifacts.append(artifact_record(usage.result()))
-    summary = publish_run_summary(settings, result, stages=runs, failure=str(failed) if failed else None,
+    summary = publish_run_summary(opaque(settings), result, stages=runs, failure=str(failed) if failed else None,
                                   return_state=True)
     for name, state in (("stage list", stages), ("S3 usage", usage), ("run summary", summary)):
         if not state.is_completed():
