@@ -49,7 +49,10 @@ class StageRun:
     seconds: float | None
     url: str | None
     depth: int = 0
-    started: datetime | None = None  # when the flow run started running (UTC)
+    started: datetime | None = None  # when the flow run first started running (UTC)
+    attempt: int = 1  # a Retry (or a flow's own retries) runs it again: 2, 3, ...
+    attempt_started: datetime | None = None  # when its latest attempt started, for attempt > 1
+    since_first_s: float | None = None  # for attempt > 1: from the first attempt's start to the end of the latest
 
 
 def read_stage_runs(api_url: str, flow_run_id: str, *, timeout_s: float = 10.0) -> list[StageRun]:
@@ -76,28 +79,70 @@ def read_stage_runs(api_url: str, flow_run_id: str, *, timeout_s: float = 10.0) 
 
         visit(root.json(), 0)
         flows = post("/flows/filter", {"flows": {"id": {"any_": sorted({run["flow_id"] for run, _ in runs})}}})
+        attempt_starts = {run["id"]: _latest_start(client, api, run["id"]) for run, _ in runs
+                          if (run.get("run_count") or 0) > 1}
     flow_names = {flow["id"]: flow["name"] for flow in flows}
-    return [StageRun(stage=flow_names.get(run["flow_id"], "?").removeprefix("dflash-"), name=run["name"],
-                     id=run["id"], state=run.get("state_name") or "?", seconds=_seconds(run),
-                     url=flow_run_url(api_url, run["id"]), depth=depth, started=_time(run.get("start_time")))
+    return [_stage_run(run, depth, stage=flow_names.get(run["flow_id"], "?").removeprefix("dflash-"), api_url=api_url,
+                       attempt_started=attempt_starts.get(run["id"]))
             for run, depth in runs]
+
+
+def _latest_start(client, api: str, flow_run_id: str) -> datetime | None:
+    """When the flow run last entered Running: its latest attempt's start."""
+    response = client.get(f"{api}/flow_run_states/", params={"flow_run_id": flow_run_id})
+    response.raise_for_status()
+    return max((_time(state["timestamp"]) for state in response.json() if state.get("type") == "RUNNING"),
+               default=None)
+
+
+def _stage_run(run: dict, depth: int, *, stage: str, api_url: str, attempt_started: datetime | None) -> StageRun:
+    """A flow run as the API lists it; a retried one timed by its latest attempt (Prefect's own total_run_time adds
+    up every attempt's), with the time since its first attempt started."""
+    started, ended = _time(run.get("start_time")), _time(run.get("end_time"))
+    seconds, since_first_s = _seconds(run), None
+    if attempt_started is not None:
+        finished = ended is not None and ended >= attempt_started
+        seconds = (ended - attempt_started).total_seconds() if finished else None
+        since_first_s = (ended - started).total_seconds() if finished and started else None
+    return StageRun(stage=stage, name=run["name"], id=run["id"], state=run.get("state_name") or "?", seconds=seconds,
+                    url=flow_run_url(api_url, run["id"]), depth=depth, started=started,
+                    attempt=max(run.get("run_count") or 1, 1), attempt_started=attempt_started,
+                    since_first_s=since_first_s)
 
 
 def settle_pipeline(stages: list[StageRun], *, state: str, now: datetime) -> list[StageRun]:
     """`stages` with the pipeline's own row (depth 0) as the run is about to end: `state` ("Completed" or
-    "Failed") and the time since it started (`now` - its start, both aware)."""
-    return [replace(run, state=state, seconds=(now - run.started).total_seconds() if run.started else run.seconds)
-            if run.depth == 0 else run for run in stages]
+    "Failed") and the time since its latest attempt started (`now` - that start, both aware), and for a retried
+    run since its first."""
+    return [_settled(run, state=state, now=now) if run.depth == 0 else run for run in stages]
+
+
+def _settled(run: StageRun, *, state: str, now: datetime) -> StageRun:
+    attempt_started = run.attempt_started or run.started
+    seconds = (now - attempt_started).total_seconds() if attempt_started else run.seconds
+    since_first_s = (now - run.started).total_seconds() if run.attempt > 1 and run.started else run.since_first_s
+    return replace(run, state=state, seconds=seconds, since_first_s=since_first_s)
 
 
 def outcome_line(stages: list[StageRun]) -> str | None:
-    """The pipeline's row as one line (`pipeline Completed after 3m 20s (started 2026-12-05 10:00:03 UTC)`);
-    None without one."""
+    """The pipeline's row as one line (`pipeline Completed after 3m 20s (started 2026-12-05 10:00:03 UTC)`; a
+    retried run's latest attempt, then the time since the first started); None without one."""
     root = next((run for run in stages if run.depth == 0), None)
     if root is None:
         return None
+    if root.attempt > 1 and root.attempt_started and root.started:
+        return (f"pipeline {root.state} after {_duration(root.seconds)}, attempt {root.attempt} (started "
+                f"{root.attempt_started:%Y-%m-%d %H:%M:%S} UTC; {_duration(root.since_first_s)} since the first "
+                f"attempt started {root.started:%Y-%m-%d %H:%M:%S} UTC)")
     started = f" (started {root.started:%Y-%m-%d %H:%M:%S} UTC)" if root.started else ""
     return f"pipeline {root.state} after {_duration(root.seconds)}{started}"
+
+
+def duration_cell(run: StageRun) -> str:
+    """A row's duration: its latest attempt's; for a retried run also the attempt and the time since the first."""
+    if run.attempt <= 1 or run.since_first_s is None:
+        return _duration(run.seconds)
+    return f"{_duration(run.seconds)} (attempt {run.attempt}; {_duration(run.since_first_s)} since the first)"
 
 
 def _seconds(run: dict) -> float | None:
@@ -142,7 +187,7 @@ def stage_table(result: dict, stages: list[StageRun], *, title: str) -> Table:
         state = {"Completed": f"[green]{run.state}[/]", "Cached": f"[green]{run.state}[/]"}.get(
             run.state, f"[red]{run.state}[/]" if run.state in ("Failed", "Crashed", "Cancelled") else run.state)
         label = ("  " * run.depth) + ("pipeline" if run.depth == 0 else run.stage)
-        table.add_row(label, state, _duration(run.seconds), _made(run, result), f"{run.name}\n{run.url or ''}")
+        table.add_row(label, state, duration_cell(run), _made(run, result), f"{run.name}\n{run.url or ''}")
     if not stages:
         table.add_row("?", "?", "-", "the Prefect server did not list this run's stages", "")
     return table
@@ -225,7 +270,7 @@ def summary_markdown(result: dict | None, stages: list[StageRun], *, lineage: di
         label = ("↳ " * run.depth) + ("pipeline" if run.depth == 0 else run.stage)
         link = f"[{run.name}]({run.url})" if run.url else run.name
         made = _shortened_uris(_made(run, result), listed)
-        lines.append(f"| {label} | {run.state} | {_duration(run.seconds)} | {link} | {_cell(made)} |")
+        lines.append(f"| {label} | {run.state} | {duration_cell(run)} | {link} | {_cell(made)} |")
     if not stages:
         lines.append("| ? | ? | - | the Prefect server did not list this run's stages | |")
     evaluation = _stage_result(result, "evaluate")

@@ -138,3 +138,34 @@ def test_tau_speedup_and_folded_checkpoint_files():
     assert f"{ckpt}/" in text and "3m 20s" in text and "1m 35s" in text
     rows = [line for line in text.splitlines() if f"{ckpt}/" in line]
     assert len(rows) == 1 and rows[0].rstrip(" │").endswith("2"), "a checkpoint's files fold into one row"
+
+
+def test_a_retried_run_is_timed_by_its_latest_attempt_and_says_since_the_first(prefect_server, env_settings):
+    """A run that failed, waited and was retried: its row gives the latest attempt's time, then the attempt and the
+    time since the first started; the pipeline's own row (settled as it ends) and outcome line too."""
+    from datetime import UTC, datetime
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.states import AwaitingRetry, Completed, Failed, Running
+
+    @flow(name="dflash-retried-probe")
+    def probe() -> None:
+        pass
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(probe, name="retried-run")
+        for state, then_wait_s in ((Running, 3.0), (Failed, 2.0), (AwaitingRetry, 0), (Running, 1.0), (Completed, 0)):
+            client.set_flow_run_state(run.id, state(), force=True)
+            time.sleep(then_wait_s)
+    [row] = run_summary.read_stage_runs(env_settings.prefect_api_url, str(run.id))
+    assert row.attempt == 2
+    assert 0.9 <= row.seconds < 2.5, row  # the latest attempt, not the 4 s both ran nor the 6 s since the first
+    assert 5.9 <= row.since_first_s < 9, row
+    assert re.fullmatch(r"[12]\.\ds \(attempt 2; [6-8]\.\ds since the first\)", run_summary.duration_cell(row)), row
+    [settled] = run_summary.settle_pipeline([row], state="Completed", now=datetime.now(UTC))
+    assert settled.seconds < settled.since_first_s - 4, settled
+    outcome = run_summary.outcome_line([settled])
+    assert re.fullmatch(r"pipeline Completed after [12]\.\ds, attempt 2 \(started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC; "
+                        r"[6-9]\.\ds since the first attempt started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\)", outcome), \
+        outcome
