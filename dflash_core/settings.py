@@ -92,3 +92,9 @@ class Settings(BaseSettings):
 def load_settings(**overrides: object) -> Settings:
     """Resolve settings once (kwargs > env > .env > defaults)."""
     return Settings(**overrides)
+
+
+def default_runs_dir() -> Path:
+    """Where training runs keep checkpoints and their shard cache unless told: `runs` under the work dir of the
+    process that reads the run config (never its cwd: a stage's worker runs in the checkout)."""
+    return load_settings().work_path("runs")

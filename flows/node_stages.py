@@ -11,6 +11,7 @@ node's own worker polls (dflash_core/nodes/worker.py).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -66,8 +67,9 @@ def model_field_problems(form: BaseModel, *, node_model: bool) -> list[str]:
 
 
 def on_node(field: str, params: BaseModel, node: ProvisionedNode | None) -> BaseModel:
-    """The stage's parameters with `@node` replaced by the placed model and its `node` filled in (not a generation
-    across nodes: each of its nodes has its own model)."""
+    """The stage's parameters with `@node` replaced by the placed model, its `node` filled in (not a generation
+    across nodes: each of its nodes has its own model), and a training run's default output_dir under the node's
+    work dir (the form was read where the pipeline runs, whose work dir the default names)."""
     if node is None or _own_nodes(params):
         return params
     for stage, path in MODEL_FIELDS:
@@ -77,6 +79,8 @@ def on_node(field: str, params: BaseModel, node: ProvisionedNode | None) -> Base
             params = _set(params, path, node.model)
     if field in NODE_FIELDS and getattr(params, "node", None) is None:
         params = params.model_copy(update={"node": Node.model_validate(node.node)})
+    if field == "training" and "output_dir" not in params.config.model_fields_set:
+        params = _set(params, ("config", "output_dir"), Path(node.work_dir) / "runs")
     return params
 
 

@@ -16,6 +16,7 @@ from dflash_core.defaults import (
 from dflash_core.model.config import tapped_layer_ids
 from dflash_core.model.loss_spec import LossSpec
 from dflash_core.model.dflash2_config import DFLASH2_FIELDS, DFlash2Config
+from dflash_core.settings import default_runs_dir
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"]  # torch.compile's modes
 COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
@@ -253,8 +254,8 @@ class TrainConfig(StrictModel):
     allow_failed_quality_gate: bool = Field(
         False, description="Train on shards whose quality gate failed or is unknown (refused by default); "
         "recorded here, so in run.yaml and every checkpoint manifest.")
-    output_dir: Path = Field(Path(".dflash/runs"), description="Local checkpoints and logs go to "
-                             "output_dir/run_name.")
+    output_dir: Path = Field(default_factory=default_runs_dir, description="Local checkpoints and logs go to "
+                             "output_dir/run_name; default: `runs` under the work dir (DFLASH_WORK_DIR).")
     token_budget: int = Field(8192, ge=16, description="Tokens per packed micro-batch per rank.")
     max_samples_per_batch: int | None = Field(
         None, ge=1, description="1 disables packing (hybrid GDN targets pack exactly: their recurrence and conv restart per document).")

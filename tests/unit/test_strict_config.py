@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -23,6 +22,7 @@ from dflash_core.s3audit import Retention
 from dflash_core.serving.canary import CanaryThresholds
 from dflash_core.serving.client import ClientConfig, SamplingParams
 from dflash_core.serving.profiles import SglangProfile, TransformersProfile, VllmProfile
+from dflash_core.settings import load_settings
 from dflash_core.stage_results import TokenizedDataset, parse_result
 from dflash_core.strict import StrictModel
 from dflash_core.tokenize.config import TokenizeConfig
@@ -217,4 +217,4 @@ def test_the_strict_base_keeps_other_errors_as_pydantic_states_them() -> None:
         TrainConfig.model_validate({"target": "t", "max_steps": 0, "drafter": {"num_layers": "x"}, "seeed": 1})
     assert {(".".join(map(str, e["loc"])), e["type"]) for e in error.value.errors()} == {
         ("max_steps", "greater_than_equal"), ("drafter.num_layers", "int_parsing"), ("seeed", "extra_forbidden")}
-    assert Path(TrainConfig(target="t").output_dir) == Path(".dflash/runs")
+    assert TrainConfig(target="t").output_dir == load_settings().work_path("runs")
