@@ -23,7 +23,7 @@ from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS, default
 from dflash_core.nodes.cli import node_app
 from dflash_core.s3audit.cli import lineage_app, s3_app
 from dflash_core.settings import load_settings
-from dflash_core.strict import validation_summary
+from dflash_core.strict import not_utf8_text, validation_summary
 
 app = typer.Typer(help="Train DFlash speculative-decoding drafters end to end.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False, add_completion=False)
@@ -251,6 +251,8 @@ def train(
         TrainConfig.from_yaml(config, overrides=overrides)  # fail here, with the field named, not in N processes
         rendezvous = Rendezvous(nnodes=nnodes, endpoint=rdzv_endpoint, job_id=rdzv_id, backend=rdzv_backend,
                                 node_rank=node_rank)
+    except UnicodeDecodeError as error:
+        raise _fail(f"--config {config}: {not_utf8_text(error)}") from None
     except ValidationError as error:
         raise _fail(validation_summary(error)) from None
     except ValueError as error:
@@ -301,13 +303,13 @@ def run_flow(
     from dflash_core.services import local
     from dflash_core.services.stages import result_store_env, stage_service
 
+    params = _params_json(params)
     settings = load_settings()
     try:
         local.start(stage_service(settings))
     except local.ServiceError as error:
         raise _fail(f"{error} (is the Prefect server up? `dflash services up`)") from None
     env = {**os.environ, **local.prefect_client_env(settings), **result_store_env(settings)}
-    params = _params_json(params)
     process = subprocess.Popen([sys.executable, "-m", "flows.launch", flow, "--params", params], env=env,
                                stdout=subprocess.PIPE, text=True, bufsize=1)
     lines = []
@@ -331,6 +333,8 @@ def _params_json(params: str) -> str:
 
         try:
             return json.dumps(yaml.safe_load(path.read_text()) or {})
+        except UnicodeDecodeError as error:
+            raise _fail(f"--params {params}: {not_utf8_text(error)}") from None
         except yaml.YAMLError as error:
             raise _fail(f"--params {params}: not JSON or YAML ({error})") from None
     return params

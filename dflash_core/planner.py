@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
-from dflash_core.strict import validation_summary
+from dflash_core.strict import not_utf8_text, validation_summary
 from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS
 
 GiB = 1024**3
@@ -109,6 +109,8 @@ def shape_from_config(path: Path) -> ModelShape:
     """Read a HF `config.json` (a composite config's `text_config` is used when present)."""
     try:
         raw = json.loads(Path(path).read_text())
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--model-config {path}: {not_utf8_text(error)}") from error
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"--model-config {path}: cannot read a JSON model config ({error})") from error
     if not isinstance(raw, dict):

@@ -60,6 +60,12 @@ def _restated(model: type[BaseModel], problem: dict) -> dict:
     return {"type": PydanticCustomError(problem["type"], problem["msg"]), "loc": loc, "input": value}
 
 
+def not_utf8_text(error: UnicodeDecodeError) -> str:
+    """What to say of a file a user wrote that is not UTF-8 (saved as Latin-1 or UTF-16, say): after its name."""
+    return (f"not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset {error.start}); save it as UTF-8 "
+            f"and try again")
+
+
 def validation_summary(error: ValidationError) -> str:
     """Every problem of `error` on one line: `drafter.num_layer: unknown field of DrafterSettings; did you
     mean 'num_layers'?; optim.lr: Input should be greater than 0`."""

@@ -218,3 +218,20 @@ def test_the_strict_base_keeps_other_errors_as_pydantic_states_them() -> None:
     assert {(".".join(map(str, e["loc"])), e["type"]) for e in error.value.errors()} == {
         ("max_steps", "greater_than_equal"), ("drafter.num_layers", "int_parsing"), ("seeed", "extra_forbidden")}
     assert TrainConfig(target="t").output_dir == load_settings().work_path("runs")
+
+
+LATIN_1 = "café".encode("latin-1")  # what an editor set to Latin-1 or Windows-1252 saves
+
+
+@pytest.mark.parametrize(("command", "flag", "name", "text"), [
+    (["train"], "--config", "run.yaml", b"target: tiny:llama\nrun_name: " + LATIN_1 + b"\n"),
+    (["plan"], "--model-config", "config.json", b'{"hidden_size": 8, "model_type": "' + LATIN_1 + b'"}'),
+    (["run", "train"], "--params", "params.json", b'{"config": {"target": "' + LATIN_1 + b'"}}'),
+], ids=["train-config", "plan-model-config", "run-params-file"])
+def test_a_file_that_is_not_utf8_is_named_in_one_error_line(tmp_path, command, flag, name, text) -> None:
+    path = tmp_path / name
+    path.write_bytes(text)
+    result = _cli(*command, flag, str(path))
+    assert result.exit_code == 2
+    line = _one_error_line(result.output)
+    assert line.startswith(f"error: {flag} {path}: not UTF-8 text (byte 0xe9 at offset "), line
