@@ -77,7 +77,9 @@ _SPACE = b" \t\r\n"
 # Where a record may begin inside a bad element that ran on past its end: an object after a comma.
 _OBJECT_AFTER_COMMA = re.compile(rb",[ \t\r\n]*\{")
 _CONVERSATION_KEYS = ("conversations", "messages")  # a record holds one of these lists (ShareGPT, OpenAI)
-# Bytes of an element that ran on the decoder reads to find where it stopped, without a record size limit.
+# Bytes the scanner reads to find where the element after a bad one begins: of the bad element, for the decoder to
+# stop in, and of each candidate, to parse it whole. Never the record size limit: that only decides which records
+# are too long, so an import with a limit resumes where the parser without one does.
 RUN_ON_WINDOW = 4 * 1024 * 1024
 
 
@@ -96,8 +98,8 @@ def _scan_array(data, *, path: Path, max_bytes: int | None) -> Iterator[tuple[in
     quote left open (or one too many) runs an element into the records after it, or seems to close the array
     early: the bad part is cut where the next element begins and reading resumes there. That is where the
     JSON decoder stopped when it stopped at a whole element after a comma (`_resume_at_error`: an object
-    left open before the next record), else the next whole record found by scanning (`_next_record`).
-    Only a record cut by the end of the file is `truncated`."""
+    left open before the next record), else the next whole record found by scanning (`_next_record`); both
+    read up to RUN_ON_WINDOW whatever `max_bytes` is. Only a record cut by the end of the file is `truncated`."""
     pos = 3 if data[:3] == codecs.BOM_UTF8 else 0
     while pos < len(data) and data[pos] in _SPACE:
         pos += 1
@@ -113,8 +115,8 @@ def _scan_array(data, *, path: Path, max_bytes: int | None) -> Iterator[tuple[in
             record = _parse_element(raw, index=index, max_bytes=max_bytes)
             rest = bytes(data[end + 1:end + 201].strip(_SPACE)) if token == b"]" else b""  # after the array
         if end is None or rest or isinstance(record, BadPrompt):
-            resume = _resume_at_error(data, start, max_bytes=max_bytes) if end is None or rest else None
-            resume = resume or _next_record(data, start, end if token == b"," else len(data), max_bytes=max_bytes)
+            resume = _resume_at_error(data, start) if end is None or rest else None
+            resume = resume or _next_record(data, start, end if token == b"," else len(data))
             if resume is not None:
                 comma, resume_at = resume
                 if end is not None and not isinstance(record, BadPrompt):  # a whole record, then a stray `]`
@@ -169,12 +171,12 @@ def _parse_element(raw: bytes, *, index: int, max_bytes: int | None) -> Any:
     return record
 
 
-def _resume_at_error(data, start: int, *, max_bytes: int | None) -> tuple[int, int] | None:
+def _resume_at_error(data, start: int) -> tuple[int, int] | None:
     """(comma, start) of the element where the JSON decoder stopped reading the element that begins at `start`
     and ran on: an object left open stops it where the next element begins (`{"id": "b", "messages": [...],
     {"id": "c", ...` fails at c's brace, a value where a key belongs). None when it stopped anywhere else, or
     the element there does not parse whole."""
-    window = bytes(data[start:start + (max_bytes if max_bytes is not None else RUN_ON_WINDOW)])
+    window = bytes(data[start:start + RUN_ON_WINDOW])
     try:
         text = window.decode("utf-8")
     except UnicodeDecodeError as error:  # a character cut by the window's end, or bad bytes: read up to them
@@ -190,25 +192,27 @@ def _resume_at_error(data, start: int, *, max_bytes: int | None) -> tuple[int, i
     if pos >= len(text) or not before.endswith(","):
         return None
     begin, comma = start + len(text[:pos].encode()), start + len(before.encode()) - 1
-    end, _ = _element_end(data, begin, limit=max_bytes)
-    if end is None or isinstance(_parse(bytes(data[begin:end]), where=f"byte {begin}", max_bytes=max_bytes),
-                                 BadPrompt):
+    if isinstance(_whole_element(data, begin), BadPrompt):
         return None
     return comma, begin
 
 
-def _next_record(data, start: int, stop: int, *, max_bytes: int | None) -> tuple[int, int] | None:
+def _next_record(data, start: int, stop: int) -> tuple[int, int] | None:
     """(comma, start) of the first record that begins after `start` and before `stop`: an object after a
     comma that parses whole as an element and holds a conversation list. None when there is none."""
     for match in _OBJECT_AFTER_COMMA.finditer(data, start + 1, stop):
-        begin = match.end() - 1
-        end, _ = _element_end(data, begin, limit=max_bytes)
-        if end is None:
-            continue
-        record = _parse(bytes(data[begin:end]), where=f"byte {begin}", max_bytes=max_bytes)
+        record = _whole_element(data, match.end() - 1)
         if isinstance(record, dict) and any(isinstance(record.get(key), list) for key in _CONVERSATION_KEYS):
-            return match.start(), begin
+            return match.start(), match.end() - 1
     return None
+
+
+def _whole_element(data, begin: int) -> Any:
+    """The element that begins at `begin`, parsed, when it ends within RUN_ON_WINDOW bytes; else a `BadPrompt`."""
+    end, _ = _element_end(data, begin, limit=RUN_ON_WINDOW)
+    if end is None:
+        return BadPrompt("malformed", f"no element ends within {RUN_ON_WINDOW:,} bytes of byte {begin}")
+    return _parse(bytes(data[begin:end]), where=f"byte {begin}", max_bytes=None)
 
 
 def _ran_on(raw: bytes, *, index: int, resume_at: int, max_bytes: int | None) -> Any:

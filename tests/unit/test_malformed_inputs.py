@@ -196,3 +196,28 @@ def test_bad_source_settings_are_refused(tmp_path) -> None:
         PromptSource(tmp_path / "x.jsonl", "s", turns="all")
     with pytest.raises(ValueError, match="max_chars must be >= 1"):
         PromptSource(tmp_path / "x.jsonl", "s", max_chars=0)
+
+
+LEFT_OPEN_IN_MESSAGES = b'{"id": "b", "messages": [{"role": "user", "content": "two"'  # its message, list and record
+MAX_CHARS = 1_000  # import_prompts parses records of up to 16 * 1,000 + 65,536 bytes
+
+
+@pytest.mark.parametrize(("bad", "after", "reasons"), [
+    (LEFT_OPEN_IN_MESSAGES, json.dumps({"id": "c", "messages": [{"role": "user", "content": "x" * 90_000}]}).encode(),
+     [(1, "malformed"), (2, "too_long")]),
+    (LEFT_OPEN_IN_MESSAGES[:-1] + b"x" * 90_000 + b'"', b'{"text": "q"}', [(1, "too_long"), (2, "not_a_conversation")]),
+], ids=["the-next-record-is-over-the-size-limit", "the-open-record-is-over-the-size-limit"])
+def test_import_reads_the_elements_the_parser_reads_after_a_record_left_open(tmp_path, bad, after, reasons) -> None:
+    """[a, {b left open inside its messages, c, d]: the parser alone resumes at c (where the JSON decoder stopped);
+    import_prompts, whose size limit only decides which records are too long, resumes there too, so c is counted
+    under its own reason instead of vanishing into b's quarantined bytes, d is kept and b is quarantined."""
+    from dflash_core.data.prompt_files import BadPrompt, iter_raw
+
+    path = tmp_path / "p.json"
+    path.write_bytes(b"[" + b", ".join([GOOD[0], bad, after, GOOD[1]]) + b"]")
+    parsed = [(index, isinstance(raw, BadPrompt)) for index, raw in iter_raw(path)]
+    assert parsed == [(0, False), (1, True), (2, False), (3, False)]
+    prompts, report = import_prompts([PromptSource(path, "s", max_chars=MAX_CHARS)])
+    assert sorted(p.id for p in prompts) == ["ok0", "ok1"] and report.read == 4
+    assert [(line["index"], line["reason"]) for line in report.quarantine] == reasons
+    assert "reading resumed at the next whole record" in report.quarantine[0]["detail"]
