@@ -6,6 +6,8 @@ Run: .venv/bin/python -m pytest -q -n 0 tests/unit/test_served_measure.py
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
@@ -67,3 +69,13 @@ def test_the_served_table_counts_outputs_that_differ_from_the_target():
     assert served["tau"] == pytest.approx(2.5) and served["acceptance_per_position"] == [1.0, 0.5]
     with pytest.raises(ValueError, match="different concurrencies"):
         compare_served([_pass(1, target, 1.0)], [_pass(8, target, 1.0)])
+
+
+def test_vllm_0_26s_own_exposition_reads_as_rounds_with_nothing_accepted():
+    """/metrics of vLLM 0.26.0 on an H100 (2026-12-06) after serving a random-weight SmolLM2-shaped target with a
+    random DFlash export (block 8, 7 speculative tokens): every round drafted, none accepted."""
+    text = (Path(__file__).resolve().parents[1] / "data" / "vllm-0.26.0-metrics-dflash.txt").read_text()
+    counters = parse_spec_counters(text)
+    assert counters.drafts == 6126 and counters.draft_tokens == 6126 * 7
+    assert counters.accepted == 0 and counters.accepted_per_position == (0,) * 7
+    assert counters.tau == 1.0
