@@ -228,7 +228,8 @@ LATIN_1 = "café".encode("latin-1")  # what an editor set to Latin-1 or Windows-
     (["plan"], "--model-config", "config.json", b'{"hidden_size": 8, "model_type": "' + LATIN_1 + b'"}'),
     (["run", "train"], "--params", "params.json", b'{"config": {"target": "' + LATIN_1 + b'"}}'),
 ], ids=["train-config", "plan-model-config", "run-params-file"])
-def test_a_file_that_is_not_utf8_is_named_in_one_error_line(tmp_path, command, flag, name, text) -> None:
+def test_a_file_that_is_not_utf8_is_named_in_one_error_line(tmp_path, monkeypatch, command, flag, name, text) -> None:
+    monkeypatch.setenv("DFLASH_WORK_DIR", str(tmp_path / "work"))  # `dflash run` reads the file before any service
     path = tmp_path / name
     path.write_bytes(text)
     result = _cli(*command, flag, str(path))
