@@ -104,7 +104,7 @@ class DrafterSettings(StrictModel):
         "dflash2", description="dflash2 (default; longest accepted length in bench/bench_acceptance.py): DFlash 2, "
         "a dynamic causal conv around every sublayer and a candidate selector that reranks the top-K. dflash: the "
         "DFlash drafter (also DDTree decoding). Which engine serves which: vLLM 0.26 (torch 2.11) serves dflash "
-        "only, vLLM >= 0.34 both (method dflash2); DFlash 2 also loads in z-lab's DFlash2DraftModel and in "
+        "only, vLLM 0.34 and later both (method dflash2); DFlash 2 also loads in z-lab's DFlash2DraftModel and in "
         "speculators 0.9's dflash2 when output_multiplier/softcapping are off (dflash_core/export/engines.py). "
         "Block decoding only (no DDTree); with loss_type kl its unary loss is KL, its selector keeps the target's "
         "argmax.")

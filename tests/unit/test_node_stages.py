@@ -22,7 +22,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "infra" / "examples" / "smollm2-
 PLACED = "/dev/shm/dflash-models/smollm2-135m-instruct"  # where provision put the model (its RAM-disk copy)
 # (form section, the model field inside it): every field of the example form that says @node
 MODEL_PATHS = [("generation", ("engine", "model")), ("tokenization", ("tokenizer_dir",)),
-               ("training", ("config", "target"))]
+               ("training", ("config", "target")), ("served", ("target",))]
 
 
 def _example() -> dict:
@@ -111,7 +111,7 @@ def test_model_field_problems_without_a_provision_accepts_named_models():
         form = _set(form, section, path, "/models/smollm2")
     params = PipelineParams.model_validate(form)
     assert model_field_problems(params, node_model=False) == []
-    assert len(model_field_problems(params, node_model=True)) == 3  # the same form beside a provisioned model
+    assert len(model_field_problems(params, node_model=True)) == 4  # the same form beside a provisioned model
 
 
 def test_on_node_fills_the_model_and_the_node():
@@ -121,7 +121,8 @@ def test_on_node_fills_the_model_and_the_node():
     params = PipelineParams.model_validate(_example())
     node = _provisioned()
     generation = on_node("generation", params.generation, node)
-    assert generation.engine.model == PLACED and generation.engine.device == "cuda"  # the rest of the engine kept
+    assert generation.engine.model == PLACED  # the rest of the engine kept
+    assert generation.engine.python == params.generation.engine.python == "/tmp/dflash-node/vllm-venv/bin/python"
     assert generation.node == Node.model_validate(node.node)
     training = on_node("training", params.training, node)
     assert training.config.target == PLACED and training.node.name == "gpu-local"
@@ -173,12 +174,14 @@ def test_the_pipeline_sends_each_stage_to_the_node_with_its_model(monkeypatch):
     flows.pipeline._run_stages(params, result)
     assert [(deployment, queue) for deployment, _, queue in calls] == [
         ("generate", "node-gpu-local"), ("tokenize", "node-gpu-local"), ("train", "node-gpu-local"),
-        ("evaluate", "node-gpu-local"), ("export", "node-gpu-local")]
-    generate, tokenize, train, evaluate, export = (stage_params for _, stage_params, _ in calls)
+        ("evaluate", "node-gpu-local"), ("export", "node-gpu-local"), ("served", "node-gpu-local")]
+    generate, tokenize, train, evaluate, export, served = (stage_params for _, stage_params, _ in calls)
     assert generate.engine.model == tokenize.tokenizer_dir == train.config.target == PLACED
     assert generate.node.name == train.node.name == "gpu-local"
     assert tokenize.completions == "result of generate" and train.dataset == "result of tokenize"
     assert evaluate.checkpoint == export.checkpoint == result.training
+    assert served.export == "result of export" and served.evaluation == "result of evaluate"
+    assert served.target == PLACED and served.python.endswith("vllm-venv/bin/python")
 
 
 def test_without_a_provision_stage_the_stages_go_to_the_default_queue(monkeypatch):
@@ -190,7 +193,7 @@ def test_without_a_provision_stage_the_stages_go_to_the_default_queue(monkeypatc
     del form["provision"]
     for section, path in MODEL_PATHS:
         form = _set(form, section, path, "/models/smollm2")
-    for stage in ("training", "evaluation", "export"):
+    for stage in ("training", "evaluation", "export", "served"):
         del form[stage]
     params = PipelineParams.model_validate(form)
     calls = []
