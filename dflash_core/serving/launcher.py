@@ -20,6 +20,23 @@ from dflash_core.services.process import (
 )
 
 INSTANCES_FILE = "instances.json"
+# What vLLM, SGLang and torch print when a server's weights, activations or KV cache do not fit its GPU share.
+OUT_OF_MEMORY_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "No available memory for the cache blocks",
+                         "larger than the available KV cache memory", "Not enough memory")
+
+
+class EngineOutOfMemory(ServiceError):
+    """An inference server ran out of GPU memory while starting: retrying the same settings fails the same way."""
+
+
+def named_failure(error: ServiceError, profile: _EngineProfile) -> ServiceError:
+    """`error` as an EngineOutOfMemory, with what to change, when the server's log says it ran out of memory."""
+    if not any(marker in str(error) for marker in OUT_OF_MEMORY_MARKERS):
+        return error
+    knobs = {"vllm": "gpu_memory_utilization or max_model_len", "sglang": "mem_fraction_static or context_length",
+             "transformers": "cb_memory_fraction"}.get(profile.engine, "its memory settings")
+    return EngineOutOfMemory(f"{profile.engine} ran out of GPU memory while starting: lower {knobs}, or run fewer "
+                             f"instances per GPU (devices). {error}")
 # A server we just stopped can hold its port a moment after its PID reads dead: a multi-threaded process's
 # leader turns zombie before the last thread has closed the files they share (the listening socket too).
 PORT_RELEASE_GRACE_S = 10.0
@@ -77,9 +94,9 @@ def wait_until_ready(instances: list[ServerInstance], profile: _EngineProfile) -
         futures = [pool.submit(one, instance) for instance in instances]
         try:
             return [future.result() for future in futures]
-        except ServiceError:
+        except ServiceError as error:
             stop_instances(instances)
-            raise
+            raise named_failure(error, profile) from None
 
 
 def is_ready(url: str, profile: _EngineProfile) -> bool:
