@@ -173,9 +173,11 @@ def parse_launch_output(lines: list[str]) -> tuple[str | None, dict | None]:
 
 
 def summary(result: dict | None, stages: list[StageRun], *, title: str = "dflash pipeline") -> Group:
-    """Three tables: stages, the drafter's acceptance, artifacts."""
+    """The tables: stages, the drafter's acceptance (and as the serving engine ran it, when it was served), artifacts."""
     result = result or {}
-    return Group(stage_table(result, stages, title=title), drafter_table(result), artifact_table(result))
+    served = served_table(result)
+    return Group(stage_table(result, stages, title=title), drafter_table(result), *([served] if served else []),
+                 artifact_table(result))
 
 
 def stage_table(result: dict, stages: list[StageRun], *, title: str) -> Table:
@@ -213,6 +215,24 @@ def generalization_line(evaluation: dict) -> str | None:
 
 def _matches(summary: dict) -> str:
     return match_label(summary) if "all_match_target" in summary else "-"
+
+
+def served_table(result: dict) -> Table | None:
+    """The served stage's rows, its engine's tau beside our evaluator's; None when the run served nothing."""
+    served = _stage_result(result, "served")
+    if not served.get("rows"):
+        return None
+    table = Table(title=f"drafter served by {served.get('engine', '?')}: engine tau "
+                        f"{_number(served.get('tau'), '{:.3f}')}, our evaluator's "
+                        f"{_number(served.get('evaluator_tau'), '{:.3f}')}", title_justify="left")
+    for column in ("in flight", "target-only tokens/s", "with drafter tokens/s", "speedup", "engine tau",
+                   "outputs equal"):
+        table.add_column(column, justify="right")
+    for r in served["rows"]:
+        table.add_row(str(r.get("concurrency")), _number(r.get("target_tokens_per_s"), "{:,.0f}"),
+                      _number(r.get("drafted_tokens_per_s"), "{:,.0f}"), _number(r.get("speedup"), "{:.2f}x"),
+                      _number(r.get("tau"), "{:.3f}"), f"{r.get('outputs_equal_target')}/{r.get('prompts')}")
+    return table
 
 
 def drafter_table(result: dict) -> Table:

@@ -72,3 +72,20 @@ def test_a_long_uri_found_nowhere_else_stays_whole():
     stages = [*_stages(), StageRun("s3-audit", "brisk-otter-s3-audit", "3", "Completed", 2.0, "http://u/3", 1)]
     markdown = summary_markdown({**_result(), "audit": {"report": audit, "objects": 3, "dead_objects": 0}}, stages)
     assert f"report {audit}" in markdown
+
+
+def test_the_served_stage_shows_the_engines_figures_beside_ours():
+    from rich.console import Console
+
+    from dflash_core.run_summary import served_lines, summary
+
+    served = {"engine": "vllm 0.26.0", "tau": 2.104, "evaluator_tau": 2.087, "all_outputs_equal": True,
+              "rows": [{"concurrency": 1, "prompts": 64, "target_tokens_per_s": 340.0, "drafted_tokens_per_s": 512.0,
+                        "speedup": 1.506, "tau": 2.1, "outputs_equal_target": 64}]}
+    text = "\n".join(served_lines(served))
+    assert "Served by vllm 0.26.0: engine tau 2.104, our evaluator's 2.087" in text
+    assert "| 1 | 340 | 512 | 1.51x | 2.100 | 64/64 |" in text
+    assert served_lines({}) == []
+    console = Console(width=160, record=True)
+    console.print(summary({"served": served}, []))
+    assert "drafter served by vllm 0.26.0" in console.export_text()
