@@ -3,7 +3,8 @@ speedup and tokens/s, plus the markdown table and PNG the evaluate flow publishe
 
 tau: per round, accepted drafted tokens + 1 (the tokens the round added: a last round cut short by
 max_new_tokens or an EOS counts only what was kept, `Decoded.accepted`); averaged per response, then
-over responses. Per-position acceptance (acc@k): for draft position k (1..B-1), the fraction of
+over responses. tau_pooled: the same over every round of every response at once, as a serving engine's
+counters pool them (vLLM's accepted / drafts + 1). Per-position acceptance (acc@k): for draft position k (1..B-1), the fraction of
 rounds that accepted at least k drafted tokens. Speedup: target-only wall time over speculative wall
 time, summed over the same responses in the same harness (both include prefill).
 """
@@ -49,6 +50,7 @@ def summarize(results: list[ResponseResult], *, block_size: int, mode: str) -> d
         "num_responses": len(results),
         "num_rounds": len(rounds),
         "tau": sum(taus) / len(taus) if taus else 0.0,
+        "tau_pooled": 1 + sum(rounds) / len(rounds) if rounds else 0.0,
         "tau_histogram": histogram,
         "acceptance_per_position": per_position,
         "speedup": base_s / spec_s if spec_s > 0 else 0.0,

@@ -79,3 +79,19 @@ def test_vllm_0_26s_own_exposition_reads_as_rounds_with_nothing_accepted():
     assert counters.drafts == 6126 and counters.draft_tokens == 6126 * 7
     assert counters.accepted == 0 and counters.accepted_per_position == (0,) * 7
     assert counters.tau == 1.0
+
+
+def test_our_evaluators_pooled_tau_counts_rounds_as_the_engine_does():
+    """tau averages per response first; tau_pooled sums every round first, as vLLM's counters do."""
+    from dflash_core.evaluate.report import ResponseResult, summarize
+    from dflash_core.evaluate.speculative import Decoded
+
+    def response(accepted: list[int]) -> ResponseResult:
+        decoded = Decoded(tokens=[1] * (len(accepted) + sum(accepted)), accepted=accepted, wall_s=1.0,
+                          num_target_forwards=len(accepted))
+        return ResponseResult(prompt_index=0, prompt_tokens=3, baseline_wall_s=1.0, decoded=decoded,
+                              matches_target=True, divergence=None)
+
+    summary = summarize([response([3]), response([0, 0, 0])], block_size=4, mode="block")
+    assert summary["tau"] == pytest.approx((4 + 1) / 2)
+    assert summary["tau_pooled"] == pytest.approx(1 + 3 / 4)
