@@ -11,10 +11,10 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from dflash_core.evaluate.served import ConcurrencyPass, markdown_table, measure_server
+from dflash_core.evaluate.served import ConcurrencyPass, markdown_table
+from dflash_core.evaluate.served import serve_and_measure as measure
 from dflash_core.layout import ArtifactKind
 from dflash_core.lineage import InputRef, Manifest, input_ref, write_artifact
-from dflash_core.serving.launcher import launch, stop_instances, wait_until_ready
 from dflash_core.serving.profiles import VllmProfile
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectStore
@@ -57,21 +57,8 @@ def engine_version(python: str) -> str:
 def serve_and_measure(profile: VllmProfile, *, name: str, run_dir: Path, port: int, device: str | None,
                       prompts: list[list[int]], max_new_tokens: int, concurrencies: list[int]) -> list[ConcurrencyPass]:
     """Start one server of `profile`, wait until it answers, measure it at every concurrency, stop it."""
-    logger = get_run_logger()
-    instances = launch(profile, num_instances=1, base_port=port, run_dir=run_dir / name,
-                       devices=[device] if device else None)
-    try:
-        ready_s = wait_until_ready(instances, profile)[0]
-        logger.info("%s server ready in %.0f s (log %s)", name, ready_s, instances[0].log_path)
-        passes = measure_server(instances[0].url, model=profile.request_model, prompts=prompts,
-                                max_new_tokens=max_new_tokens, concurrencies=concurrencies,
-                                api_key=profile.api_key.get_secret_value() if profile.api_key else None)
-    finally:
-        stop_instances(instances)
-    for one in passes:
-        logger.info("%s, %d in flight: %.0f tokens/s, tau %s", name, one.concurrency, one.tokens_per_s,
-                    "-" if one.counters.tau is None else f"{one.counters.tau:.3f}")
-    return passes
+    return measure(profile, run_dir=run_dir / name, port=port, device=device, prompts=prompts,
+                   max_new_tokens=max_new_tokens, concurrencies=concurrencies, log=get_run_logger().info)
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_store_outage)

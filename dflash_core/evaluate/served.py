@@ -4,14 +4,17 @@ server that drafts with the export, at temperature 0, at several request concurr
 Acceptance comes from the engine's own counters (vLLM's `/metrics`: drafts, accepted tokens, accepted tokens
 per draft position), read before and after each pass, so tau = 1 + accepted / drafts is what the engine did,
 counted as we count it (accepted + 1 per round). Every drafted output is compared token for token with the
-target-only output of the same prompt. No engine is started here: `measure_server` talks to one that runs.
+target-only output of the same prompt. `measure_server` talks to a server that runs; `serve_and_measure`
+starts one (dflash_core/serving/launcher.py), measures it and stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -141,6 +144,28 @@ def measure_server(url: str, *, model: str, prompts: list[list[int]], max_new_to
         wall = time.perf_counter() - start
         passes.append(ConcurrencyPass(concurrency=concurrency, wall_s=wall, output_tokens=sum(map(len, outputs)),
                                       counters=read_counters(url, headers=headers) - before, outputs=outputs))
+    return passes
+
+
+def serve_and_measure(profile: Any, *, run_dir: Path, port: int, device: str | None, prompts: list[list[int]],
+                      max_new_tokens: int, concurrencies: list[int],
+                      log: Callable[[str], None] = print) -> list[ConcurrencyPass]:
+    """Start one server of `profile` (an engine profile, dflash_core/serving/profiles.py), wait until it answers,
+    measure it at every concurrency, stop it."""
+    from dflash_core.serving.launcher import launch, stop_instances, wait_until_ready
+
+    instances = launch(profile, num_instances=1, base_port=port, run_dir=run_dir, devices=[device] if device else None)
+    try:
+        ready_s = wait_until_ready(instances, profile)[0]
+        log(f"{run_dir.name}: ready in {ready_s:.0f} s (log {instances[0].log_path})")
+        passes = measure_server(instances[0].url, model=profile.request_model, prompts=prompts,
+                                max_new_tokens=max_new_tokens, concurrencies=concurrencies,
+                                api_key=profile.api_key.get_secret_value() if profile.api_key else None)
+    finally:
+        stop_instances(instances)
+    for one in passes:
+        tau = "-" if one.counters.tau is None else f"{one.counters.tau:.3f}"
+        log(f"{run_dir.name}, {one.concurrency} in flight: {one.tokens_per_s:,.0f} tokens/s, tau {tau}")
     return passes
 
 
