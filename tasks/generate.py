@@ -9,9 +9,13 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
-from dflash_core.data.holdout import HoldoutSpec, split_heldout
-from dflash_core.data.prompts import PromptSource, import_prompts, read_prompt_lines, shard_prompts
-from dflash_core.layout import HELDOUT_STEM, QUARANTINE_SUFFIX, ArtifactKind, artifact_key, shard_name
+from dflash_core.data.holdout import HOLDOUT_RULE, HoldoutSpec, split_heldout
+from dflash_core.data.prompts import (
+    PromptRecord, PromptSource, import_prompts, read_prompt_lines, shard_prompts,
+)
+from dflash_core.layout import (
+    HELDOUT_STEM, QUARANTINE_SUFFIX, ArtifactKind, artifact_key, is_heldout_key, shard_name,
+)
 from dflash_core.lineage import InputRef, read_manifest, write_artifact
 from dflash_core.provenance import Producer
 from dflash_core.serving import launcher
@@ -36,15 +40,19 @@ def import_prompt_set(settings: Settings, *, sources: list[PromptSource], datase
     """Stream, normalize, dedupe and mix prompt sources into JSONL shards with manifests, the held-out split
     in shards of its own (heldout-*.jsonl); keys of every shard, training ones first. A file already stored
     with the same content (a rerun of the same import) is kept with its manifest, so the run that first
-    imported it stays its producer."""
+    imported it stays its producer. A stored prompt set split by another rule that held out other prompts is
+    refused (`_refuse_another_split`)."""
     store = ObjectStore.from_settings(settings)
     records, report = import_prompts(sources, total=total, seed=seed)
     if not records:
         raise ValueError(f"no usable prompt in {[str(s.path) for s in sources]}: rejected {dict(report.rejected)}")
     train, heldout = split_heldout(records, holdout)
+    prefix = artifact_key(settings.s3_prefixes, ArtifactKind.PROMPTS, dataset, version) + "/"
+    _refuse_another_split(store, prefix, heldout=heldout)
     producer = run_producer()
     config = {"sources": [{"path": str(s.path), "name": s.name, "weight": s.weight} for s in sources],
-              "total": total, "seed": seed, "shard_size": shard_size, "holdout": holdout.model_dump()}
+              "total": total, "seed": seed, "shard_size": shard_size,
+              "holdout": {**holdout.model_dump(), "rule": HOLDOUT_RULE}}
     keys = []
     for stem, split in (("prompts", train), (HELDOUT_STEM, heldout)):
         for index, shard in enumerate(shard_prompts(split, shard_size=shard_size)):
@@ -64,6 +72,29 @@ def import_prompt_set(settings: Settings, *, sources: list[PromptSource], datase
     get_run_logger().info("imported %d prompts into %d shards (%d held out for evaluation); rejected %s",
                           report.accepted, len(keys), len(heldout), dict(report.rejected))
     return keys
+
+
+def _refuse_another_split(store: ObjectStore, prefix: str, *, heldout: list[PromptRecord]) -> None:
+    """Raise ValueError when the held-out shards stored under `prefix` were split by another rule than
+    `HOLDOUT_RULE` (none recorded: prompt by prompt) and hold out other prompts than `heldout`: rewriting the
+    prompt set in place would measure drafters trained on its old training shards on prompts they learned, and
+    leave old shards the new split does not rewrite."""
+    stored = [i.key for i in store.list(prefix) if is_heldout_key(i.key) and i.key.endswith(".jsonl")]
+    rules = set()
+    for key in stored:
+        try:
+            rules.add((read_manifest(store, key).config.get("holdout") or {}).get("rule") or "prompt")
+        except (ObjectNotFound, ValueError):
+            rules.add("unrecorded")
+    if rules <= {HOLDOUT_RULE}:
+        return
+    stored_ids = {prompt.id for key in stored for prompt in read_prompt_lines(store.get_bytes(key))}
+    moved = stored_ids ^ {prompt.id for prompt in heldout}
+    if moved:
+        raise ValueError(f"{store.uri(prefix)} holds a held-out split made by rule {', '.join(sorted(rules))}; "
+                         f"this import holds out whole conversations (rule {HOLDOUT_RULE!r}), so {len(moved)} "
+                         f"prompts change sides: import into a new prompts_version and generate into a new run, "
+                         f"so that nothing trained on the old split is evaluated on the new one")
 
 
 def _keep_or_write(store: ObjectStore, key: str, data: bytes, *, kind: ArtifactKind, config: dict,
