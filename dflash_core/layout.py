@@ -125,6 +125,22 @@ def is_manifest_key(key: str) -> bool:
     return key.endswith(MANIFEST_SUFFIX)
 
 
+def completion_run_of(prefixes: dict[ArtifactKind, str], prefix: str) -> tuple[str, str]:
+    """(dataset, run) of a completion run's prefix `completions/<dataset>/<run>/`; a ValueError otherwise."""
+    segments = prefix.rstrip("/").split("/")
+    if kind_of_key(prefixes, prefix) != ArtifactKind.COMPLETIONS or len(segments) != 3:
+        example = artifact_key(prefixes, ArtifactKind.COMPLETIONS, "DATASET", "RUN")
+        raise ValueError(f"{prefix!r} is not a completion run's prefix: expected {example}/")
+    return segments[1], segments[2]
+
+
+def is_completion_shard(key: str) -> bool:
+    """A completion shard of either split (shard-NNNNN.jsonl, heldout-NNNNN.jsonl), not its manifest or quarantine."""
+    name = key.rsplit("/", 1)[-1]
+    return (name.endswith(".jsonl") and not is_manifest_key(key) and not name.endswith(QUARANTINE_SUFFIX)
+            and name.startswith(("shard-", f"{HELDOUT_STEM}-")))
+
+
 def kind_of_key(prefixes: dict[ArtifactKind, str], key: str) -> ArtifactKind | None:
     """Which artifact kind a key belongs to, by its first path segment."""
     first = key.split("/", 1)[0]

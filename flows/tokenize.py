@@ -23,34 +23,30 @@ from pathlib import Path
 import polars as pl
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-from dflash_core.data.holdout import heldout_leaks
 from dflash_core.data.verdict import DATASET_MANIFEST_NAME, DatasetManifest, verdict_from_problems
 from dflash_core.embedded import embedded_tokenizer_dir
-from dflash_core.layout import (
-    HELDOUT_STEM, QUARANTINE_SUFFIX, ArtifactKind, artifact_key, downstream_shard_name, is_heldout_key, is_manifest_key,
-    kind_of_key,
-)
+from dflash_core.layout import ArtifactKind, artifact_key, downstream_shard_name, is_heldout_key
 from dflash_core.lineage import InputRef
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import RESULT_FILE, CompletionsDataset, StoredShard, TokenizedDataset
-from dflash_core.storage import ObjectStore, sha256_bytes
+from dflash_core.storage import ObjectStore
 from dflash_core.strict import StrictModel
 from dflash_core.tokenize import (
-    GateProblem, GateThresholds, QualityGateError, TargetTokenizer, TokenizeConfig, TokenizePool, check_gate,
-    enforce_gate, find_duplicates, histogram_png, stats_markdown, stats_rows, summarize,
+    GateThresholds, QualityGateError, TargetTokenizer, TokenizeConfig, TokenizePool, check_gate, enforce_gate,
+    find_duplicates, histogram_png, stats_rows, summarize,
 )
 from dflash_core.tokenize.stats import skip_reasons
 from flows.command_line import run_from_command_line
 from flows.failures import fail_run
-from tasks.artifacts import NewArtifact, artifact_record, store_artifacts, stored_record, tokenizer_inputs, ui_key
+from tasks.artifacts import NewArtifact, artifact_record, store_artifacts, stored_record, tokenizer_inputs
 from tasks.provenance import attempt_segments, flow_version
-from tasks.results import resolve_result, store_result
-from tasks.store import png_artifact
-from tasks.tokenize import ShardSummary, read_completion_ids, summary_frames, tokenize_completion_shard
+from tasks.results import store_result
+from tasks.tokenize import read_completion_ids, summary_frames, tokenize_completion_shard
+from tasks.tokenize_inputs import check_no_heldout_in_training, resolve_completions
+from tasks.tokenize_report import publish_stats, shard_log_lines
 
 
 class TokenizeParams(StrictModel):
@@ -71,10 +67,6 @@ class TokenizeParams(StrictModel):
         "Tokenize every shard again, ignoring cached results: how to rerun a finished tokenization (the server "
         "refuses Retry on a Completed run, behind a success toast in the UI). Without it a rerun redoes only shards whose input, tokenizer or config "
         "changed."))
-
-
-class HeldOutLeak(ValueError):
-    """A training shard holds a prompt id of the held-out split."""
 
 
 # Two shards in flight: one downloads/uploads while the other's chunks keep the process pool busy.
@@ -156,7 +148,7 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> TokenizedDataset:
         NewArtifact(key=f"{report_prefix}/loss-histogram.png", kind=ArtifactKind.REPORT, inputs=refs,
                     config=params_json, data=histogram_png(samples, title=f"{name}: loss tokens per sample")),
     ])
-    _publish_stats(params, name=name, by_shard=by_shard, by_source=by_source, overall=overall, skipped=skipped,
+    publish_stats(override=params.override_quality_gate, name=name, by_shard=by_shard, by_source=by_source, overall=overall, skipped=skipped,
                    problems=problems, verdict=verdict.verdict, png=store.get_bytes(stored[2].key))
     tokenized_uri = store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.TOKENIZED, completions.dataset, out_run))
     try:
@@ -178,77 +170,6 @@ def tokenize(params: TokenizeParams = TokenizeParams()) -> TokenizedDataset:
         stats=stored[1].uri, histogram=stored[2].uri, overall=stats_rows(overall)[0] if overall.height else {},
         completions=completions.result_uri, flow_run=str(flow_run.id or ""), artifacts=records)
     return store_result(settings, result, key=f"{report_prefix}/{RESULT_FILE}", inputs=refs)
-
-
-def resolve_completions(settings, value: CompletionsDataset | str) -> CompletionsDataset:
-    """The completions record: as given, read from a result.json, or listed from a completion run's prefix."""
-    if isinstance(value, str) and value.endswith("/"):
-        return completions_from_prefix(settings, value)
-    return resolve_result(settings, value, CompletionsDataset)
-
-
-def completions_from_prefix(settings, uri: str) -> CompletionsDataset:
-    """A completion run's shards (training and held-out) listed under `uri`, with their hashes."""
-    store = ObjectStore.from_settings(settings)
-    prefix = store.key_of(uri)
-    segments = prefix.rstrip("/").split("/")
-    if kind_of_key(settings.s3_prefixes, prefix) != ArtifactKind.COMPLETIONS or len(segments) != 3:
-        raise ValueError(f"{uri!r} is not a completion run's prefix: expected "
-                         f"{store.uri(artifact_key(settings.s3_prefixes, ArtifactKind.COMPLETIONS, 'DATASET', 'RUN'))}/")
-    keys = sorted((i.key for i in store.list(prefix) if i.key.endswith(".jsonl") and not is_manifest_key(i.key)
-                   and not i.key.endswith(QUARANTINE_SUFFIX)
-                   and i.key.rsplit("/", 1)[-1].startswith(("shard-", f"{HELDOUT_STEM}-"))),
-                  key=lambda key: (is_heldout_key(key), key))
-    if not keys:
-        raise ValueError(f"no completion shards under {store.uri(prefix)}: run the generate stage first")
-    shards = [StoredShard(uri=store.uri(key), sha256=store.head(key).sha256 or sha256_bytes(store.get_bytes(key)),
-                          split="heldout" if is_heldout_key(key) else "train") for key in keys]
-    # The held-out ids are read with every shard's ids by the flow: no second download here.
-    return CompletionsDataset(dataset=segments[1], run=segments[2], shards=shards)
-
-
-def check_no_heldout_in_training(ids: dict[str, list[str | None]], *, heldout_ids: set[str]) -> None:
-    """Refuse, before anything is written, a training shard that holds a held-out prompt id (the drafter would
-    be measured on what it learned)."""
-    leaked = heldout_leaks(ids, heldout_ids=heldout_ids, is_heldout=is_heldout_key)
-    if leaked:
-        examples = ", ".join(f"{prompt_id} in {shard.rsplit('/', 1)[-1]}" for shard, prompt_id in leaked[:5])
-        raise HeldOutLeak(f"{len(leaked)} training samples have held-out prompt ids ({examples}): the held-out "
-                          f"split must never be trained on; give those prompts new ids or re-import with a holdout "
-                          f"that keeps them apart")
-
-
-def shard_log_lines(summaries: list[ShardSummary], shard_problems: list[GateProblem]) -> list[str]:
-    """One line per shard: samples, skipped lines by reason, and the gate's thresholds applied to the shard
-    alone (the verdict that counts is the dataset's, below)."""
-    failed: dict[str, list[str]] = {}
-    for problem in shard_problems:
-        failed.setdefault(problem.dataset, []).append(problem.check)
-    lines = []
-    for summary in summaries:
-        shard = summary.output_key.rsplit("/", 1)[-1]
-        skipped = ", ".join(f"{reason} {count}" for reason, count in sorted(summary.skipped.items()) if count) or "none"
-        checks = failed.get(shard)
-        gate = f"fails {', '.join(checks)}" if checks else "passes"
-        lines.append(f"{shard}: {summary.samples} samples, skipped {skipped}; on its own the gate {gate}")
-    return lines
-
-
-def _publish_stats(params: TokenizeParams, *, name: str, by_shard, by_source, overall, skipped, problems,
-                   verdict: str, png: bytes) -> None:
-    """Table, markdown and histogram artifacts, keyed by dataset/run so one run's never replaces another's."""
-    create_table_artifact(stats_rows(pl.concat([by_source.rename({"source": "dataset"}), overall])),
-                          key=ui_key("tokenize-stats", name),
-                          description=f"{name}: per dataset and overall")
-    overridden = " (overridden: the run finished, training still refuses it)" if problems and params.override_quality_gate else ""
-    create_markdown_artifact(
-        f"## Tokenized {name}\n\n### Quality gate: {verdict}{overridden}\n"
-        + ("\n".join(f"- {p.message}" for p in problems) or "every check passed")
-        + f"\n\n### Per dataset\n{stats_markdown(by_source)}\n\n### Overall\n{stats_markdown(overall)}\n\n"
-        f"### Per shard\n{stats_markdown(by_shard)}\n\n### Skipped lines\n{json.dumps(skip_reasons(skipped))}\n",
-        key=ui_key("tokenize-report", name))
-    png_artifact(png, key=ui_key("tokenize-loss-histogram", name),
-                 description=f"{name}: loss tokens per sample, per source dataset")
 
 
 if __name__ == "__main__":

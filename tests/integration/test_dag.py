@@ -177,7 +177,8 @@ def test_in_sample_evaluation_is_asked_for_and_labelled(whole_run, store, settin
 
 def test_a_training_shard_holding_a_held_out_prompt_id_is_refused(prefect_server, store, env_settings,
                                                                   tiny_target):
-    from flows.tokenize import HeldOutLeak, TokenizeParams, tokenize
+    from flows.tokenize import TokenizeParams, tokenize
+    from tasks.tokenize_inputs import HeldOutLeak
 
     dataset = f"leak-{uuid.uuid4().hex[:8]}"
     completions = _put_completions(store, env_settings, dataset, {
