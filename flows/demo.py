@@ -37,7 +37,7 @@ def demo_training() -> TrainFlowParams:
 def demo_stages() -> dict[str, Any]:
     """The demo pipeline's form: flows.pipeline.PipelineParams fields (stage parameters, the train deployment)."""
     generation = GenerateParams(
-        dataset=DEMO_DATASET, prompts_version="sharegpt-seed0", run=DEMO_RUN, **demo_prompt_params(), shard_size=6,
+        dataset=DEMO_DATASET, prompts_version="sharegpt-seed0-conversations", run=DEMO_RUN, **demo_prompt_params(), shard_size=6,
         holdout={"fraction": 0.1},
         sampling={"max_tokens": 40, "temperature": 0.0, "enable_thinking": False},  # SmolLM2 has no thinking mode
         client={"concurrency": 6}, canary_prompts=2, canary={"max_length_fraction": 1.0})

@@ -81,7 +81,7 @@ class GenerateParams(StrictModel):
     canary_prompts: int = Field(8, ge=0, description="0 skips the canary.")
     canary: CanaryThresholds = Field(default_factory=CanaryThresholds)
     holdout: HoldoutSpec = Field(default_factory=HoldoutSpec, description=(
-        "Prompts held out at import (per source, by prompt id, seeded): answered like the others, tokenized into "
+        "Prompts held out at import (per source, whole conversations, seeded): answered like the others, tokenized into "
         "the held-out split, never trained on; what evaluation measures by default."))
     max_failed_fraction: float = Field(
         0.02, ge=0, le=1, description="Failed prompts (after the client's retries) above this fraction of all "
