@@ -17,8 +17,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # vLLM's wheel, read and never installed (it pins its own torch and wants CUDA): tests/unit/test_export_vllm.py
 # runs that release's config-loading code on our exports, and fails without it. The version is
-# VLLM_CHECKED_VERSION in dflash_core/export/engines.py, read from there; about 290 MiB, downloaded once.
-vllm_version=$(sed -n 's/^VLLM_CHECKED_VERSION = "\(.*\)"$/\1/p' dflash_core/export/engines.py)
+# the node wheelhouse's VLLM_VERSION (dflash_core/nodes/wheelhouse.py), read from there; about 290 MiB, downloaded once.
+vllm_version=$(sed -n 's/^VLLM_VERSION = "\(.*\)"$/\1/p' dflash_core/nodes/wheelhouse.py)
 if ! ls .venv/share/vllm-wheel/vllm-"$vllm_version"-*.whl >/dev/null 2>&1; then
   .venv/bin/pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 -d .venv/share/vllm-wheel "vllm==$vllm_version"

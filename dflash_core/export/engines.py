@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash_core.export.checks import check_draft_lengths
+from dflash_core.nodes.wheelhouse import VLLM_VERSION
 from dflash_core.export.native import ARCHITECTURE, DFLASH2_ARCHITECTURE, num_speculative_tokens
 
-# The vLLM release whose loader code the CPU test executes on our exports (infra/setup.sh downloads its wheel).
-VLLM_CHECKED_VERSION = "0.26.0"
+# The vLLM release the node's wheelhouse carries, whose loader code the CPU test executes on our exports
+# (infra/setup.sh downloads its wheel).
+VLLM_CHECKED_VERSION = VLLM_VERSION
 _VARIANT_NAMES = {"dflash": "DFlash", "dflash2": "DFlash 2"}
 _ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 _VLLM_START = ("vllm serve TARGET --speculative-config "
