@@ -1,6 +1,6 @@
-"""bench_acceptance's training data: the target's own greedy completions of the training prompts, generated in
-chunks cached under --work (and carried across sessions as gzipped chunks), the held-out baselines, and the
-in-memory corpus the Trainer reads."""
+"""The acceptance bench's training data: the target's own greedy completions of the training prompts, generated
+in chunks cached under --work (and taken from a folder of gzipped chunks where one is given), the held-out
+baselines, and the in-memory corpus the Trainer reads."""
 
 from __future__ import annotations
 
@@ -76,19 +76,19 @@ def cached_completions(model, prompts: list[tuple[str, list[int]]], *, work: Pat
                        static_width: int | None = None, log=print) -> list[dict]:
     """`greedy_completions` of `prompts`, `chunk` prompts at a time in their order, each chunk cached under
     `work/completions/` by a hash of its prompts, `max_new_tokens` and `tag`. Past `stop_at` (a time.time())
-    it stops after the chunk in hand with a SystemExit that says how far it got: the same command on the warm
-    machine goes on from there. Growing the prompt list keeps every full chunk generated before.
+    it stops after the chunk in hand with a SystemExit that says how far it got: the same command with the same
+    --work goes on from there. Growing the prompt list keeps every full chunk generated before.
 
-    Across sessions (a machine given back loses --work): a chunk found gzipped in `carried` (the same name plus
-    .gz) is taken from there instead of generated, and the chunks generated now are also written, each gzipped,
-    into the tar archive `export` ($OUT/completions.tar: one file however many chunks a call generates, since a
-    call brings back at most 8; unpack it into the carried folder for next time, docs/benchmarks.md says how)."""
+    On another machine (a new --work): a chunk found gzipped in `carried` (the same name plus .gz) is taken from
+    there instead of generated, and the chunks generated now are also written, each gzipped, into the tar archive
+    `export` (<out>/completions.tar, one file however many chunks; unpack it into the `carried` folder,
+    <assets>/completions/, for the next machine)."""
     folder = work / "completions"
     folder.mkdir(parents=True, exist_ok=True)
     chunks = [prompts[start:start + chunk] for start in range(0, len(prompts), chunk)]
     paths = chunk_files(prompts, work=work, max_new_tokens=max_new_tokens, tag=tag, chunk=chunk)
     records: list[dict] = []
-    generated: dict[str, bytes] = {}  # this call's chunks, gzipped once each: <name>.gz -> bytes
+    generated: dict[str, bytes] = {}  # this run's chunks, gzipped once each: <name>.gz -> bytes
     for index, (part, path) in enumerate(zip(chunks, paths)):
         packed = carried / f"{path.name}.gz" if carried is not None else None
         if not path.is_file() and packed is not None and packed.is_file():
@@ -99,14 +99,14 @@ def cached_completions(model, prompts: list[tuple[str, list[int]]], *, work: Pat
         if not path.is_file():
             if stop_at is not None and time.time() > stop_at:
                 raise SystemExit(f"generation stopped at its deadline: {index} of {len(chunks)} chunks of {chunk} "
-                                 f"prompts are in {folder} ({len(generated)} of them generated in this call); run the "
-                                 "same command again on the warm machine to go on")
+                                 f"prompts are in {folder} ({len(generated)} of them generated in this run); run the "
+                                 "same command again with the same --work to go on")
             began = time.perf_counter()
             part_records = greedy_completions(model, part, max_new_tokens=max_new_tokens, eos_id=eos_id,
                                               pad_id=pad_id, batch_size=batch_size, static_width=static_width)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(part_records))
-            tmp.replace(path)  # a call killed mid-write leaves no half chunk behind
+            tmp.replace(path)  # a run killed mid-write leaves no half chunk behind
             generated[f"{path.name}.gz"] = gzip.compress(path.read_bytes(), mtime=0)
             if export is not None:
                 write_chunk_archive(export, generated)
@@ -118,7 +118,7 @@ def cached_completions(model, prompts: list[tuple[str, list[int]]], *, work: Pat
 
 def write_chunk_archive(archive: Path, chunks: dict[str, bytes]) -> None:
     """`archive`, a tar of the gzipped `chunks` (<name>.gz: what a carried folder holds), written whole each time:
-    a call killed while writing it leaves the last complete one."""
+    a run killed while writing it leaves the last complete one."""
     archive.parent.mkdir(parents=True, exist_ok=True)
     tmp = archive.with_suffix(".tmp")
     with tarfile.open(tmp, "w") as tar:
@@ -132,14 +132,14 @@ def write_chunk_archive(archive: Path, chunks: dict[str, bytes]) -> None:
 def cached_baselines(model, prompts: list[tuple[str, list[int]]], *, work: Path, max_new_tokens: int, eos_id: int,
                      tag: str, log=print) -> list[dict]:
     """The target's own greedy output for each held-out prompt (what every drafter must reproduce), decoded
-    once per --work: a later call on the warm machine (--resume, the next point) reads it instead of decoding
-    again (~55 s for 22 prompts on the H200). `tag` names what else fixes the tokens (dtype, model)."""
+    once per --work: a later run with the same --work (--resume, the next point) reads it instead of decoding
+    again. `tag` names what else fixes the tokens (dtype, model)."""
     from dflash_core.evaluate import greedy_decode
 
     key = hashlib.sha256(json.dumps([prompts, max_new_tokens, eos_id, tag]).encode()).hexdigest()
     path = work / f"baselines-{key[:16]}.json"
     if path.is_file():
-        log(f"held-out baselines from {path.name} (decoded in an earlier call)")
+        log(f"held-out baselines from {path.name} (decoded in an earlier run)")
         return json.loads(path.read_text())
     eval_set = []
     for prompt_id, prompt in prompts:
@@ -148,7 +148,7 @@ def cached_baselines(model, prompts: list[tuple[str, list[int]]], *, work: Path,
                          "baseline_wall_s": decoded.wall_s})
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(eval_set))
-    tmp.replace(path)  # a call killed mid-write decodes again next time
+    tmp.replace(path)  # a run killed mid-write decodes again next time
     return eval_set
 
 

@@ -1,9 +1,9 @@
-"""Issue #45's curve: does our recipe's lead hold as data and steps grow? tau - 1 of the three recipes (our
+"""The acceptance curve: does our recipe's lead hold as data and steps grow? tau - 1 of the three recipes (our
 default, speculators' DFlash, speculators' DFlash 2) against training tokens, each recipe at its best learning
-rate at every point (completions, steps x tokens per step), merged from any bench_acceptance result files
-(several calls, sessions and machines: a seed run twice counts once, its first result).
+rate at every point (completions, steps x tokens per step), merged from any acceptance result files (several
+runs and machines: a seed run twice counts once, its first result).
 
-    python bench/acceptance_curve.py RESULTS.jsonl [...] --out DIR
+    python -m bench.acceptance curve RESULTS.jsonl [...] --out DIR
 
 writes DIR/curve.md (the table: point, recipe, lr, seeds, tau, tau - 1 +- sd, acc@1..4, ratio of our
 recipes' tau - 1 to each speculators recipe, both at their best lr, and whether every decoded output equalled
@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from .report import NUM_ACC, aggregate
+from .variants import FULL, steps_text
 
-from acceptance_report import NUM_ACC, aggregate  # noqa: E402
-from acceptance_variants import FULL, steps_text  # noqa: E402
-
-RECIPES = {"default": "ours (default)", "default-2-taps": "ours, 2 taps (the default until session 27)",
+RECIPES = {"default": "ours (default)", "default-2-taps": "ours, 2 taps (the default until 2026-12-05)",
            "speculators": "speculators DFlash", "speculators-dflash2": "speculators DFlash 2"}
 OURS = ("default", "default-2-taps")  # the rows that carry ratios to the speculators recipes
 LIBRARY_LR = 6e-4  # rows without "+lr=": TrainConfig's default, which speculators' rows share in the bench
-# The curve's lines run through these (completions, training tokens): the first measured point and the issue's
-# three (its largest as far as the prompt pool goes), in any step size (steps x 2,048 tokens, or a quarter of the
+# The curve's lines run through these (completions, training tokens): the first measured point and the three
+# planned larger ones (the largest as far as the prompt pool goes), in any step size (steps x 2,048 tokens, or a quarter of the
 # steps x 8,192); other points are in the table only.
 CURVE_POINTS = tuple((completions, steps * FULL.token_budget) for completions, steps in
                      ((1024, 200), (4096, 2000), (16384, 8000), (32768, 20000), (46592, 20000)))
@@ -54,7 +51,7 @@ def recipe_and_lr(variant: str) -> tuple[str, float] | None:
 
 def recipe_variant(row: dict) -> str:
     """The row's variant as the curve names its recipe: our default read 2 taps on the bench's 2-layer drafter
-    until session 27 and reads 5 since (DrafterSettings.num_tapped_layers), so a `default` row of 2 taps is
+    until 2026-12-05 and reads 5 since (DrafterSettings.num_tapped_layers), so a `default` row of 2 taps is
     `default-2-taps` and a `default+taps=5` row (the ablation's) is `default`."""
     base, *levers = row.get("variant", "").split("+")
     if base != "default":
@@ -137,7 +134,7 @@ def curve_table(rows: list[dict]) -> str:
                      f"{' | '.join(ratios)} | {'yes' if r['all_match_target'] else 'NO'} |")
     return ("Each recipe's best learning rate at a point (and step size) in bold; ratios: our recipe's tau - 1 "
             "over the speculators recipe's, each at its best lr, on the same step size. Steps are of 2,048-token "
-            "rows unless they say otherwise. Our default reads 5 target layers since session 27 (2 before, on the bench's "
+            "rows unless they say otherwise. Our default reads 5 target layers since 2026-12-05 (2 before, on the bench's "
             "2-layer drafter: its own rows).\n\n" + "\n".join(lines))
 
 
@@ -182,8 +179,8 @@ def plot_curve(path: Path, rows: list[dict]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", type=Path, help="bench_acceptance result files (.jsonl)")
+    parser = argparse.ArgumentParser(prog="python -m bench.acceptance curve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", type=Path, help="acceptance result files (.jsonl)")
     parser.add_argument("--out", type=Path, required=True, help="where curve.md and curve.png go")
     args = parser.parse_args(argv)
     missing = [str(p) for p in args.results if not p.is_file()]
@@ -195,7 +192,7 @@ def main(argv: list[str] | None = None) -> str:
     args.out.mkdir(parents=True, exist_ok=True)
     text = curve_table(rows)
     drawn = plot_curve(args.out / "curve.png", rows)
-    command = "python bench/acceptance_curve.py " + " ".join(map(str, args.results)) + f" --out {args.out}"
+    command = "python -m bench.acceptance curve " + " ".join(map(str, args.results)) + f" --out {args.out}"
     text += "\n\n" + ("![tau - 1 against training tokens](curve.png)" if drawn else
                       "(no matplotlib here: run the command again where it is installed to draw curve.png)")
     text += f"\n\nCommand: `{command}`\n"

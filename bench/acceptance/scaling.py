@@ -1,4 +1,4 @@
-"""bench_acceptance's data-scaling curve (issue #31 item 3): the same rows and steps trained on 1x, 2x,
+"""The acceptance bench's data-scaling curve: the same rows and steps trained on 1x, 2x,
 4x, ... the training completions (`--data-multipliers 1 2 4 8`; 1x = Shape.train_prompts). A job at
 multiplier m trains on the first m x train_prompts completions, so a bigger set holds the smaller
 ones. The report adds, per (variant, steps), tau and tau - 1 per data size, the first size where tau
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from acceptance_variants import Job, steps_text
+from .variants import Job, steps_text
 
 TAU_THRESHOLDS = (1.5, 2.0)
 
@@ -81,7 +81,7 @@ def scaling_table(rows: list[dict]) -> str:
 
 def plot_scaling(path: Path, rows: list[dict]) -> bool:
     """tau - 1 against training completions (log2 x axis), one line per (variant, steps), sd bars;
-    False when matplotlib is missing (the GPU image): `bench_acceptance.py report` redraws it."""
+    False when matplotlib is missing (a bare GPU image): `python -m bench.acceptance report` redraws it."""
     try:
         import matplotlib
     except ImportError:
@@ -117,7 +117,7 @@ def write_scaling(out: Path, rows: list[dict]) -> str:
     text = scaling_table(rows)
     drawn = plot_scaling(out / "scaling.png", rows)
     text += "\n\n" + ("![tau - 1 vs training completions](scaling.png)" if drawn else
-                      "(no matplotlib here: draw scaling.png with `python bench/bench_acceptance.py report "
+                      "(no matplotlib here: draw scaling.png with `python -m bench.acceptance report "
                       "results.jsonl --out DIR`)")
     (out / "scaling.md").write_text(text + "\n")
     return text

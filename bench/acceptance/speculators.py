@@ -1,4 +1,4 @@
-"""bench_acceptance's speculators side: speculators 0.9's DFlashDraftModel, or its experimental
+"""The acceptance bench's speculators side: speculators 0.9's DFlashDraftModel, or its experimental
 DFlash2DraftModel, built as its trainer builds them (from_training_args, with the defaults its
 TrainConfig resolves for that algorithm), trained in a loop of the same shape as our Trainer (same
 packed batches, captured target states, AdamW, clipping and schedule) through its own forward and
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from acceptance_variants import SPECULATORS_KINDS
-from acceptance_worker import (
+from .variants import SPECULATORS_KINDS
+from .worker import (
     WORKER, checkpoint_every, corpus_for_worker, eval_target, evaluate_drafter, steady_rate, sync_device, train_config,
     training_attention,
 )
 
 if TYPE_CHECKING:
-    from acceptance_variants import Job, Variant
+    from .variants import Job, Variant
 
 _BODY = ("fc", "hidden_norm", "layers", "norm", "candidate_selector")  # its weights our drafter holds
 
@@ -243,14 +243,14 @@ def run_speculators(job: Job, variant: Variant) -> dict:
         if (step + 1) % every == 0 and step + 1 < job.steps:
             _save(state_path, model=model, optimizer=optimizer, scheduler=scheduler, step=step + 1)
     sync_device()
-    if trained is None:  # trained in this call (else a call the limit ended after training: its figures)
+    if trained is None:  # trained in this run (else a run stopped after training: its figures)
         train_s = time.perf_counter() - start
         trained = {"train_s": train_s, "steps_per_s": steady_rate(marks, job.steps - first_step, train_s),
                    "compiled": compiled, "resumed_from_step": first_step,
                    # a compiled forward that failed falls back to eager: flex then ran as torch's reference
                    "train_attention": "flex, uncompiled" if attention == "flex" and not compiled else attention,
                    "train_loss": float(torch.stack(losses).mean()), "train_tau": float(torch.stack(eals).mean())}
-        if WORKER.get("checkpoint_every"):  # kept until the row is written: a call ended in evaluation resumes here
+        if WORKER.get("checkpoint_every"):  # kept until the row is written: a run stopped in evaluation resumes here
             _save(state_path, model=model, optimizer=optimizer, scheduler=scheduler, step=job.steps, trained=trained)
     capture.close()
     drafter = ours_from_speculators(model, target_config=target.config, native_ids=native_ids, mask=mask,
@@ -266,7 +266,7 @@ def run_speculators(job: Job, variant: Variant) -> dict:
 
 def _save(path: Path, *, model, optimizer, scheduler, step: int, trained: dict | None = None) -> None:
     """The loop's state after `step` steps (the batches and anchors follow from the seed and the step); at the
-    last step also the training's figures (`trained`), which a resumed call reports instead of training again."""
+    last step also the training's figures (`trained`), which a resumed run reports instead of training again."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),

@@ -1,6 +1,6 @@
-"""bench_acceptance's worker: the state one worker process holds (its context, the evaluation
+"""The acceptance bench's worker: the state one worker process holds (its context, the evaluation
 target, the training corpus), the evaluator every drafter goes through, and the TrainConfig of a job.
-Both sides of the ablation (our Trainer in acceptance_ours, speculators in acceptance_speculators)
+Both sides of the ablation (our Trainer in ours.py, speculators in speculators.py)
 read it, so a job's data, budget and evaluation are the same whichever drafter it trains."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from acceptance_completions import read_completions, training_corpus
-from acceptance_variants import FULL
+from .completions import read_completions, training_corpus
+from .variants import FULL
 
 if TYPE_CHECKING:
-    from acceptance_variants import Job, Variant
+    from .variants import Job, Variant
 
 WORKER: dict[str, Any] = {}
 
@@ -130,8 +130,8 @@ def training_attention() -> str:
 
 
 def checkpoint_every(job: Job) -> int:
-    """Steps between a job's checkpoints: `--checkpoint-every` (so a job the call's limit kills resumes in the
-    next call, `--resume`), else only at its end."""
+    """Steps between a job's checkpoints: `--checkpoint-every` (so a job stopped midway resumes with `--resume`),
+    else only at its end."""
     every = WORKER.get("checkpoint_every")
     return min(every, job.steps) if every else job.steps
 

@@ -1,13 +1,9 @@
 """The tokenizers the tokenization tests share, built once per session (what each one is:
-tests/unit/conftest_tokenize.py), and `bench`, bench/bench_acceptance.py loaded by path for the
-acceptance bench's tests. A fixture imported into a test module is built once per module."""
+tests/unit/conftest_tokenize.py)."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 from tokenizers import Regex, pre_tokenizers
@@ -42,16 +38,3 @@ def smol_target(smol_hf) -> TargetTokenizer:
 @pytest.fixture(scope="session")
 def qwen_target(qwen_hf) -> TargetTokenizer:
     return TargetTokenizer.from_hf(qwen_hf, name="qwen-style")
-
-
-@pytest.fixture(scope="module")
-def bench():
-    """bench/bench_acceptance.py as a module (bench/ is no package), registered while the module's tests run."""
-    path = Path(__file__).resolve().parents[2] / "bench" / "bench_acceptance.py"
-    spec = importlib.util.spec_from_file_location("bench_acceptance", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_acceptance"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_acceptance", None)
-

@@ -1,21 +1,23 @@
-"""bench_acceptance's training attention: flex on a GPU for our rows and speculators' (as each trains by default),
+"""The acceptance bench's training attention: flex on a GPU for our rows and speculators' (as each trains by default),
 the dense path on the CPU; both paths of each side compute the same attention."""
 
 import pytest
 
+from bench.acceptance import run as acceptance
+
 
 @pytest.mark.parametrize("asked, device, trained", [(None, "cuda", "flex"), ("auto", "cuda:1", "flex"),
                                                    ("auto", "cpu", "sdpa"), ("sdpa", "cuda", "sdpa")])
-def test_our_rows_train_with_flex_attention_on_a_gpu_unless_told_otherwise(bench, tmp_path, asked, device, trained):
+def test_our_rows_train_with_flex_attention_on_a_gpu_unless_told_otherwise(tmp_path, asked, device, trained):
     """The bench's default (auto) trains our rows as a run does: flex on a GPU. The dense SDPA path computed the
     whole [queries x keys] grid: ~45x the blocks flex visits on the bench's packed rows at the default's anchors."""
     import dataclasses
 
-    import acceptance_variants as rows
-    import acceptance_worker as worker
+    from bench.acceptance import variants as rows
+    from bench.acceptance import worker
 
     if asked is None:
-        asked = bench.parse_args(["--tiny"]).attention
+        asked = acceptance.parse_args(["--tiny"]).attention
     worker.WORKER.update(shape=dataclasses.asdict(rows.TINY), attention=asked, device=device)
     try:
         config = worker.train_config(rows.Job("default", 0, 4), rows.variants()["default"], tmp_path)
@@ -26,7 +28,7 @@ def test_our_rows_train_with_flex_attention_on_a_gpu_unless_told_otherwise(bench
 
 def speculators_step(model_dir, *, resolve_on: str, run_on: str, attention: str = "auto", compiled: bool = False,
                      backward: bool = False) -> tuple[str, float]:
-    """One step of speculators' DFlash 2 drafter as bench_acceptance builds it for a worker on `resolve_on` (its
+    """One step of speculators' DFlash 2 drafter as the acceptance bench builds it for a worker on `resolve_on` (its
     attention follows `--attention` there), run on `run_on` over a packed row of two documents from the tiny
     target saved in `model_dir` (`save_tiny_target`): its attention implementation and loss. `compiled` runs its
     torch.compile'd forward (as the bench does), else the eager one (flex eagerly: torch's reference, which a CPU
@@ -35,9 +37,9 @@ def speculators_step(model_dir, *, resolve_on: str, run_on: str, attention: str 
     import dataclasses
     import warnings
 
-    import acceptance_speculators as spec
-    import acceptance_variants as rows
-    import acceptance_worker as worker
+    from bench.acceptance import speculators as spec
+    from bench.acceptance import variants as rows
+    from bench.acceptance import worker
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -92,11 +94,11 @@ def save_tiny_target(path) -> None:
                  device="cpu").save_pretrained(path)
 
 
-def test_speculators_rows_train_with_its_flex_attention_on_a_gpu_and_the_same_loss_as_its_dense_path(bench, tmp_path):
+def test_speculators_rows_train_with_its_flex_attention_on_a_gpu_and_the_same_loss_as_its_dense_path(tmp_path):
     """Its drafter follows --attention as ours does: on a GPU its own default (flex), its dense sdpa on the CPU;
     both give the same loss on a packed row of two documents (its flex forward, run eagerly here)."""
-    import acceptance_speculators as spec
-    import acceptance_worker as worker
+    from bench.acceptance import speculators as spec
+    from bench.acceptance import worker
 
     save_tiny_target(tmp_path)
     flex = speculators_step(tmp_path, resolve_on="cuda", run_on="cpu")

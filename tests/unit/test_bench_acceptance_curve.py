@@ -1,4 +1,4 @@
-"""Issue #45's curve (bench/acceptance_curve.py): result files of several calls merge into one row per
+"""The acceptance curve (bench/acceptance/curve.py): result files of several runs merge into one row per
 (point, recipe, lr), each recipe's best lr is picked at every point, our default's ratios are taken against
 the speculators recipes at their best lr, other variants stay out, and the PNG is drawn.
 
@@ -14,7 +14,7 @@ def _row(variant, seed, tau, *, steps=2000, multiplier=4, **extra):
     row = {"variant": variant, "seed": seed, "steps": steps, "tau": tau,
            "acceptance_per_position": [tau - 1, 0.1, 0.05, 0.01], "tau_by_source": {"sharegpt": tau, "own": tau},
            "train_tau": tau + 0.5, "steps_per_s": 7.0, "all_match_target": True, "mask_token_id": 16,
-           "target_layer_ids": [1, 8, 14, 20, 27], **extra}  # the default's taps since session 27
+           "target_layer_ids": [1, 8, 14, 20, 27], **extra}  # the default's taps
     if multiplier:
         row.update(data_multiplier=multiplier, train_completions=1024 * multiplier)
     return row
@@ -25,8 +25,8 @@ def _write(path, rows):
     return path
 
 
-def test_the_curve_merges_calls_and_compares_each_recipe_at_its_best_lr(bench, tmp_path):
-    import acceptance_curve as curve  # bench/, on the path once the bench is loaded
+def test_the_curve_merges_calls_and_compares_each_recipe_at_its_best_lr(tmp_path):
+    from bench.acceptance import curve
 
     first = _write(tmp_path / "call1.jsonl", [
         _row("default", 0, 1.64), _row("default", 1, 1.66),
@@ -36,7 +36,7 @@ def test_the_curve_merges_calls_and_compares_each_recipe_at_its_best_lr(bench, t
         _row("default", 0, 1.28, steps=200, multiplier=None),  # before the data-scaling runs: 1x
         _row("speculators", 0, 1.20, steps=200, multiplier=None)])
     second = _write(tmp_path / "call2.jsonl", [
-        _row("default", 0, 1.10),  # seed 0 again in a later call: the first result counts
+        _row("default", 0, 1.10),  # seed 0 again in a later run: the first result counts
         _row("speculators+lr=3e-4", 1, 1.52)])
     rows = curve.curve_rows(curve.load([first, second]))
 
@@ -61,8 +61,8 @@ def test_the_curve_merges_calls_and_compares_each_recipe_at_its_best_lr(bench, t
     assert (out / "curve.md").read_text() == text and (out / "curve.png").stat().st_size > 0
 
 
-def test_a_point_on_larger_steps_is_compared_within_its_step_size(bench, tmp_path):
-    import acceptance_curve as curve
+def test_a_point_on_larger_steps_is_compared_within_its_step_size(tmp_path):
+    from bench.acceptance import curve
 
     results = _write(tmp_path / "r.jsonl", [
         _row("default", 0, 1.64), _row("speculators", 0, 1.50),  # 2,000 x 2,048 tokens (no token_budget: 2,048)
@@ -80,11 +80,11 @@ def test_a_point_on_larger_steps_is_compared_within_its_step_size(bench, tmp_pat
     assert "| 4,096 | 2,000 | 4.10M | **ours (default)** |" in text
 
 
-def test_the_default_before_its_five_taps_is_a_recipe_of_its_own(bench, tmp_path):
-    """Session 27 moved the default from one tap per drafter layer (2 on the bench) to 5: a `default` row that
+def test_the_default_before_its_five_taps_is_a_recipe_of_its_own(tmp_path):
+    """2026-12-05 moved the default from one tap per drafter layer (2 on the bench) to 5: a `default` row that
     read 2 taps is `default-2-taps`, the ablation's `default+taps=5` row is the default, and both of ours carry
     ratios to the speculators recipes."""
-    import acceptance_curve as curve
+    from bench.acceptance import curve
 
     two = [1, 27]
     results = _write(tmp_path / "r.jsonl", [
@@ -101,11 +101,11 @@ def test_the_default_before_its_five_taps_is_a_recipe_of_its_own(bench, tmp_path
     assert rows[("default", 6e-4)]["ratios"] == {"speculators-dflash2": pytest.approx(1.01 / 0.85)}
     assert rows[("default-2-taps", 6e-4)]["ratios"] == {"speculators-dflash2": pytest.approx((0.93 + 0.90 + 0.91) / 3 / 0.85)}
     text = curve.main([str(results), "--out", str(tmp_path / "out")])
-    assert "**ours, 2 taps (the default until session 27)**" in text
+    assert "**ours, 2 taps (the default until 2026-12-05)**" in text
 
 
-def test_the_curve_names_a_bad_result_file(bench, tmp_path):
-    import acceptance_curve as curve
+def test_the_curve_names_a_bad_result_file(tmp_path):
+    from bench.acceptance import curve
 
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(_row("default", 0, 1.5)) + "\n{not json\n")

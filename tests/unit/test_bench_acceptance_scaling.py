@@ -9,12 +9,14 @@ import json
 
 import pytest
 
+from bench.acceptance import run as acceptance
 
 
-def test_jobs_are_planned_per_multiplier_and_say_it(bench):
-    args = bench.parse_args(["--suite", "core", "--seeds", "0", "--long-multiplier", "0",
+
+def test_jobs_are_planned_per_multiplier_and_say_it():
+    args = acceptance.parse_args(["--suite", "core", "--seeds", "0", "--long-multiplier", "0",
                              "--data-multipliers", "1", "2", "4", "8"])
-    jobs = bench.plan_jobs(args, bench.resolve_shape(args), bench.resolve_rows(args))
+    jobs = acceptance.plan_jobs(args, acceptance.resolve_shape(args), acceptance.resolve_rows(args))
     assert len(jobs) == 3 * 4
     assert {(j.variant, j.data_multiplier) for j in jobs} == {(v, m) for v in ["speculators", "speculators-dflash2",
                                                                                "default"] for m in (1, 2, 4, 8)}
@@ -23,13 +25,13 @@ def test_jobs_are_planned_per_multiplier_and_say_it(bench):
     from dflash_core.train.config import TrainConfig
 
     TrainConfig(run_name=jobs[0].run_name, target="embedded", data=["x"])  # a valid run name
-    legacy = bench.plan_jobs(bench.parse_args(["--suite", "core", "--seeds", "0", "--long-multiplier", "0"]),
-                             bench.resolve_shape(args), ["default"])
-    assert legacy == [bench.Job("default", 0, 200)] and not hasattr(legacy[0], "data_multiplier")
+    legacy = acceptance.plan_jobs(acceptance.parse_args(["--suite", "core", "--seeds", "0", "--long-multiplier", "0"]),
+                             acceptance.resolve_shape(args), ["default"])
+    assert legacy == [acceptance.Job("default", 0, 200)] and not hasattr(legacy[0], "data_multiplier")
 
 
-def test_the_pool_caps_the_largest_multiplier(bench):
-    import acceptance_scaling as scaling
+def test_the_pool_caps_the_largest_multiplier():
+    from bench.acceptance import scaling
 
     lines = []
     assert scaling.cap_multipliers([1, 2, 4, 8], available=7762, base=1024, log=lines.append) == [1, 2, 4, 7]
@@ -43,12 +45,12 @@ class _Tokenizer:
         return list(range(len(messages[0]["content"].split())))
 
 
-def test_training_subsets_are_nested_and_the_worker_takes_its_multiple(bench, tmp_path):
-    import acceptance_data as data
-    import acceptance_worker as worker
+def test_training_subsets_are_nested_and_the_worker_takes_its_multiple(tmp_path):
+    from bench.acceptance import data
+    from bench.acceptance import worker
 
     pool = [(f"sharegpt:{i}", f"prompt {i} " + "word " * (i % 5)) for i in range(400)]
-    shape = bench.Shape(train_prompts=50, eval_prompts=2, max_prompt_tokens=8)
+    shape = acceptance.Shape(train_prompts=50, eval_prompts=2, max_prompt_tokens=8)
     one_x, held, _ = data.scaled_prompts(pool, _Tokenizer(), shape, None)
     train, held_too, sizes = data.scaled_prompts(pool, _Tokenizer(), shape, [1, 2, 4, 8], log=lambda _: None)
     assert train[:50] == one_x and held_too == held  # 1x is today's set; the held-out prompts are unchanged
@@ -76,14 +78,14 @@ def _result(variant, seed, tau, multiplier, *, steps=200):
             "target_layer_ids": [1, 27], "data_multiplier": multiplier, "train_completions": 1024 * multiplier}
 
 
-def test_report_groups_by_multiplier_finds_thresholds_and_draws_the_png(bench, tmp_path):
-    import acceptance_report as report
-    import acceptance_scaling as scaling
+def test_report_groups_by_multiplier_finds_thresholds_and_draws_the_png(tmp_path):
+    from bench.acceptance import report
+    from bench.acceptance import scaling
 
     results = [_result("default", 0, 1.3, 1), _result("default", 1, 1.4, 1), _result("default", 0, 1.6, 2),
                _result("default", 0, 1.9, 4), _result("default", 0, 2.1, 8),
                _result("speculators", 0, 1.2, 1), _result("speculators", 0, 1.5, 8)]
-    rows = report.aggregate(results, variant_order=list(bench.variants()))
+    rows = report.aggregate(results, variant_order=list(acceptance.variants()))
     assert [(r["variant"], r["data_multiplier"]) for r in rows] == [
         ("default", 1), ("default", 2), ("default", 4), ("default", 8), ("speculators", 1), ("speculators", 8)]
     assert rows[0]["tau_mean"] == pytest.approx(1.35) and rows[0]["seeds"] == [0, 1]
@@ -93,7 +95,7 @@ def test_report_groups_by_multiplier_finds_thresholds_and_draws_the_png(bench, t
     assert scaling.first_reaching(curves[("default", "200")], 2.0)["data_multiplier"] == 8
     assert scaling.first_reaching(curves[("speculators", "200")], 1.5)["train_completions"] == 8192
     assert scaling.first_reaching(curves[("speculators", "200")], 2.0) is None
-    text = report.write_report(tmp_path, results, header="h", variant_order=list(bench.variants()))
+    text = report.write_report(tmp_path, results, header="h", variant_order=list(acceptance.variants()))
     assert "| default | 200 | 1.350 / 0.350 (n 2) | 1.600 / 0.600 (n 1) | 1.900 / 0.900 (n 1) | " \
            "2.100 / 1.100 (n 1) | 2x (2,048) | 8x (8,192) |" in text
     assert "| speculators | 200 | 1.200 / 0.200 (n 1) | - | - | 1.500 / 0.500 (n 1) | 8x (8,192) | not reached |" in text
@@ -104,8 +106,8 @@ def test_report_groups_by_multiplier_finds_thresholds_and_draws_the_png(bench, t
     assert "scaling.png" in (tmp_path / "table.md").read_text()
 
 
-def test_a_table_without_multipliers_has_no_data_column(bench, tmp_path):
-    import acceptance_report as report
+def test_a_table_without_multipliers_has_no_data_column(tmp_path):
+    from bench.acceptance import report
 
     results = [{k: v for k, v in _result("default", 0, 1.3, 1).items()
                 if k not in ("data_multiplier", "train_completions")}]
@@ -126,10 +128,10 @@ def _tiny_model():
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def test_batched_greedy_generation_equals_one_prompt_at_a_time(bench):
+def test_batched_greedy_generation_equals_one_prompt_at_a_time():
     import random
 
-    import acceptance_completions as completions
+    from bench.acceptance import completions
 
     from dflash_core.evaluate import greedy_decode
 
@@ -154,10 +156,10 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time(bench):
     assert [r["completion"] for r in records] == [r for r in reference if len(r) < 20]
 
 
-def test_the_pool_takes_first_turns_first_then_later_turns_held_out_with_their_conversation(bench, tmp_path):
+def test_the_pool_takes_first_turns_first_then_later_turns_held_out_with_their_conversation(tmp_path):
     import gzip
 
-    import acceptance_data as data
+    from bench.acceptance import data
 
     def turns(*pairs):
         return [{"from": pair[0], "value": pair[1]} if isinstance(pair, tuple) else pair for pair in pairs]
@@ -194,11 +196,11 @@ def test_the_pool_takes_first_turns_first_then_later_turns_held_out_with_their_c
     assert data.load_pool(tmp_path) == pool and data.load_pool(tmp_path, limit=1) == pool[:1]
 
 
-def test_completions_are_cached_by_chunk_and_a_deadline_keeps_what_was_generated(bench, tmp_path):
+def test_completions_are_cached_by_chunk_and_a_deadline_keeps_what_was_generated(tmp_path):
     import random
     import time
 
-    import acceptance_completions as completions
+    from bench.acceptance import completions
 
     model = _tiny_model()
     rng = random.Random(1)
@@ -220,14 +222,14 @@ def test_completions_are_cached_by_chunk_and_a_deadline_keeps_what_was_generated
     assert completions.read_completions(tmp_path / "index.json") == whole
 
 
-def test_completions_generated_in_one_session_are_carried_into_the_next(bench, tmp_path):
-    """The chunks generated now are also written, gzipped, into one tar archive in $OUT (a call brings back at
-    most 8 files); a later session's machine, which lost --work, takes them from the unpacked carried copy
+def test_completions_generated_on_one_machine_are_taken_on_the_next(tmp_path):
+    """The chunks generated now are also written, gzipped, into one tar archive in --out; another machine,
+    without that --work, takes them from the unpacked copy
     instead of generating them again."""
     import random
     import tarfile
 
-    import acceptance_completions as completions
+    from bench.acceptance import completions
 
     model = _tiny_model()
     rng = random.Random(2)
@@ -259,8 +261,8 @@ def test_completions_generated_in_one_session_are_carried_into_the_next(bench, t
     assert ["taken from" in line for line in logged] == [True, False]
 
 
-def test_held_out_baselines_are_decoded_once_per_work_dir(bench, tmp_path):
-    import acceptance_completions as completions
+def test_held_out_baselines_are_decoded_once_per_work_dir(tmp_path):
+    from bench.acceptance import completions
 
     from dflash_core.evaluate import greedy_decode
 
@@ -272,8 +274,8 @@ def test_held_out_baselines_are_decoded_once_per_work_dir(bench, tmp_path):
     assert [row["baseline"] for row in first] == [greedy_decode(model, p, max_new_tokens=5, eos_token_id=1).tokens
                                                   for _, p in prompts]
     assert [row["id"] for row in first] == ["a", "b"] and not logged
-    assert completions.cached_baselines(model, prompts, log=logged.append, **common) == first  # the next call reads them
-    assert len(logged) == 1 and "earlier call" in logged[0]
+    assert completions.cached_baselines(model, prompts, log=logged.append, **common) == first  # the next run reads them
+    assert len(logged) == 1 and "earlier run" in logged[0]
     # other prompts, length or target: decoded again, beside the first
     completions.cached_baselines(model, prompts[:1], log=logged.append, **{**common, "tag": "bfloat16:tiny"})
     assert len(logged) == 1 and len(list(tmp_path.glob("baselines-*.json"))) == 2
