@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "bench_hybrid_step.py"
-_SPEC = importlib.util.spec_from_file_location("bench_hybrid_step", _PATH)
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)  # puts bench/ on the path, where its profile readers live
-import hybrid_profile as profile  # noqa: E402
+from bench.training import hybrid
+from bench.training import hybrid_profile as profile
 
 
 def test_gpu_idle_counts_only_time_no_kernel_ran():
@@ -59,4 +53,4 @@ def test_without_frames_one_call_site_in_every_layer_is_one_source():
 def test_the_window_needs_a_warmup_step_and_a_timed_one():
     for bad in (["--warmup", "0"], ["--steps", "0"]):
         with pytest.raises(SystemExit):
-            bench.main(["--tiny", *bad])
+            hybrid.main(["--tiny", *bad])

@@ -146,15 +146,10 @@ def test_ranks_agree_on_a_stop_only_every_n_steps(monkeypatch) -> None:
 
 
 def test_bench_profile_runs_on_cpu(tmp_path) -> None:
-    import importlib.util
-    from pathlib import Path
+    from bench.training import loop
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "bench_train_e2e.py"
-    spec = importlib.util.spec_from_file_location("bench_train_e2e", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out, trace = tmp_path / "row.json", tmp_path / "trace.json.gz"
-    row = bench.main(["--tiny", "--profile", "--json", str(out), "--profile-out", str(trace)])
+    row = loop.main(["--tiny", "--profile", "--json", str(out), "--profile-out", str(trace)])
     saved = json.loads(out.read_text())
     assert saved["ms_per_step"] == row["ms_per_step"] > 0 and len(saved["per_step_ms"]) == 3
     assert saved["host_prepare_ms"] >= 0 and saved["settings"]["prefetch"] == 2

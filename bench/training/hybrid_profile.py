@@ -1,5 +1,5 @@
 """The hybrid bench's --profile readers: the top ops, copies by the code that made them, the GPU's
-idle gaps and where the host waited on the GPU (bench_hybrid_step.py imports them)."""
+idle gaps and where the host waited on the GPU (hybrid.py imports them)."""
 
 from __future__ import annotations
 

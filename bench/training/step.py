@@ -1,24 +1,12 @@
-"""Time one online DFlash training step: target forward + capture, drafter forward/backward, AdamW.
+"""One online DFlash training step on the GPU alone: target forward + capture, drafter forward and backward,
+AdamW, each timed, with peak memory and MFU against the bf16 matmul peak measured in the same process.
 
-Default shape is the field's bar: a Qwen3-8B-shaped target (random weights), 4 x 2048 tokens,
-B=16, 5 drafter layers, 128 anchors per sequence (= 512 per 8,192 tokens, the shape the
-speculators numbers in shared/DESIGN.md were taken at). Prints a table and the command.
+Default shape: a Qwen3-8B-shaped target (random weights), 4 x 2,048 tokens, B=16, 5 drafter layers, 128 anchors
+per sequence (512 per 8,192 tokens). `--target qwen3.5-27b` checks that the 27B hybrid fits one GPU.
+Prints a table and the command that reproduces it; loop.py times the whole training loop instead.
 
-H200:      python3 bench/bench_train_step.py
-CPU smoke: .venv/bin/python bench/bench_train_step.py --tiny
-
-Measured on one H200 (torch 2.11, transformers 5.17), `--variants compiled_all --teacher
-target,data --anchors-per-seq 128,512`; bf16 matmul peak measured 787 TFLOP/s:
-  teacher  A/seq  tok/s   step ms  target  drafter  optim  peak GiB  MFU(787)  MFU(687)
-  target   128    23,445  349.4    192.2   149.5    8.7    38.6      72.2%     82.7%
-  data     128    24,748  331.0    180.0   141.5    8.6    42.2      76.2%     87.3%
-  target   512    11,264  727.2    191.3   527.8    8.7    55.5      71.3%     81.6%
-Eager target + compiled drafter: 404 ms (20.3K tok/s); all eager but flex: 461 ms (17.8K tok/s).
-
-27B fit check, `--target qwen3.5-27b --variants compiled --anchors-per-seq 128 --warmup 2 --steps 3`
-(Qwen3.5-27B text shape, 26.9B params, bf16 weights 50.1 GiB; 5-layer 5120-wide drafter, 1.83B
-params, fp32 AdamW; 4 x 2048 tokens; GDN layers on transformers' torch path): fits one H200 with
-peak 88.2 GiB; 1,591 ms a step (target 1,312, drafter 267, optimizer 15), 5.1K tok/s.
+    python -m bench.training.step                      (one GPU)
+    python -m bench.training.step --tiny               (CPU smoke)
 """
 
 from __future__ import annotations
@@ -33,11 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, no install
-
-from dflash_core.model import DFlashConfig, plan_blocks  # noqa: E402
-from dflash_core.model.build import build_drafter  # noqa: E402
-from dflash_core.target import (  # noqa: E402
+from dflash_core.model import DFlashConfig, plan_blocks
+from dflash_core.model.build import build_drafter
+from dflash_core.target import (
     HiddenStateCapture,
     build_target,
     build_target_on_device,
@@ -45,7 +31,7 @@ from dflash_core.target import (  # noqa: E402
     target_heads,
     tiny_target_config,
 )
-from dflash_core.target_runtime import compile_decoder_layers  # noqa: E402
+from dflash_core.target_runtime import compile_decoder_layers
 
 
 def measure_matmul_peak(*, device, size: int = 8192, repeats: int = 20) -> float:
@@ -383,7 +369,7 @@ def main(argv=None) -> None:
                 "error": repr(error)[:300],
             })
         print(json.dumps(results[-1]), flush=True)
-    command = "python3 bench/bench_train_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.training.step " + " ".join(sys.argv[1:] if argv is None else argv)
     print_table(results, peak_tflops=peak, command=command.strip())
     if args.json:
         Path(args.json).write_text(json.dumps({"peak_tflops": peak, "results": results}, indent=2))

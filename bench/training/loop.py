@@ -1,69 +1,25 @@
-"""The real training loop end to end (dflash_core.train.loop.Trainer): packing (on the prefetch
-thread), anchor plans, the target forward over packed rows (flex_attention, documents from position
-ids), the drafter step, AdamW, metrics, on synthetic tokenized data and a random-weight target of a
-real shape.
+"""The real training loop end to end (dflash_core.train.loop.Trainer): packing on the prefetch thread, anchor
+plans, the target forward over packed rows (flex attention, documents from position ids), the drafter step,
+AdamW and metrics, on synthetic tokenized data and a random-weight target of a real shape (default Qwen3-8B, one
+8,192-token row of 4 documents, 512 anchors, B=16, 5 layers). This times what a run does, host work included;
+step.py times the GPU step alone.
 
-This times what a run does, host work included, where bench_train_step.py times the GPU step alone.
-ms/step is the median of the per-step times on the GPU's timeline (CUDA events recorded after each
-step's work is queued, so a GPU left idle by the host counts); metrics are synced every --log-every
-steps, as in a run. The host columns say whether the host is on the critical path: prep = main-thread
-ms getting the batch (the prefetch queue's wait and the copies' launch), dispatch = ms queuing the
-step, wait = ms blocked on the GPU (the log step's metric sync), all per step.
+ms/step is the median of the per-step times on the GPU's timeline (CUDA events recorded after each step's work is
+queued, so a GPU left idle by the host counts); metrics are synced every --log-every steps, as in a run. The host
+columns say whether the host is on the critical path (prep: getting the batch; dispatch: queuing the step; wait:
+blocked on the GPU). MFU is against the bf16 matmul peak measured in the same process; "at precision" holds each
+part of the useful FLOPs against the peak of the precision it runs in (the FP8 options' GEMMs).
 
-H200 (torch 2.11, transformers 5.17, triton 3.6, no pydantic on the image: the Trainer's config
-needs the wheels in .carry/node, `bash infra/node-wheelhouse.sh` fills it; device tool:
-carry=[".carry/node"]; a wheel is a zip, so no pip):
-  python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/pylib') for w in glob.glob('.carry/node/*/*.whl')]" \
-    && export PYTHONPATH=/tmp/pylib \
-    && python3 bench/bench_train_e2e.py --json $OUT/e2e.json --profile --profile-out $OUT/e2e_trace.json.gz
-  python3 bench/bench_train_e2e.py --variant dflash2        (the same step for a DFlash 2 drafter)
-  python3 bench/bench_train_e2e.py --prefetch 0 --log-every 1   (the old loop: inline packing, a sync a step)
-  python3 bench/bench_train_e2e.py --target-fp8    (the target's decoder-layer GEMMs in FP8: TrainConfig.target_fp8)
-  python3 bench/bench_train_e2e.py --lm-head-fp8   (the loss's LM-head GEMMs in FP8: TrainConfig.lm_head_fp8)
-  python3 bench/bench_train_e2e.py --drafter-fp8 [tensorwise|rowwise]   (the drafter's own linears in FP8 through
-      torchao: TrainConfig.drafter_fp8; needs torchao on the path: `bash infra/node-wheelhouse.sh` puts its wheel in
-      .carry/node/wheelhouse/, which the line above unzips)
-The row's MFU is against the bf16 matmul peak; "MFU against it" holds each part of the useful FLOPs against the
-measured peak of the precision it runs in (bf16, or an e4m3 torch._scaled_mm for the FP8 options' GEMMs).
-CPU smoke: .venv/bin/python bench/bench_train_e2e.py --tiny [--variant dflash2] [--profile]
+    python -m bench.training.loop [--variant dflash|dflash2] [--target-fp8] [--drafter-fp8 tensorwise|rowwise]
+        [--lm-head-fp8] [--attention flex|sdpa] [--compile-mode MODE] [--json ROW.json]        (one GPU)
+    python -m bench.training.loop --target random:smollm2-135m --token-budget 8192 --sample-len 256 \
+        --anchors 512 --layers 2 --block-size 8      (the acceptance bench's step, alone on the GPU)
+    python -m bench.training.loop --tiny [--variant dflash2] [--profile]                       (CPU smoke)
 
---profile: after the timed steps, one profiler warm-up step, then --profile-steps steps under
-torch.profiler (CPU + CUDA activities; CPU alone without CUDA), between two syncs. Prints the top 25
-ops by self device time (self CPU time on CPU), then from the trace: the GPU's busy share of the
-profiled wall time (kernels + copies; ~100% means the host is off the critical path), each phase's
-span on the GPU and kernel time in it (dflash.prepare_batch / target_forward / drafter_step /
-optimizer, the Trainer's profiler ranges), and the top kernels. Writes the chrome trace to
---profile-out (.json.gz compresses it; default: $OUT/train_e2e_trace.json.gz when $OUT is set, else
-the run's output dir) and the tables beside it (.txt). --sync-debug counts synchronizing CUDA calls
-during the timed steps (torch.cuda.set_sync_debug_mode): expect only the log steps' metric copies.
-
-`--variant dflash2` trains a DFlash 2 drafter (conv around every sublayer, candidate selector with the
-published defaults: kernel 2, group 16, rank 256, top-K 16) at the same shape; its row adds the
-selector's own acceptance length next to the unary argmax's.
-
-Measured on one H200 before the prefetch thread and windowed metric syncs (torch 2.11, transformers
-5.17), Qwen3-8B-shaped random target, 4 samples of 2,048 tokens packed per row, 512 anchors per row,
-B=16, 5 layers, teacher = target argmax, metrics synced every step (log_every=1):
-  compile drafter + target layers:  376 ms/step, 21.8K tokens/s, peak 38.6 GiB
-  compile drafter only:             431 ms/step, 19.0K tokens/s, peak 38.6 GiB
-(field: ~462 ms, 17.7K tokens/s; the GPU-only step in bench_train_step.py: 349 ms, 23.4K.)
-With the prefetch thread and metrics synced every 10 steps (2026-12-01, DFlash, `--profile --profile-steps 2`):
-  372 ms/step, 22.0K tokens/s, peak 38.5 GiB; GPU busy 97.7% of wall, so the step is GPU-bound:
-  device ms per step: target forward 202, drafter step 154, optimizer 12; host prep 0.3 ms, but the
-  host's dispatch takes 347 ms of the 372 (close to the critical path).
-  top kernels: nvjet GEMMs 101 + 94 + 28 + 23 + 18 ms, the target's fused flex attention 20 ms, the
-  drafter's flex attention backward 18 ms, fused AdamW 9 ms.
-  >= 26K tokens/s (315 ms) in bf16 needs GPU work, not the host (FP8 target GEMMs reach it: session 8 below).
-Session 5 (2026-12-01, another H200, `--warmup 4 --steps 12`): DFlash 356.5 ms, 23.0K tokens/s, 38.5 GiB;
-DFlash 2 374.0 ms, 21.9K tokens/s, 44.6 GiB (session 3: 409 ms, before grouped top-k and the compiled
-DFlash 2 loss kernel).
-Session 8 (2026-12-01, one call, `--variant dflash2 --warmup 4 --steps 12 [--target-fp8]`):
-  bf16 target:                  374.2 ms/step, 21.9K tokens/s, peak 42.3 GiB, host dispatch 356 ms
-  --target-fp8 (252 linears):   315.0 ms/step, 26.0K tokens/s, peak 35.8 GiB, host dispatch 298 ms
-  FP8 reaches the 26K goal in this one call (machines differ ~3%); the host's dispatch (298 of 315 ms) is
-  now within 6% of the critical path.
-2026-12-04 (issue #43, `--variant dflash2 --target-fp8 --drafter-fp8 tensorwise`): 288.6 ms/step, 28.4K tokens/s,
-  31.6 GiB, against 308.2 ms with the bf16 drafter in the same call (docs/benchmarks.md has every row).
+--profile: after the timed steps, --profile-steps steps under torch.profiler; prints the top ops by device
+time, the GPU's busy share of the wall, each Trainer phase's span and kernel time, the top kernels and the
+host's top ops (profile.py), and writes the chrome trace to --profile-out with the tables beside it.
+--sync-debug counts synchronizing CUDA calls during the timed steps.
 """
 
 from __future__ import annotations
@@ -80,20 +36,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from dflash_core.target import real_shape_config
+from dflash_core.train.assemble import build_trainer
+from dflash_core.train.config import COMPILE_MODES, TrainConfig
+from dflash_core.train.data import TokenizedCorpus
+from dflash_core.train.strategies import StepTiming
 
-from dflash_core.train.config import COMPILE_MODES, TrainConfig  # noqa: E402
-from dflash_core.train.data import TokenizedCorpus  # noqa: E402
-from dflash_core.train.assemble import build_trainer  # noqa: E402
-from dflash_core.train.strategies import StepTiming  # noqa: E402
-from dflash_core.target import real_shape_config  # noqa: E402
-from bench_train_step import measure_fp8_matmul_peak, measure_matmul_peak  # noqa: E402
-from train_profile import StepProfiler, default_profile_out, format_trace_summary  # noqa: E402
+from .profile import StepProfiler, default_profile_out, format_trace_summary
+from .step import measure_fp8_matmul_peak, measure_matmul_peak
 
 def useful_tflop_parts(trainer, args) -> dict[str, float]:
-    """bench_train_step's useful-FLOP count of one step by kind of work (TFLOP), for a plan like the
+    """step.py's useful-FLOP count of one step by kind of work (TFLOP), for a plan like the
     trainer's: each packed sample a document with its first eighth prompt, the row's anchors shared out evenly."""
-    from bench_train_step import step_flops_parts
+    from .step import step_flops_parts
     from dflash_core.model.anchors import plan_blocks
 
     samples = args.token_budget // args.sample_len
@@ -186,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the drafter loss's two LM-head GEMMs in FP8 (TrainConfig.lm_head_fp8)")
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto",
                         help="the drafter's training attention (TrainConfig.attention_backend; auto: flex on a GPU); "
-                        "sdpa, the dense path, is how bench_acceptance trained before session 28")
+                        "sdpa, the dense path, is how the acceptance bench trained before 2026-12-05")
     parser.add_argument("--sync-debug", action="store_true", help="count synchronizing CUDA calls in the timed steps")
     parser.add_argument("--json", type=Path, help="write the result row here")
     args = parser.parse_args(argv)
@@ -314,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(row, indent=2))
-    print("reproduce: python3 bench/bench_train_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print("reproduce: python -m bench.training.loop " + " ".join(sys.argv[1:] if argv is None else argv))
     trainer.close()
     return row
 
