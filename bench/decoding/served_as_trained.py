@@ -1,18 +1,17 @@
-"""Served as trained: one drafter's acceptance length measured by our evaluator and by the paper
-authors' runtime (z-lab's `dflash_generate`) on its native export. They must agree; a gap means
-the export is read differently from how the drafter was trained.
+"""Served as trained: one drafter's acceptance length measured by our evaluator and by the paper authors'
+runtime (z-lab's `dflash_generate`) on its native export. They must agree; a gap means the export is read
+differently from how the drafter was trained.
 
-On the embedded SmolLM2 target: greedy completions of ShareGPT prompts (cached) -> a drafter
-trained online for --steps on them -> native export -> held-out prompts decoded by both, greedy.
-Run it at two commits to measure a convention change (the script uses only APIs both have):
+On the embedded SmolLM2 target: greedy completions of ShareGPT prompts (cached) -> a drafter trained online for
+--steps on them -> native export -> held-out prompts decoded by both, greedy. Prints a table (who measured, tau,
+outputs equal to greedy) and the command. `--repo` measures another checkout's dflash_core with this bench (it
+uses only APIs both have), e.g. the commit before a convention change:
 
-    .venv/bin/python bench/bench_served_as_trained.py --steps 150
-    git worktree add /tmp/before <sha> && (cd /tmp/before && /work/main/.venv/bin/python \\
-        /work/main/bench/bench_served_as_trained.py --steps 150 --repo /tmp/before)
+    python -m bench.decoding.served_as_trained --steps 150                     (CPU or one GPU)
+    git worktree add /tmp/before SHA && python -m bench.decoding.served_as_trained --steps 150 --repo /tmp/before
 
-Prints a table (who measured, tau, outputs equal to greedy) and the command that reproduces it.
-Token ids of the completions and held-out prompts are cached under --work, so a GPU machine
-without the ShareGPT package can reuse the ones made here.
+Token ids of the completions and held-out prompts are cached under --work, so a GPU machine without the ShareGPT
+package can reuse the ones made on another.
 """
 
 from __future__ import annotations
@@ -126,7 +125,8 @@ def _train(target, drafter, sequences, *, steps: int, rows: int, lr: float, seed
 
 def main() -> int:
     args = _args()
-    sys.path.insert(0, str((args.repo or Path(__file__).resolve().parents[1]).resolve()))
+    if args.repo is not None:  # that checkout's dflash_core ahead of this one's
+        sys.path.insert(0, str(args.repo.resolve()))
     import torch
 
     torch.manual_seed(args.seed)
@@ -208,7 +208,7 @@ def main() -> int:
     print("| measured by | tau | outputs equal to greedy |\n|---|---|---|")
     for name, tau, exact in rows:
         print(f"| {name} | {tau:.3f} | {exact}/{len(held_out)} |")
-    print("\nreproduce: .venv/bin/python bench/bench_served_as_trained.py " + " ".join(sys.argv[1:]))
+    print("\nreproduce: python -m bench.decoding.served_as_trained " + " ".join(sys.argv[1:]))
     return 0
 
 

@@ -1,31 +1,15 @@
-"""Speculative decoding speed: tau, tokens/s and speedup over target-only greedy decoding in the
-same harness, block and DDTree modes, on a random-weight target and a random-init drafter.
+"""Speculative decoding speed: tau, tokens/s and speedup over target-only greedy decoding in the same harness
+(eager transformers or CUDA graphs), block and DDTree modes, per round the draft, verify and other ms, and whether
+each output matches the target's own greedy decoding. On a random-weight target and a random-init drafter the
+drafter proposes noise (tau ~1), so the "speedup" is the drafting overhead: it measures the harness, and the
+break-even tau (a round's cost in target-only steps) it prints. Give a trained drafter to measure it instead.
 
-    .venv/bin/python bench/bench_evaluate.py --target tiny:qwen3 --prompts 4 --new-tokens 64
-    python bench/bench_evaluate.py --target qwen3-8b --device cuda --prompts 4 --prompt-len 512 --new-tokens 128
-    python bench/bench_evaluate.py --target smollm2-135m --device cuda --prompts 8 --prompt-len 256 \
-        --new-tokens 96 --drafter-layers 2 --block-size 8 --modes block --harness eager graphs
+    python -m bench.decoding.speed --target tiny:qwen3 --prompts 4 --new-tokens 64                    (CPU smoke)
+    python -m bench.decoding.speed --target qwen3-8b --device cuda --prompts 4 --prompt-len 512 --new-tokens 128
+    python -m bench.decoding.speed --target MODEL_DIR --checkpoint CKPT --prompts-file heldout-00000.arrow \
+        --device cuda --prompt-len 1024 --new-tokens 96 --modes block --prompts 64 --harness eager graphs
 
-With random weights the drafter proposes noise, so tau is ~1 and the "speedup" is the cost of the
-drafting overhead (< 1): these numbers measure the harness, not a trained drafter. Needs torch and
-transformers only (no pydantic), so it runs on a bare GPU image.
-
-Measured on one H200 (2026-12-04; the image's torch 2.11, transformers 5.24 from the node's wheelhouse;
-bf16; block mode; "matches target" judged per response by `divergence.py`):
-
-| target, drafter, prompts | harness | tau | speedup | tokens/s (target-only) | round ms: draft / verify / other | step ms | matches target |
-|---|---|---:|---:|---:|---|---:|---|
-| SmolLM2-135M, the pipeline's trained 2-layer DFlash 2 (B=8), 64 held-out x 96 | graphs | 1.663 | 1.19x | 305.1 (256.4) | 0.70 / 3.87 / 0.59 | 3.90 | 56/64 exact, 8 near-ties |
-| same, first 8 held-out | eager | 1.567 | 0.77x | 23.1 (30.1) | 20.97 / 43.92 / 1.72 | 33.23 | 6/8 exact, 2 near-ties |
-| same, first 8 held-out | graphs | 1.567 | 1.17x | 282.7 (241.0) | 0.70 / 4.01 / 0.74 | 4.15 | yes |
-| Qwen3-8B shape, RANDOM 5-layer B=16, 2 x 512-token random prompts x 96 | eager | 1.000 | 0.52x | 10.3 (19.7) | 24.91 / 71.00 / 2.46 | 50.66 | 0/2 exact, 2 near-ties |
-| same | graphs | 1.000 | 0.70x | 72.1 (102.4) | 1.83 / 11.62 / 0.56 | 9.77 | 0/2 exact, 2 near-ties |
-
-Break-even tau (a round's cost in target-only steps): SmolLM2 1.32 graphed against 2.00 eager; Qwen3-8B
-shape 1.43 graphed against 1.94 eager. The graphed verify pass costs what one target-only step costs
-(both launch- or bandwidth-bound at batch one), so the speedup is about tau / (1 + draft/step +
-other/step); "other" is mostly the eager prefill, spread over the rounds. A random 8B model's logits
-are nearly flat, so its outputs part from greedy at bf16 near-ties (within 1 ulp here).
+Needs torch and transformers only (no pydantic), so it runs on a bare GPU image.
 """
 
 from __future__ import annotations
@@ -39,13 +23,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_core.evaluate import evaluate_prompts  # noqa: E402
-from dflash_core.evaluate.inputs import load_drafter_checkpoint, prompts_from_tokenized  # noqa: E402
-from dflash_core.model import DFlashConfig  # noqa: E402
-from dflash_core.model.build import build_drafter  # noqa: E402
-from dflash_core.target import (  # noqa: E402
+from dflash_core.evaluate import evaluate_prompts
+from dflash_core.evaluate.inputs import load_drafter_checkpoint, prompts_from_tokenized
+from dflash_core.model import DFlashConfig
+from dflash_core.model.build import build_drafter
+from dflash_core.target import (
     build_target, build_target_on_device, load_target, target_heads, tiny_target_config,
 )
 
@@ -159,7 +141,7 @@ def main() -> None:
     report = {"harnesses": reports}
     if device.type == "cuda":
         print(f"\npeak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
-    print("\nreproduce: python bench/bench_evaluate.py " + " ".join(sys.argv[1:]))
+    print("\nreproduce: python -m bench.decoding.speed " + " ".join(sys.argv[1:]))
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args), **report}, indent=2, default=str))  # paths as text
 

@@ -1,15 +1,12 @@
-"""Draft cost per round: DFlash's block argmax against DFlash 2's selector walk, same backbone.
+"""Draft cost per round: DFlash's block argmax against DFlash 2's selector walk, same backbone. One round = one
+`draft_tokens` call over a cached context (what the evaluator and a serving engine run between two verify
+passes), on random weights of a real target's shape (the selector's cost does not depend on the weights). Prints
+a table (ms per round, median of --rounds after warmup) and the command.
 
-One round = one `draft_tokens` call over a cached context (what the evaluator and a serving engine
-run between two verify passes). Random weights of a real target's shape; the selector's cost does not
-depend on the weights.
-
-    .venv/bin/python bench/bench_draft_cost.py                       # SmolLM2-135M shape, 2 layers, B=8
-    .venv/bin/python bench/bench_draft_cost.py --shape qwen3-8b --layers 5 --block 16 --context 512
-    .venv/bin/python bench/bench_draft_cost.py --layers 3 --intermediate-size 816   # issue #45's narrow row
-    python bench/bench_draft_cost.py --shape qwen3-8b --layers 5 --block 16 --device cuda --dtype bfloat16
-
-Prints a table (ms per round, median of --rounds after warmup) and the command that reproduces it.
+    python -m bench.decoding.draft_cost                                   (SmolLM2-135M shape, 2 layers, B=8)
+    python -m bench.decoding.draft_cost --shape qwen3-8b --layers 5 --block 16 --context 512
+    python -m bench.decoding.draft_cost --taps 5              (the context projection over 5 tapped layers)
+    python -m bench.decoding.draft_cost --shape qwen3-8b --layers 5 --block 16 --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -20,17 +17,14 @@ import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_core.model import DFlashConfig  # noqa: E402
-from dflash_core.model.build import build_drafter  # noqa: E402
-from dflash_core.model.dflash2 import drafter_config, draft_tokens  # noqa: E402
-from dflash_core.model.drafter import TargetHeads  # noqa: E402
-from dflash_core.target import real_shape_config  # noqa: E402
+from dflash_core.model import DFlashConfig
+from dflash_core.model.build import build_drafter
+from dflash_core.model.dflash2 import drafter_config, draft_tokens
+from dflash_core.model.drafter import TargetHeads
+from dflash_core.target import real_shape_config
 
 
 def _smollm2_config():
@@ -111,7 +105,7 @@ def main() -> None:
     print("| variant | ms per round | vs DFlash |\n|---|---:|---:|")
     for variant, ms in rows:
         print(f"| {variant} | {ms:.2f} | {ms / rows[0][1]:.2f}x |")
-    print(f"\nreproduce: python bench/bench_draft_cost.py {' '.join(sys.argv[1:])}".rstrip())
+    print(f"\nreproduce: python -m bench.decoding.draft_cost {' '.join(sys.argv[1:])}".rstrip())
 
 
 if __name__ == "__main__":
