@@ -3,7 +3,7 @@ parallel manifest reads, optional sha256 HEADs, dead rules under the lineage saf
 confirmed cleanup, each in a child process whose peak RSS is measured. Goal on a 2-core machine:
 the audit under 60 s and under 1 GiB.
 
-    .venv/bin/python bench/bench_s3_audit.py [--objects 20000] [--workers 8]
+    python -m bench.data.s3_audit [--objects 20000] [--workers 8]
 
 The planted bucket: prompts -> completions -> two tokenizations (the older one superseded) -> checkpoints
 (40 steps per run, keep 3; exports made from an older step, which lineage keeps) -> exports, reports; half the objects are unmanifested: dead hidden states
@@ -25,12 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_core.layout import ArtifactKind  # noqa: E402
-from dflash_core.lineage import InputRef, write_artifact  # noqa: E402
-from dflash_core.settings import Settings, load_settings  # noqa: E402
-from dflash_core.storage import ObjectStore, sha256_bytes  # noqa: E402
+from dflash_core.layout import ArtifactKind
+from dflash_core.lineage import InputRef, write_artifact
+from dflash_core.settings import Settings, load_settings
+from dflash_core.storage import ObjectStore, sha256_bytes
 
 BODY = 256
 
@@ -109,11 +107,11 @@ def child(args: argparse.Namespace) -> None:
 
 
 def measure(op: str, env: dict[str, str], *, verify_hashes: bool, workers: int) -> dict:
-    argv = [sys.executable, __file__, "--child", op, "--workers", str(workers),
+    argv = [sys.executable, "-m", __spec__.name, "--child", op, "--workers", str(workers),
             *(["--verify-hashes"] if verify_hashes else [])]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.perf_counter()
-    completed = subprocess.run(argv, env=env, capture_output=True, text=True)
+    completed = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     wall = time.perf_counter() - start
     if completed.returncode != 0:
         raise RuntimeError(f"{op} failed:\n{completed.stderr[-3000:]}")
@@ -169,7 +167,7 @@ def main() -> None:
         print(f"| {name} | {r['objects']:,} | {r['manifests']:,} | {r['dead']:,} | {r['protected']:,} | "
               f"{r['audit_s']:.1f} | {r.get('cleanup_s', 0):.1f} | {r.get('deleted', '-')} | {r['wall_s']:.1f} | {rss} |")
     print(f"\ndead by rule: {json.dumps(rows[0][1]['dead_by_rule'])}")
-    print(f"reproduce: .venv/bin/python bench/bench_s3_audit.py --objects {args.objects} --workers {args.workers}")
+    print(f"reproduce: python -m bench.data.s3_audit --objects {args.objects} --workers {args.workers}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 `apply_chat_template(tokenize=True)` (full + prefix), on real ShareGPT conversations and synthetic
 ~2,000-token thinking completions, with the embedded SmolLM2 tokenizer.
 
-    .venv/bin/python bench/bench_tokenize.py [--samples 2000] [--naive-samples 300] [--workers 1 2]
+    python -m bench.data.tokenize_throughput [--samples 2000] [--naive-samples 300] [--workers 1 2]
 
 Whole path = split a JSONL shard, parse + validate records, render prefix and full with the chat
 template, batch-encode, check prefix stability, build masks and flags, write the Arrow IPC bytes.
@@ -23,12 +23,10 @@ import time
 from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_core.data.completion import CompletionRecord  # noqa: E402
-from dflash_core.embedded import load_embedded_tokenizer  # noqa: E402
-from dflash_core.tokenize import TargetTokenizer, TokenizeConfig, TokenizePool, arrow_bytes, tokenize_shard  # noqa: E402
-from dflash_core.tokenize.render import assistant_message, prompt_messages, render_sample  # noqa: E402
+from dflash_core.data.completion import CompletionRecord
+from dflash_core.embedded import load_embedded_tokenizer
+from dflash_core.tokenize import TargetTokenizer, TokenizeConfig, TokenizePool, arrow_bytes, tokenize_shard
+from dflash_core.tokenize.render import assistant_message, prompt_messages, render_sample
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "system": "system"}
 _WORDS = ("the model answers every prompt with a short plan then checks each step against the data and "
@@ -189,7 +187,7 @@ def main() -> None:
         one, two = by.get("whole path, 1 worker(s)"), by.get("whole path, 2 worker(s)")
         if one and two:
             print(f"{name}: 1 -> 2 workers speed-up {two['tokens/s'] / one['tokens/s']:.2f}x")
-    print("\nreproduce: .venv/bin/python bench/bench_tokenize.py " + " ".join(sys.argv[1:]))
+    print("\nreproduce: python -m bench.data.tokenize_throughput " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":
