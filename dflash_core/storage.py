@@ -13,7 +13,9 @@ conditional write or delete found the object changed). A download that cannot fi
 free, or after the partial file is removed when the disk fills during it.
 
 `fenced(guard)` gives the same bucket with a guard called before every write and delete: a training run's
-uploads are fenced by its run lease that way.
+uploads are fenced by its run lease that way. The guard is told how long a request sent now may stay in flight
+(`longest_request_s`, from the client's own timeouts and retries), and what it returns is stamped on every
+object written, so a reader can tell which writer an object came from.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import hashlib
 import os
 import tempfile
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = [  # the error kinds are part of this module's interface
     "MULTIPART_THRESHOLD", "PROGRESS_THRESHOLD", "SHA256_METADATA_KEY", "ChecksumMismatch", "ObjectInfo",
     "ObjectNotFound", "ObjectStore", "PreconditionFailed", "StoreConfigError", "StoreError",
-    "StoreUnavailable", "sha256_bytes", "sha256_file",
+    "StoreUnavailable", "WriteGuard", "longest_request_s", "sha256_bytes", "sha256_file",
 ]
 
 SHA256_METADATA_KEY = "sha256"
@@ -58,6 +60,12 @@ _HASH_CHUNK = 4 * 1024**2
 
 _CHECK_ATTEMPTS = 2
 _CHECK_CONNECT_TIMEOUT_S = 2
+_DATA_CONNECT_TIMEOUT_S = 5
+_DATA_READ_TIMEOUT_S = 120  # a multipart part of MULTIPART_THRESHOLD on a slow link, and a busy server's answer
+# botocore's retries: its legacy mode's total attempts when a client sets none, and the standard and adaptive
+# modes' longest backoff between two attempts (botocore.retries.standard.ExponentialBackoff).
+_BOTOCORE_DEFAULT_ATTEMPTS = 5
+_BOTOCORE_MAX_BACKOFF_S = 20.0
 DOWNLOAD_DISK_ADVICE = "Free space there, or download to a disk with room, then retry"
 
 
@@ -72,6 +80,23 @@ class ObjectInfo:
     @property
     def sha256(self) -> str | None:
         return self.metadata.get(SHA256_METADATA_KEY)
+
+
+class WriteGuard(Protocol):
+    def __call__(self, key: str, *, in_flight_s: float) -> Mapping[str, str] | None:
+        """Raise a `StoreError` to refuse writing (or deleting) `key` with a request that may stay in flight for
+        up to `in_flight_s` after it is sent; else the user metadata to stamp on the object written, if any."""
+
+
+def longest_request_s(client, *, with_retries: bool) -> float:
+    """How long a request of `client` may stay in flight once sent, by its own config: one attempt's connect
+    and read timeouts; `with_retries`: every attempt botocore may make and the backoff between them."""
+    config = client.meta.config
+    attempt_s = float(config.connect_timeout) + float(config.read_timeout)
+    if not with_retries:
+        return attempt_s
+    attempts = (config.retries or {}).get("total_max_attempts", _BOTOCORE_DEFAULT_ATTEMPTS)
+    return attempts * attempt_s + (attempts - 1) * _BOTOCORE_MAX_BACKOFF_S
 
 
 def sha256_file(path: Path) -> str:
@@ -101,7 +126,8 @@ class ObjectStore:
         self._transfer = TransferConfig(
             multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD
         )
-        self._write_guard: Callable[[str], None] | None = None
+        self._write_guard: WriteGuard | None = None
+        self._in_flight_s = 0.0  # what the guard is told: see `fenced`
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ObjectStore:
@@ -125,7 +151,8 @@ class ObjectStore:
             )
 
         def data_client():
-            return client(max_attempts=settings.s3_max_attempts, connect_timeout=5, read_timeout=120)
+            return client(max_attempts=settings.s3_max_attempts, connect_timeout=_DATA_CONNECT_TIMEOUT_S,
+                          read_timeout=_DATA_READ_TIMEOUT_S)
 
         return cls(
             data_client(),
@@ -143,17 +170,22 @@ class ObjectStore:
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
-    def fenced(self, guard: Callable[[str], None]) -> ObjectStore:
-        """This bucket with `guard(key)` called before every write and delete of `key` (it raises a `StoreError`
-        to refuse); reads are not guarded. The view has a client of its own that asks the guard again before
-        each HTTP attempt of a write, the client's own retries and each part of a multipart upload included:
-        a write whose first attempt passed the guard cannot land on a later retry after the guard started
-        refusing (a multipart upload stopped that way is aborted before the object exists)."""
+    def fenced(self, guard: WriteGuard) -> ObjectStore:
+        """This bucket with `guard(key, in_flight_s=...)` called before every write and delete of `key` (it
+        raises a `StoreError` to refuse; the metadata it returns is stamped on the object written); reads are
+        not guarded. The view has a client of its own that asks the guard again right before each HTTP attempt
+        of a write is sent, the client's own retries and each part of a multipart upload included, telling it
+        the longest one attempt may stay in flight (connect + read timeout): a write whose first attempt passed
+        the guard cannot go out on a later retry after the guard started refusing (a multipart upload stopped
+        that way is aborted before the object exists). The view of a store built without a client factory shares
+        its client: the guard is asked once per call, told the whole call's time, every retry included."""
         view = copy.copy(self)
         view._write_guard = guard
         if self._client_factory is not None:
             view.client = self._client_factory()
-            view.client.meta.events.register("before-send.s3", view._guard_attempt)
+            # last: after botocore's own before-send handlers, e.g. the adaptive mode's rate limiter, which may wait
+            view.client.meta.events.register_last("before-send", view._guard_attempt)
+        view._in_flight_s = longest_request_s(view.client, with_retries=self._client_factory is None)
         return view
 
     def key_of(self, uri_or_key: str) -> str:
@@ -195,9 +227,9 @@ class ObjectStore:
         the condition does not hold, `PreconditionFailed` and nothing is written. A server that ignores
         preconditions writes anyway, so a caller that relies on them reads the object back."""
         condition, extra = _precondition(if_absent=if_absent, if_match=if_match)
-        self._may_write(key)
+        stamp = self._may_write(key)
         digest = sha256_bytes(data)
-        meta = {**(metadata or {}), SHA256_METADATA_KEY: digest}
+        meta = {**(metadata or {}), **stamp, SHA256_METADATA_KEY: digest}
         with self._errors(key, condition=condition):
             response = self.client.put_object(
                 Bucket=self.bucket, Key=key, Body=data, Metadata=meta, ContentType=content_type, **extra
@@ -209,8 +241,8 @@ class ObjectStore:
         """Upload a local file (multipart above 16 MiB); its sha256 is computed unless given."""
         path = Path(path)
         size = path.stat().st_size
-        meta = {**(metadata or {}), SHA256_METADATA_KEY: sha256 or sha256_file(path)}
-        self._may_write(key)
+        stamp = self._may_write(key)
+        meta = {**(metadata or {}), **stamp, SHA256_METADATA_KEY: sha256 or sha256_file(path)}
         with self._errors(key), _transfer_progress(f"upload {path.name}", size, progress) as callback:
             self.client.upload_file(
                 str(path), self.bucket, key, ExtraArgs={"Metadata": meta},
@@ -232,9 +264,13 @@ class ObjectStore:
             os.unlink(spool.name)
 
     def copy(self, source_key: str, dest_key: str) -> ObjectInfo:
-        self._may_write(dest_key)
+        """A server-side copy with the source's metadata (and the fence's stamp, on a fenced view)."""
+        stamp = self._may_write(dest_key)
+        extra = None
+        if stamp:
+            extra = {"Metadata": {**self.head(source_key).metadata, **stamp}, "MetadataDirective": "REPLACE"}
         with self._errors(source_key):
-            self.client.copy({"Bucket": self.bucket, "Key": source_key}, self.bucket, dest_key)
+            self.client.copy({"Bucket": self.bucket, "Key": source_key}, self.bucket, dest_key, ExtraArgs=extra)
         return self.head(dest_key)
 
     # ---- reads ------------------------------------------------------------------------------
@@ -266,10 +302,12 @@ class ObjectStore:
         return data
 
     def get_file(self, key: str, path: Path | str, *, verify: bool = True, progress: bool | None = None,
-                 disk_advice: str = DOWNLOAD_DISK_ADVICE) -> Path:
+                 disk_advice: str = DOWNLOAD_DISK_ADVICE, sha256: str | None = None) -> Path:
         """Download atomically: into a temp file beside `path`, verified, then renamed. `DiskFull` (naming the
         dir, the object's size and what is free, then `disk_advice`) before anything is written when the
-        object cannot fit, or once the partial file is removed when the disk fills during the download."""
+        object cannot fit, or once the partial file is removed when the disk fills during the download.
+        `sha256`: the hash of the version the caller chose (from an earlier `head`), verified instead of the
+        one the object has now, so an object replaced since then is refused."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         info = self.head(key)
@@ -281,7 +319,7 @@ class ObjectStore:
             with self._errors(key), _transfer_progress(f"download {key}", info.size, progress) as callback:
                 self.client.download_file(self.bucket, key, tmp_name, Config=self._transfer, Callback=callback)
             if verify:
-                self._verify(key, info.sha256, sha256_file(Path(tmp_name)))
+                self._verify(key, sha256 or info.sha256, sha256_file(Path(tmp_name)))
             os.replace(tmp_name, path)
         except OSError as error:  # s3transfer has removed its own partial file by now
             discard_partial_write(error, partial=Path(tmp_name), needed_bytes=info.size, what=what,
@@ -386,9 +424,11 @@ class ObjectStore:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _may_write(self, key: str) -> None:
-        if self._write_guard is not None:
-            self._write_guard(key)
+    def _may_write(self, key: str) -> dict[str, str]:
+        """Ask the guard, if any; the metadata it stamps on the write."""
+        if self._write_guard is None:
+            return {}
+        return dict(self._write_guard(key, in_flight_s=self._in_flight_s) or {})
 
     def _guard_attempt(self, request, **_) -> None:
         """botocore's before-send hook of a fenced view: a write's every HTTP attempt asks the guard."""

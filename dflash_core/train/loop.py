@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 
 from dflash_core.disk_space import RUN_DISK_FULL_ADVICE, append_whole, write_atomically
-from dflash_core.layout import DEFAULT_PREFIXES, TRAIN_RUN_FILES, ArtifactKind, checkpoints_key, train_report_key
+from dflash_core.layout import (
+    DEFAULT_PREFIXES, TRAIN_RUN_FILES, ArtifactKind, checkpoints_key, run_lease_key, train_report_key,
+)
 from dflash_core.model.dflash2 import config_from_dict, variant_of
 from dflash_core.provenance import current_producer
 from dflash_core.target import validate_capture
@@ -85,6 +87,7 @@ class Trainer:
         self.store = store
         self.dist = dist_info or Distributed.from_env()
         self.checkpoint_prefix = checkpoint_prefix or checkpoints_key(prefixes, config.run_name)
+        self.lease_key = run_lease_key(prefixes, config.run_name)
         self.flow_run_id = flow_run_id
         self.run_dir = config.run_dir
         self.run_file_keys = {name: train_report_key(prefixes, config.run_name, name) for name in TRAIN_RUN_FILES}
@@ -156,15 +159,12 @@ class Trainer:
             outage_limit_s=self.s3_outage_limit_s or DEFAULT_OUTAGE_LIMIT_S, lease=self.lease)
 
     def resume(self) -> bool:
-        """Load the latest complete checkpoint (local, else S3); False when there is none."""
+        """Load the latest complete checkpoint (local, else the latest in S3 that no run wrote after losing the
+        name to another); False when there is none."""
         root = self.run_dir / "checkpoints"
         path = ckpt.latest_checkpoint(root)
         if path is None and self.store is not None:
-            from dflash_core.train.remote import download_checkpoint, remote_steps
-
-            steps = remote_steps(self.store, self.checkpoint_prefix)
-            if steps:
-                path = download_checkpoint(self.store, key_prefix=self.checkpoint_prefix, step=steps[-1], root=root)
+            path = self._download_trusted(root)
         if path is None:
             return False
         model_state, state, meta = ckpt.load_checkpoint(path, device="cpu")
@@ -195,6 +195,20 @@ class Trainer:
         ckpt.restore_rng_state(state["rng"])
         self.step = state["step"]
         return True
+
+    def _download_trusted(self, root: Path) -> Path | None:
+        """The newest checkpoint in S3 that the run name's claims trust (dflash_core.train.remote), into `root`:
+        rank 0 judges by its own lease, other ranks by the lease in S3."""
+        from dflash_core.train.remote import download_checkpoint, latest_trusted_checkpoint
+        from dflash_core.train.run_lease import read_claims
+
+        claims = self.lease.claims if self.lease is not None else read_claims(self.store, self.lease_key)
+        found = latest_trusted_checkpoint(self.store, self.checkpoint_prefix, claims,
+                                          log=lambda message: print(message, flush=True))
+        if found is None:
+            return None
+        return download_checkpoint(self.store, key_prefix=self.checkpoint_prefix, step=found.step, root=root,
+                                   sha256=found.sha256)
 
     # ---- training ------------------------------------------------------------------------------
 

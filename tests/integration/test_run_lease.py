@@ -20,7 +20,9 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
+import boto3
 import pytest
+from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from dflash_core.layout import run_lease_key
@@ -124,6 +126,24 @@ def test_a_second_host_is_refused_while_the_first_trains(store, settings, tmp_pa
             first.wait()
 
 
+def quick_store(settings: Settings, *, endpoint_url: str | None = None, connect_s: float = 0.5, read_s: float = 1.5,
+                retries: int = 1) -> ObjectStore:
+    """The bucket (through `endpoint_url`, default the server itself) with timeouts short enough for a lease of
+    a few seconds to let its writes out (they must land before it may be taken over); built like
+    `ObjectStore.from_settings`'s, so a fenced view asks its guard before each attempt."""
+    url = endpoint_url or settings.s3_endpoint_url
+
+    def client():
+        config = Config(region_name=settings.s3_region, connect_timeout=connect_s, read_timeout=read_s,
+                        retries={"max_attempts": retries, "mode": "standard"}, s3={"addressing_style": "path"},
+                        request_checksum_calculation="when_required", response_checksum_validation="when_required")
+        return boto3.client("s3", endpoint_url=url, config=config,
+                            aws_access_key_id=settings.s3_access_key_id.get_secret_value(),
+                            aws_secret_access_key=settings.s3_secret_access_key.get_secret_value())
+
+    return ObjectStore(client(), settings.s3_bucket, endpoint_url=url, client_factory=client)
+
+
 def _lease(store: ObjectStore, key: str, host: str, messages: list[str], **kwargs) -> RunLease:
     return RunLease(store, key, run_name="r", run_dir=Path(f"/runs/{host}/r"), host=host, log=messages.append,
                     **kwargs)
@@ -132,7 +152,8 @@ def _lease(store: ObjectStore, key: str, host: str, messages: list[str], **kwarg
 def _stop_beating(lease: RunLease) -> None:
     """The owner stops renewing without releasing: killed, or frozen."""
     lease._stop.set()
-    lease._thread.join()
+    for thread in lease._threads:
+        thread.join()
 
 
 
@@ -146,9 +167,8 @@ def test_a_fresh_lease_is_kept_and_a_stale_one_taken_over(store, prefix) -> None
     with pytest.raises(RunLeaseHeld, match=rf"already running as PID {os.getpid()} on host host-a .*started "):
         _lease(store, key, "host-b", b_log, **timing).acquire()
 
-    a._stop.set()  # host-a stops beating without releasing (killed, cut off)
-    a._thread.join()
-    time.sleep(4.5)
+    _stop_beating(a)  # host-a stops beating without releasing (killed, cut off)
+    time.sleep(5.5)  # past stale_after_s and the server dates' one second
     b = _lease(store, key, "host-b", b_log, **timing).acquire()
     assert b.held
     took = [m for m in b_log if m.startswith("took over")]
@@ -160,8 +180,14 @@ def test_a_fresh_lease_is_kept_and_a_stale_one_taken_over(store, prefix) -> None
         a.raise_if_lost()
     a.release()
     assert json.loads(store.get_bytes(key))["host"] == "host-b", "the old owner deleted the new owner's lease"
-    b.release()
-    assert not store.exists(key)
+    b.release()  # the name changed hands: the lease stays, released, with both claims for the next owner
+    released = json.loads(store.get_bytes(key))
+    assert released["released_at"] and [c["owner"] for c in released["claims"]] == [a.record.owner, b.record.owner]
+    assert all(c["at"] for c in released["claims"]), released["claims"]
+    c = _lease(store, key, "host-c", b_log, **timing).acquire()
+    assert c.held and b_log[-1].startswith("claimed") and "released by its owner" in b_log[-2], b_log
+    assert [claim.owner for claim in c.claims] == [a.record.owner, b.record.owner, c.record.owner]
+    c.release()
 
 
 def test_a_dead_pid_on_this_host_is_taken_over_at_once(store, prefix) -> None:
@@ -172,8 +198,7 @@ def test_a_dead_pid_on_this_host_is_taken_over_at_once(store, prefix) -> None:
     earlier = _lease(store, key, "node-1", messages)
     earlier.record = replace(earlier.record, pid=dead.pid)  # a kill -9'd attempt of this run on this host
     earlier.acquire()
-    earlier._stop.set()
-    earlier._thread.join()
+    _stop_beating(earlier)
     retry = _lease(store, key, "node-1", messages).acquire()
     assert retry.held and any(f"PID {dead.pid} is no longer running on this host" in m for m in messages), messages
     retry.release()
@@ -213,16 +238,18 @@ def test_the_trainers_uploader_is_fenced_by_the_runs_lease(store, settings, pref
     config = TrainConfig.model_validate(json.loads(_config(tmp_path, "fenced", tmp_path / "runs").read_text()))
     corpus = load_corpus([(item, read_shard_table(Path(item))) for item in config.data])
     messages: list[str] = []
-    lease = _lease(store, f"{prefix}/checkpoints/fenced/lease.json", "host-a", messages, heartbeat_every_s=0.2,
-                   stale_after_s=1.0).acquire()
-    trainer = build_trainer(config, corpus=corpus, store=store, checkpoint_prefix=f"{prefix}/checkpoints/fenced",
+    quick = quick_store(settings)  # a write may be in flight for 2 s: it goes out up to 1 s after a renewal
+    lease = _lease(quick, f"{prefix}/checkpoints/fenced/lease.json", "host-a", messages, heartbeat_every_s=0.2,
+                   stale_after_s=3.0).acquire()
+    trainer = build_trainer(config, corpus=corpus, store=quick, checkpoint_prefix=f"{prefix}/checkpoints/fenced",
                             lease=lease)
     probe = f"{prefix}/checkpoints/fenced/step-000002/probe"
     try:
         trainer._start_uploader()
         trainer.uploader.store.put_bytes(probe, b"held")  # written while the claim is held
+        assert store.head(probe).metadata["run-lease-owner"] == lease.record.owner
         _stop_beating(lease)
-        time.sleep(1.2)
+        time.sleep(3.0)
         with pytest.raises(RunLeaseNotHeld, match="not writing"):
             trainer.uploader.store.put_bytes(probe, b"expired")
         assert store.get_bytes(probe) == b"held"

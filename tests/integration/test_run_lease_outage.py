@@ -26,9 +26,10 @@ from dflash_core.train.run_lease import RunLease, RunLeaseHeld, RunLeaseLost, Ru
 from dflash_core.train.uploader import CheckpointUploader, CheckpointUploadFailed
 from tests.conftest import free_port
 
-from tests.integration.test_run_lease import _lease
+from tests.integration.test_run_lease import _lease, quick_store
 
-_CUT_TIMING = {"heartbeat_every_s": 0.2, "stale_after_s": 1.5}  # the owner gives up after 1.3 s
+# The owner gives up after 2.7 s; its writes, in flight for up to 2 s (quick_store), go out up to 1 s after a renewal.
+_CUT_TIMING = {"heartbeat_every_s": 0.3, "stale_after_s": 3.0}
 
 
 class CuttableLink:
@@ -93,8 +94,8 @@ def link(settings, s3_server):
 
 
 def _through(link: CuttableLink, settings: Settings) -> ObjectStore:
-    """The bucket as a host behind `link` reaches it, one attempt a call."""
-    return ObjectStore.from_settings(settings.replace(s3_endpoint_url=link.url, s3_max_attempts=1))
+    """The bucket as a host behind `link` reaches it, with short timeouts and one retry."""
+    return quick_store(settings, endpoint_url=link.url)
 
 
 def _wait(predicate: Callable[[], bool], *, timeout_s: float, what: str) -> None:
@@ -139,8 +140,8 @@ def test_a_cut_off_owner_gives_its_claim_up_before_another_host_may_take_it(stor
     # its own expiry, which a loaded 2-core machine can miss
     assert time.monotonic() - cut < owner.stale_after_s
     step_key = f"{prefix}/checkpoints/r/step-000002/meta.json"
-    expired = (r"last renewed its lease .* ago, past its 1\.3 s: another run may take the name over after "
-               rf"1\.5 s .*not writing {store.uri(step_key)}")
+    expired = (r"last renewed its lease .* ago, past its 2\.7 s: another run may take the name over after "
+               rf"3 s .*not writing {store.uri(step_key)}")
     with pytest.raises(RunLeaseNotHeld, match=expired):
         owner.require_held(step_key)
     _wait(lambda: any("writes nothing to S3 until a renewal succeeds" in m for m in a_log), timeout_s=2.0,
@@ -227,7 +228,7 @@ def test_a_file_upload_under_way_stops_once_the_guard_refuses(store, prefix, tmp
     weights.write_bytes(b"\0" * (2 * MULTIPART_THRESHOLD + 1))
     asked: list[str] = []
 
-    def lease_expires_after_the_first_ask(key: str) -> None:
+    def lease_expires_after_the_first_ask(key: str, *, in_flight_s: float) -> None:
         asked.append(key)
         if len(asked) > 1:
             raise StoreUnavailable(f"lease expired; not writing {key}")
