@@ -5,7 +5,7 @@ named constant or rule each. Plain Python: the planner and the CLI import it wit
 DEFAULT_NUM_LAYERS = 5
 DEFAULT_BLOCK_SIZE = 16
 # The fewest target layers a drafter reads when a run does not say: z-lab's released drafters tap 5, and one
-# tap per drafter layer below that lost at scale (bench/results/acceptance-ablate-16384-2026-12-05: a 2-layer
+# tap per drafter layer below that lost at scale (bench/results/2026-12-05_h100_acceptance-ablation: a 2-layer
 # drafter's tau - 1 was 0.903 with 2 taps, 0.975 with 3, 1.008 with 5; a draft round's cost barely moves).
 DEFAULT_MIN_TAPPED_LAYERS = 5
 

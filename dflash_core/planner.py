@@ -39,7 +39,7 @@ _RESERVED_BYTES = 4 * GiB
 # What FP8 drafter linears (drafter_fp8, torchao's Float8Linear) save per linear parameter: a bf16 linear under
 # autocast keeps a bf16 copy of its weight from forward to backward and makes a bf16 weight gradient before the
 # fp32 one; a Float8Linear casts the fp32 master straight to FP8 for each GEMM. Measured on one H200
-# (2026-12-04, bench/results/drafter-fp8-2026-12-04): -4.2 GiB on the Qwen3-8B DFlash 2 drafter (1.09B linear
+# (2026-12-04, bench/results/2026-12-04_h200_fp8-drafter): -4.2 GiB on the Qwen3-8B DFlash 2 drafter (1.09B linear
 # parameters: 4.1 bytes each), -6.4 GiB on the Qwen3.5-27B one (1.90B: 3.6 bytes each); the lower, rounded down.
 _DRAFTER_FP8_SAVED_PER_LINEAR_PARAM = 3.5
 # Input ranges: many times any model, dataset or cluster of today, and narrow enough that every figure of a

@@ -9,7 +9,7 @@
 #     into one staging dir: bash infra/node-install.sh STAGING WORK_DIR (docs/real-gpus.md, "An offline node").
 # .carry/node-vllm/part-N/  with --vllm: vLLM 0.26.0 (torch 2.11, the GPU image's own) and what `vllm serve`
 #     imports, for a venv of its own (infra/node-install.sh STAGING WORK_DIR VLLM_STAGING); 6 parts, ~340 MiB.
-# .carry/node/  what the GPU benches carry in one transfer (bench/bench_train_e2e.py, bench/bench_hybrid_step.py):
+# .carry/node/  what the GPU benches carry in one transfer (bench/training/loop.py, bench/training/hybrid.py):
 #   controller/    pydantic, typer + rich, pyyaml (what the Trainer's config and `provision --local` import)
 #   wheelhouse/    the project's GPU extra (flash-linear-attention, fla-core, einops) for hybrid targets, and torchao
 #                  for drafter_fp8 (torchao 0.18 is an abi3 wheel: --python-version does not exclude it)

@@ -119,8 +119,8 @@ def _flex_attention(*, compiled: bool):
 
 
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps) of flex_attention's backward, where a
-# measured config beat torch's default on the drafter's mask (bench/bench_flex_bwd.py, one H200,
-# 2026-12-01, 24 x 4 heads of 256, 8,192 queries over 16,384 keys: 8.38 vs 9.60 ms fwd+bwd, same grads).
+# measured config beat torch's default on the drafter's mask (docs/benchmarks.md, Figures behind choices: one
+# H200, 2026-12-01, 24 x 4 heads of 256, 8,192 queries over 16,384 keys: 8.38 vs 9.60 ms fwd+bwd, same grads).
 _TUNED_BACKWARD = {((9, 0), "wide"): (64, 64, 64, 64, 2, 8)}
 
 

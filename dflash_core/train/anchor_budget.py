@@ -5,7 +5,7 @@ so the drafter's query tokens (anchors x block_size), its memory and its step ti
 from __future__ import annotations
 
 # 512 anchors per 2,048 tokens (2,048 at the default 8,192-token budget): the density of the default recipe
-# in bench/bench_acceptance.py, where it beat 128 per 2,048 (speculators' 512 per 8,192) for every variant.
+# in bench/acceptance/, where it beat 128 per 2,048 (speculators' 512 per 8,192) for every variant.
 ANCHORS_PER_1024_TOKENS = 256
 
 

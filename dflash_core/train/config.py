@@ -47,7 +47,7 @@ class DrafterSettings(StrictModel):
         "token); an end-of-turn/EOS token is refused.")
     intermediate_size: int | None = Field(
         None, ge=1, description="Width of each drafter layer's MLP; None: the target's. A narrower MLP pays for "
-        "more layers at the same draft cost (bench/acceptance_variants.py: default+layers=3+narrow). Servable as "
+        "more layers at the same draft cost (bench/acceptance/variants.py: default+layers=3+narrow). Servable as "
         "it is: the exported config carries it. Not with init: target, which copies the target's MLPs.")
     num_tapped_layers: int | None = Field(
         None, ge=1, description="Target layers the drafter reads, spread by the reference formula; None: one per "
@@ -61,7 +61,7 @@ class DrafterSettings(StrictModel):
         "whole distribution at each slot (needs loss_target=teacher).")
     loss_weighting: Literal["exp_decay", "dpace"] | None = Field(
         None, description="Slot weights: exp(-(k-1)/loss_gamma), or D-PACE (speculators' DFlash default). None: "
-        "dpace (measured best for both variants: bench/bench_acceptance.py).")
+        "dpace (measured best for both variants: bench/acceptance/).")
     dpace_alpha: float = Field(
         0.5, gt=0, le=1, description="D-PACE confidence smoothing: a slot's confidence is (1 - alpha) x its "
         "probability of the label + alpha (0.5: speculators' default).")
@@ -85,7 +85,7 @@ class DrafterSettings(StrictModel):
     init: Literal["random", "target"] = Field(
         "random", description="random: small normal weights. target: copy the target's last decoder layers (where "
         "name and shape agree) and pass the last tapped layer through fc (measured: lower acceptance than random on "
-        "the embedded target, bench/bench_acceptance.py).")
+        "the embedded target, bench/acceptance/).")
     selector_codebook_init: Literal["random", "embedding"] = Field(
         "random", description="DFlash 2: how the candidate selector's predecessor and successor codebooks start. "
         "random (default): normal, std initializer_range. embedding: the frozen target embedding projected on its "
@@ -101,7 +101,7 @@ class DrafterSettings(StrictModel):
         "slots learning the target's argmax there. Needs loss_target teacher (the data tokens of a prompt are not "
         "the target's predictions).")
     variant: Literal["dflash", "dflash2"] = Field(
-        "dflash2", description="dflash2 (default; longest accepted length in bench/bench_acceptance.py): DFlash 2, "
+        "dflash2", description="dflash2 (default; longest accepted length in bench/acceptance/): DFlash 2, "
         "a dynamic causal conv around every sublayer and a candidate selector that reranks the top-K. dflash: the "
         "DFlash drafter (also DDTree decoding). Which engine serves which: vLLM 0.26 (torch 2.11) serves dflash "
         "only, vLLM 0.34 and later both (method dflash2); DFlash 2 also loads in z-lab's DFlash2DraftModel and in "
@@ -272,7 +272,7 @@ class TrainConfig(StrictModel):
     drafter_device: str | None = Field(None, description="With placement=pair: the drafter's device.")
     pair_overlap: bool = Field(
         False, description="With placement=pair: queue the next batch's target forward and transfer before the "
-        "drafter trains on this one (same losses; bench/bench_multi_gpu.py: 27.4K vs 23.5K tokens/s).")
+        "drafter trains on this one (same losses; bench/training/multi_gpu.py: 27.4K vs 23.5K tokens/s).")
     attention_backend: Literal["auto", "flex", "sdpa"] = Field(
         "auto", description="Drafter attention in training: flex (flex_attention block mask, GPU), sdpa (dense "
         "mask, CPU or debugging); auto: flex on GPU, sdpa on CPU.")

@@ -211,7 +211,7 @@ def test_drafter_settings_errors_name_the_problem() -> None:
         DrafterSettings(variant="dflash", loss_type="kl", loss_target="data")
     with pytest.raises(ValueError, match="dpace_alpha"):
         DrafterSettings(dpace_alpha=0)
-    # DFlash 2 with D-PACE won the acceptance ablation (bench/bench_acceptance.py): both are the defaults.
+    # DFlash 2 with D-PACE won the acceptance ablation (bench/acceptance/): both are the defaults.
     assert DrafterSettings().variant == "dflash2"
     assert DrafterSettings().resolved_loss_weighting == "dpace"
     assert DrafterSettings(variant="dflash").resolved_loss_weighting == "dpace"
