@@ -90,7 +90,7 @@ class CandidateSelector(nn.Module):
     # The codebook rows are read with F.embedding, not `codebook[ids]`: the same values, but indexing's
     # backward sums each id's rows one after another, and candidates repeat frequent ids (4.0 ms a step
     # in the 8B bench); embedding's backward sums long runs of one id in parallel pieces.
-    # docs/benchmarks.md, "DFlash 2's extra cost (session 14)".
+    # docs/benchmarks.md, "Figures behind choices" (codebooks through F.embedding).
     def context(self, hidden_NH: torch.Tensor, predecessor_ids_N: torch.Tensor) -> torch.Tensor:
         """A[a] * P(h): [..., rank]."""
         projected = self.hidden_projection(hidden_NH)

@@ -280,7 +280,7 @@ class TrainConfig(StrictModel):
     compile_mode: CompileMode = Field(
         "default", description="With compile: torch.compile's mode. reduce-overhead replays each compiled layer as a "
         "CUDA graph (for a fixed-shape step whose host dispatch, not the GPU, sets its time: a small target such as "
-        "the acceptance bench's; docs/benchmarks.md 'The acceptance bench's step, alone on the GPU'); on an H200 "
+        "the acceptance bench's; docs/benchmarks.md, 'Figures behind choices'); on an H200 "
         "(2026-12-05) it ran but lost, 82.2 against 37.3 ms, as 4 of the drafter's graphs recorded again every "
         "step. Graphing the target's layers only lost too (84.8 against 35.6 ms on an H100, 2026-12-05) and "
         "was taken out. On CPU the mode changes nothing.")
