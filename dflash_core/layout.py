@@ -29,7 +29,7 @@ QUARANTINE_SUFFIX = ".quarantine.jsonl"
 RUN_LEASE_FILE = "lease.json"
 # Prefect's persisted results live at the bucket root under this folder, whatever the kind prefixes are. Not an
 # ArtifactKind: nothing of ours writes there and nothing there has a manifest. The S3 audit counts it as its
-# own kind (dflash_core.s3audit). Must equal dflash_core.services.stages.RESULTS_FOLDER (a unit test checks).
+# own kind (dflash_core.s3audit); flows/results.py points Prefect's result block at it.
 PREFECT_RESULTS_FOLDER = "prefect-results"
 
 

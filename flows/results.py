@@ -8,7 +8,8 @@ AWS_SECRET_ACCESS_KEY, which the stage server and `dflash run` export from our s
 
 from __future__ import annotations
 
-from dflash_core.services.stages import RESULTS_BLOCK, RESULTS_FOLDER
+from dflash_core.layout import PREFECT_RESULTS_FOLDER
+from dflash_core.services.stages import RESULTS_BLOCK
 from dflash_core.settings import Settings
 
 
@@ -19,6 +20,6 @@ def save_result_storage(settings: Settings) -> str:
 
     credentials = AwsCredentials(region_name=settings.s3_region,
                                  aws_client_parameters=AwsClientParameters(endpoint_url=settings.s3_endpoint_url))
-    bucket = S3Bucket(bucket_name=settings.s3_bucket, credentials=credentials, bucket_folder=RESULTS_FOLDER)
+    bucket = S3Bucket(bucket_name=settings.s3_bucket, credentials=credentials, bucket_folder=PREFECT_RESULTS_FOLDER)
     bucket.save(RESULTS_BLOCK.split("/", 1)[1], overwrite=True)
     return RESULTS_BLOCK

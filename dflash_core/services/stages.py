@@ -24,7 +24,6 @@ WORKER_POLL_S = 1  # how soon a new or retried run starts (Prefect's default: 10
 WORK_POOL = "dflash"
 READY_FILE_ENV = "DFLASH_STAGES_READY_FILE"
 RESULTS_BLOCK = "s3-bucket/dflash-results"  # saved by flows/results.py when the stage server starts
-RESULTS_FOLDER = "prefect-results"
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
