@@ -18,9 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dflash_core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
+from dflash_core.defaults import ANCHORS_PER_1024_TOKENS, DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS
 from dflash_core.strict import not_utf8_text, validation_summary
-from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS
 
 GiB = 1024**3
 TB = 10**12
@@ -164,7 +163,7 @@ class PlanInputs(BaseModel):
     token_budget: int = Field(8192, gt=0, le=MAX_TOKENS, description="Tokens per training micro-batch per GPU.")
     anchors_per_1k_tokens: float = Field(ANCHORS_PER_1024_TOKENS * 1000 / 1024, gt=0, le=MAX_TOKENS,
                                          description="Anchors per 1,000 batch tokens; default: a training run's "
-                                         "default density (dflash_core.train.anchor_budget, 512 per 2,048).")
+                                         "default density (dflash_core.defaults, 512 per 2,048).")
     gpu_memory_gib: float = Field(139.0, gt=0, le=MAX_SIZE, description="Usable memory of one GPU (H200: ~139 GiB).")
     num_gpus: int = Field(1, gt=0, le=MAX_SIZE)
     interconnect_gb_s: float = Field(450.0, ge=0.001, le=MAX_SIZE,

@@ -11,7 +11,8 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from dflash_core.defaults import (
-    DEFAULT_BLOCK_SIZE, DEFAULT_MIN_TAPPED_LAYERS, DEFAULT_NUM_LAYERS, default_tapped_layer_count,
+    ANCHORS_PER_1024_TOKENS, DEFAULT_BLOCK_SIZE, DEFAULT_MIN_TAPPED_LAYERS, DEFAULT_NUM_LAYERS, default_num_anchors,
+    default_tapped_layer_count,
 )
 from dflash_core.model.config import tapped_layer_ids
 from dflash_core.model.loss_spec import LossSpec
@@ -22,7 +23,6 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"
 COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 
 from dflash_core.strict import StrictModel, validation_summary
-from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS, default_num_anchors
 
 _DFLASH2 = {field.name: field.default for field in dataclasses.fields(DFlash2Config) if field.name in DFLASH2_FIELDS}
 
@@ -31,7 +31,7 @@ class DrafterSettings(StrictModel):
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=2, description="Tokens per draft block (anchor + B-1 masks).")
     num_anchors: int | None = Field(
         None, ge=1, description=f"Anchors per packed row. None: {ANCHORS_PER_1024_TOKENS} per 1,024 tokens of "
-        "token_budget (512 per 2,048; dflash_core.train.anchor_budget), so memory and step time follow the "
+        "token_budget (512 per 2,048; dflash_core.defaults), so memory and step time follow the "
         "budget.")
     loss_target: Literal["teacher", "data"] = Field(
         "teacher", description="Learn the target's argmax (teacher) or the data tokens.")

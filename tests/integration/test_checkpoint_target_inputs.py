@@ -12,7 +12,7 @@ from dflash_core.layout import ArtifactKind
 from dflash_core.lineage import TARGET_MODEL, TOKENIZER, read_manifest, write_artifact
 from dflash_core.lineage_refs import DigestCache
 from dflash_core.storage import sha256_file
-from dflash_core.train.anchor_budget import default_num_anchors
+from dflash_core.defaults import default_num_anchors
 from dflash_core.train.checkpoint import _FILES
 from dflash_core.train.config import TrainConfig
 from tests.train_fixtures import synthetic_shard

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import dflash_core.train.step as step_module
-from dflash_core.train.anchor_budget import ANCHORS_PER_1024_TOKENS
+from dflash_core.defaults import ANCHORS_PER_1024_TOKENS
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.assemble import build_trainer
 from tests.train_fixtures import synthetic_shard

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import yaml
 
-from dflash_core.train.anchor_budget import default_num_anchors
+from dflash_core.defaults import default_num_anchors
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.entry import write_run_record
 from tests.unit.test_trainer import tiny_config
