@@ -380,7 +380,8 @@ def _made(run: StageRun, result: dict) -> str:
     if run.depth > 1:  # a stage's own runs: a generation across nodes' provisions and node shares
         share = next((s for s in _stage_result(result, "generate").get("by_node") or []
                       if run.id in s.get("flow_runs", [])), None) if run.stage == "generate" else None
-        return f"node {share['node']}: {share.get('outcomes', {}).get('completed', 0)} completions" if share else ""
+        return f"node {share['node']}: {(share.get('completions_by_run') or {}).get(run.id, 0)} completions" \
+            if share else ""
     part = _stage_result(result, run.stage)
     if not part:
         return ""

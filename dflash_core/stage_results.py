@@ -78,6 +78,9 @@ class NodeShare(BaseModel):
     outcomes: dict[str, int] = Field(default_factory=dict, description=(
         "Its prompts by outcome (completed, failed, generated_now, completion_tokens_now), over its runs."))
     flow_runs: list[str] = Field(default_factory=list, description="Its generate runs, one per share it was given.")
+    completions_by_run: dict[str, int] = Field(default_factory=dict, description=(
+        "Completions of each of its runs (flow run id: count); a run that never reported (its node dropped out) is "
+        "counted from the shards it stored."))
     lost: str | None = Field(None, description="Why the node dropped out (its shards went to the others), if it did.")
 
 

@@ -21,14 +21,16 @@ from dflash_core.data.prompts import PromptSource
 from dflash_core.layout import HELDOUT_STEM, ArtifactKind, artifact_key, downstream_shard_name, is_heldout_key
 from dflash_core.lineage import InputRef
 from dflash_core.serving import launcher
-from dflash_core.serving.generation import GenerationFailed, GenerationTarget, failure_verdict, shard_is_done
+from dflash_core.serving.generation import (
+    GenerationFailed, GenerationTarget, ShardAssignment, failure_verdict, shard_is_done,
+)
 from dflash_core.serving.profiles import TransformersProfile
 from dflash_core.settings import load_settings
 from dflash_core.stage_results import RESULT_FILE, CompletionsDataset, StoredShard
 from dflash_core.storage import ObjectStore
 from flows.command_line import run_from_command_line
 from flows.failures import fail_run
-from flows.generate_nodes import NodesLost, answer_across_nodes, credit_shards
+from flows.generate_nodes import NodesLost, answer_across_nodes, credit_shards, merged_shards
 from flows.generate_params import GenerateParams
 from flows.nodes import preserve_on_failure
 from tasks.artifacts import target_inputs, ui_key
@@ -105,12 +107,14 @@ def generate(params: GenerateParams) -> CompletionsDataset:
             run_canary(settings, prompt_key=prompt_keys[0], target=target, count=params.canary_prompts,
                        thresholds=params.canary, ui_artifact=ui["generation-canary"])
         outcomes = []
+        deal = _own_deal(params)
         for index, (prompt_key, output_key) in enumerate(zip(prompt_keys, output_keys)):
             progress = new_progress(f"shard {index + 1}/{len(prompt_keys)}: {output_key}")
             run_shard = generate_completion_shard.with_options(refresh_cache=True) if params.refresh \
                 else generate_completion_shard
             outcomes.append(run_shard(settings, prompt_key=prompt_key, output_key=output_key,
-                                      target=target, progress_id=progress))
+                                      target=target, progress_id=progress,
+                                      assignment=ShardAssignment(node=params.node.name, deal=deal) if deal else None))
     finally:
         stop_servers(run_dir)
     summary = {"shards": [o.output_key for o in outcomes if o.completed],
@@ -134,6 +138,17 @@ def generate(params: GenerateParams) -> CompletionsDataset:
                    result_key=f"{report_prefix}/{RESULT_FILE}", model=profile.model)
 
 
+def _own_deal(params: GenerateParams) -> str | None:
+    """This node share's deal, the idempotency key its generate run across nodes started it with and wrote into each
+    of its shards' assignments; None for a run that is no such share."""
+    if params.node is None or params.prompt_shards is None or not flow_run.id:
+        return None
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run.id).idempotency_key
+
+
 def _given_shards(store: ObjectStore, keys: list[str], *, available: list[str]) -> list[str]:
     """`prompt_shards`, each checked to be a shard of this prompt set."""
     unknown = [key for key in keys if key not in set(available)]
@@ -152,7 +167,7 @@ def _across_nodes(settings, params: GenerateParams, *, prompt_keys: list[str], o
         by_node = answer_across_nodes(settings, params, prompt_keys=prompt_keys, output_keys=output_keys)
     except NodesLost as lost:
         return fail_run(lost)
-    stored = [key for key in output_keys if store.exists(key)]
+    stored = merged_shards(store, output_keys)
     by_node = credit_shards(store, by_node, stored)
     totals: dict[str, int] = {}
     for share in by_node:

@@ -9,8 +9,12 @@ A node drops out of the run, and its unanswered shards go to the nodes still in 
     - its run fails or crashes (the node's worker reports that);
     - its worker has not been heard from for `node_timeout_s` (the node died with its worker): its run is
       marked Crashed, saying so.
-A shard's answers so far are in S3 (`<shard>.partial`, every 64 answers), so the node that takes it over
-resumes there. Every shard already answered with the same prompts, model and sampling is kept; a rerun or
+A node declared lost is stopped at once: the shards it has not stored are dealt to no node (a write of them
+from its run is refused: dflash_core/serving/generation.py `fenced_for`), and every process of its run on the
+node (the run and its servers) is killed, when the node can be reached. The shards it stored before count as its
+own. A shard's answers so far are in S3 (`<shard>.partial`, every 64 answers), so the node that takes it over
+resumes there; a shard a lost node's write stored after it was dealt again is answered again by its new node and
+left out of the merge. Every shard already answered with the same prompts, model and sampling is kept; a rerun or
 a Retry checks each shard again, probes each node again and deals only what is left, so no shard is answered
 twice and no finished one is redone (a Retry first stops the node runs an earlier attempt left running).
 Shards whose prompts failed within `max_failed_fraction` stay as they are until a rerun retries those
@@ -19,8 +23,10 @@ prompts, as on one node.
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from prefect import get_run_logger
@@ -28,7 +34,10 @@ from prefect.runtime import flow_run
 
 from dflash_core.nodes import Node
 from dflash_core.nodes.worker import node_queue
-from dflash_core.serving.generation import GenerationTarget, shard_is_done
+from dflash_core.serving.generation import (
+    GenerationTarget, ShardAssignment, assign_shard, revoke_shard, shard_is_done, stored_by, stored_by_another,
+    stored_outcome,
+)
 from dflash_core.serving.profiles import EngineProfile
 from dflash_core.serving.shares import check_shares, split_by_weight
 from dflash_core.services.stages import WORK_POOL
@@ -70,8 +79,8 @@ def answer_across_nodes(settings: Settings, params: GenerateParams, *, prompt_ke
     finished: set[str] = set()  # answered by a run that completed in this attempt (failed prompts wait for a rerun)
 
     def pending(planned: GenerationTarget) -> list[str]:
-        return [key for key in prompt_keys if key not in finished and not shard_is_done(
-            store, prompt_key=key, output_key=output_of[key], target=planned)]
+        return [key for key in prompt_keys if stored_by_another(store, output_of[key]) or (key not in finished
+                and not shard_is_done(store, prompt_key=key, output_key=output_of[key], target=planned))]
 
     declared = {name: spec.engine or params.engine for name, spec in resolved.items()}
     if all(engine.model != MODEL_FROM_NODE for engine in declared.values()):
@@ -92,22 +101,92 @@ def answer_across_nodes(settings: Settings, params: GenerateParams, *, prompt_ke
         split = split_by_weight(left, {name: resolved[name].num_instances for name in live})
         check_shares(left, split)
         logger.info("wave %d: %s", wave, ", ".join(f"{name} {len(keys)} shard(s)" for name, keys in split.items()))
-        started = {name: start_stage(NODE_DEPLOYMENT, _share_params(params, resolved[name], live[name], keys,
+        dealt = {name: _deal(store, name, [output_of[key] for key in keys], key=f"generate-{name}-attempt-{attempt}-"
+                             f"wave-{wave}") for name, keys in split.items() if keys}
+        started = {name: start_stage(NODE_DEPLOYMENT, _share_params(params, resolved[name], live[name], split[name],
                                                                      engines[name]),
-                                     key=f"generate-{name}-attempt-{attempt}-wave-{wave}", work_queue=live[name].work_queue)
-                   for name, keys in split.items() if keys}
-        _wait_all(started, silent=lambda client, name: _silent(client, name, params.node_timeout_s))
+                                     key=deal.key, work_queue=live[name].work_queue) for name, deal in dealt.items()}
+        stopped: dict[str, str] = {}
+
+        def on_final(name: str, state) -> None:
+            if not state.is_completed():
+                stopped[name] = _stop_lost(settings, store, resolved[name], dealt[name], started[name])
+
+        _wait_all(started, silent=lambda client, name: _silent(client, name, params.node_timeout_s), on_final=on_final)
         for name, stage in started.items():
             try:
                 made: CompletionsDataset = stage_result(stage)
             except StageFailed as failed:
-                shares[name].lost = str(failed)
+                shares[name].lost = f"{failed} {stopped.get(name, '')}".strip()
                 del live[name]
-                logger.warning("node %s dropped out; its unanswered shards go to the others: %s", name, failed)
+                _add(shares[name], _stored_outcomes(store, dealt[name]), run_id=str(stage.run_id))
+                logger.warning("node %s dropped out; its unanswered shards go to the others: %s", name,
+                               shares[name].lost)
                 continue
             finished.update(split[name])
-            _add(shares[name], made)
+            _add(shares[name], made.outcomes, run_id=str(stage.run_id))
     return list(shares.values())
+
+
+@dataclass(frozen=True)
+class _Deal:
+    """The shards (completion keys) one wave deals to one node, under its share run's idempotency key."""
+
+    node: str
+    key: str  # the share's stage key
+    deal: str  # start_stage's idempotency key for it: what its run writes under
+    output_keys: list[str]
+
+    def assignment(self) -> ShardAssignment:
+        return ShardAssignment(node=self.node, deal=self.deal)
+
+
+def _deal(store: ObjectStore, node: str, output_keys: list[str], *, key: str) -> _Deal:
+    """Deal `output_keys` to `node`'s share started with stage key `key`: its assignment in each shard, written
+    before the share starts so that its first write already finds it."""
+    deal = _Deal(node=node, key=key, deal=f"{flow_run.id}:{key}", output_keys=output_keys)  # as start_stage keys it
+    for output_key in output_keys:
+        assign_shard(store, output_key, deal.assignment())
+    return deal
+
+
+def _stop_lost(settings: Settings, store: ObjectStore, spec: GenerationNode, deal: _Deal, stage: StartedStage) -> str:
+    """Fence and stop the run of a node that dropped out: the shards it has not stored are dealt to nobody (its
+    later writes are refused), then every process of its run on the node is killed. What was done, in words."""
+    for output_key in deal.output_keys:
+        if stored_by(store, output_key) != deal.deal:
+            revoke_shard(store, output_key)
+    try:
+        with spec.provision.resolve(settings).connect() as access:
+            killed = access.run(_KILL_RUN.format(run_id=shlex.quote(str(stage.run_id))), timeout_s=60).stdout.split()
+    except Exception as error:  # noqa: BLE001 - a node we cannot reach is fenced, not stopped
+        return f"(its unstored shards are fenced off; the node could not be reached to stop its run: {error})"
+    return f"(its unstored shards are fenced off; stopped on the node: {len(killed)} process(es) of its run)"
+
+
+# Every process of one flow run on a node: the run's own (Prefect's process worker gives it PREFECT__FLOW_RUN_ID)
+# and the servers it started (they inherit its environment). SIGTERM (and SIGCONT, for a frozen one), SIGKILL what
+# still runs after 10 s; their PIDs.
+_KILL_RUN = """
+pids=$(grep -lsaF PREFECT__FLOW_RUN_ID={run_id} /proc/[0-9]*/environ | cut -d/ -f3)
+[ -n "$pids" ] || exit 0
+alive() {{ for p in $pids; do st=$(sed 's/.*) //' /proc/$p/stat 2>/dev/null | cut -d' ' -f1)
+           [ -n "$st" ] && [ "$st" != Z ] && return 0; done; return 1; }}
+kill -TERM $pids 2>/dev/null; kill -CONT $pids 2>/dev/null; i=0
+while alive && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done
+kill -KILL $pids 2>/dev/null; echo $pids
+"""
+
+
+def _stored_outcomes(store: ObjectStore, deal: _Deal) -> dict[str, int]:
+    """What a run that never reported stored under `deal`, by outcome, from its shards' manifests."""
+    outcomes: dict[str, int] = {}
+    for output_key in deal.output_keys:
+        if stored_by(store, output_key) == deal.deal:
+            made = stored_outcome(store, output_key)
+            for name in ("completed", "failed", "generated_now", "completion_tokens_now"):
+                outcomes[name] = outcomes.get(name, 0) + getattr(made, name)
+    return outcomes
 
 
 def _none_left(shares: dict[str, NodeShare], what: str) -> str:
@@ -188,9 +267,10 @@ def _share_params(params: GenerateParams, spec: GenerationNode, node: Provisione
         "devices": spec.devices, "base_port": spec.base_port, "node": node.node})
 
 
-def _wait_all(started: dict[str, StartedStage], *,
-              silent: Callable[[object, str], str | None] | None = None) -> None:
-    """Wait until every started run is final; a run whose node `silent` says is gone is marked Crashed."""
+def _wait_all(started: dict[str, StartedStage], *, silent: Callable[[object, str], str | None] | None = None,
+              on_final: Callable[[str, object], None] | None = None) -> None:
+    """Wait until every started run is final; a run whose node `silent` says is gone is marked Crashed. `on_final`
+    (name, state) as soon as each is final, before the others are."""
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed
 
@@ -210,6 +290,8 @@ def _wait_all(started: dict[str, StartedStage], *,
                 if state is not None and state.is_final():
                     stage.state = state
                     del waiting[name]
+                    if on_final is not None:
+                        on_final(name, state)
             if check:
                 last_check = time.monotonic()
             if waiting:
@@ -257,10 +339,22 @@ def _silent(client, name: str, timeout_s: float) -> str | None:
             f"{timeout_s:.0f}); its unanswered shards go to the other nodes")
 
 
-def _add(share: NodeShare, made: CompletionsDataset) -> None:
-    for name, count in made.outcomes.items():
+def _add(share: NodeShare, outcomes: dict[str, int], *, run_id: str) -> None:
+    for name, count in outcomes.items():
         share.outcomes[name] = share.outcomes.get(name, 0) + count
-    share.flow_runs.append(made.flow_run)
+    share.flow_runs.append(run_id)
+    share.completions_by_run[run_id] = outcomes.get("completed", 0)
+
+
+def merged_shards(store: ObjectStore, output_keys: list[str]) -> list[str]:
+    """The stored shards of `output_keys` that the merge takes: each stored by the node share it is dealt to (or
+    by a run outside any deal); one a lost node stored after it was dealt again is left out."""
+    stored = [key for key in output_keys if store.exists(key)]
+    foreign = [key for key in stored if stored_by_another(store, key)]
+    if foreign:
+        get_run_logger().warning("left out of the merge, stored by a node they were no longer dealt to: %s",
+                                 ", ".join(store.uri(key) for key in foreign))
+    return [key for key in stored if key not in foreign]
 
 
 def credit_shards(store: ObjectStore, shares: list[NodeShare], shard_keys: list[str]) -> list[NodeShare]:

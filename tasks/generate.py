@@ -21,7 +21,7 @@ from dflash_core.provenance import Producer
 from dflash_core.serving import launcher
 from dflash_core.serving.canary import CanaryReport, CanaryThresholds, check_canary
 from dflash_core.serving.client import FailedPrompt, complete_all
-from dflash_core.serving.generation import GenerationTarget, ShardOutcome, generate_shard
+from dflash_core.serving.generation import GenerationTarget, ShardAssignment, ShardOutcome, generate_shard
 from dflash_core.serving.profiles import _EngineProfile
 from dflash_core.settings import Settings
 from dflash_core.storage import ObjectNotFound, ObjectStore, sha256_bytes
@@ -182,8 +182,10 @@ def run_canary(settings: Settings, *, prompt_key: str, target: GenerationTarget,
 
 @task(retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=retry_store_outage)
 def generate_completion_shard(settings: Settings, *, prompt_key: str, output_key: str,
-                              target: GenerationTarget, progress_id=None) -> ShardOutcome:
-    """Answer every prompt of one shard (resuming any partial work) and write the shard with its manifest."""
+                              target: GenerationTarget, progress_id=None,
+                              assignment: ShardAssignment | None = None) -> ShardOutcome:
+    """Answer every prompt of one shard (resuming any partial work) and write the shard with its manifest; a node
+    share's writes only while the shard is still dealt to it (`assignment`)."""
     store = ObjectStore.from_settings(settings)
     counts = {"done": 0}
     total = len(read_prompt_lines(store.get_bytes(prompt_key)))
@@ -195,7 +197,7 @@ def generate_completion_shard(settings: Settings, *, prompt_key: str, output_key
 
     outcome = generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=target,
                              scratch_dir=settings.work_path("generate"), producer=run_producer(),
-                             on_result=on_result)
+                             on_result=on_result, assignment=assignment)
     if progress_id is not None:
         update_progress_artifact(progress_id, progress=100.0)
     return outcome

@@ -7,6 +7,12 @@ recorded failure: the JSONL goes to S3 with its manifest (input: the prompt shar
 it (`<output>.failures.jsonl`); a rerun retries only the failed prompts. A shard with no answer at
 all is not registered (no object, no manifest): nothing downstream mistakes it for data.
 `failure_verdict` says whether a run's failed fraction is past what its caller accepts.
+
+In a generation across nodes each shard is dealt to one node's share run: the generate run records the deal in
+`<output>.assignment.json` (`assign_shard`) before it starts the share, and deletes it when the node is lost (the
+next wave deals it again). That share writes through `fenced_for`: every write of the shard asks first whether
+the shard is still dealt to it (`ShardNotAssigned` when not) and is stamped with its deal, so a write that raced
+the move is found (`stored_by_another`) and left out of the merge.
 """
 
 from __future__ import annotations
@@ -14,20 +20,22 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_core.data.completion import CompletionRecord
 from dflash_core.data.prompts import read_prompt_lines
-from dflash_core.layout import ArtifactKind
+from dflash_core.layout import ArtifactKind, manifest_key
 from dflash_core.lineage import input_ref, read_manifest, write_artifact
 from dflash_core.provenance import Producer
 from dflash_core.serving.client import ClientConfig, FailedPrompt, SamplingParams, complete_all
-from dflash_core.storage import ObjectNotFound, ObjectStore
+from dflash_core.storage import ObjectNotFound, ObjectStore, StoreError
 
 PARTIAL_SUFFIX = ".partial"
 MAX_NAMED_FAILURES = 20  # failed prompt ids a verdict names; every one is in <shard>.failures.jsonl
 FAILURES_SUFFIX = ".failures.jsonl"
+ASSIGNMENT_SUFFIX = ".assignment.json"
+DEAL_METADATA_KEY = "shard-deal"  # user metadata the fence stamps on every object a node share writes
 
 
 @dataclass
@@ -82,6 +90,84 @@ class GenerationTarget:
     api_key: str | None = None
 
 
+class ShardNotAssigned(StoreError):
+    """A write for a shard that is no longer dealt to this node's share (its node was declared lost and the shard
+    went to another): refused for good, retrying cannot help."""
+
+
+@dataclass(frozen=True)
+class ShardAssignment:
+    """The node share a shard is dealt to: the node, and the deal (the share run's idempotency key: one per node,
+    attempt and wave of the generate run)."""
+
+    node: str
+    deal: str
+
+
+def assign_shard(store: ObjectStore, output_key: str, assignment: ShardAssignment) -> None:
+    store.put_bytes(output_key + ASSIGNMENT_SUFFIX, json.dumps(asdict(assignment)).encode(),
+                    content_type="application/json")
+
+
+def revoke_shard(store: ObjectStore, output_key: str) -> None:
+    """Deal the shard to nobody: every share's write of it is refused until it is dealt again."""
+    store.delete(output_key + ASSIGNMENT_SUFFIX)
+
+
+def assignment_of(store: ObjectStore, output_key: str) -> ShardAssignment | None:
+    try:
+        return ShardAssignment(**json.loads(store.get_bytes(output_key + ASSIGNMENT_SUFFIX)))
+    except ObjectNotFound:
+        return None
+
+
+def fenced_for(store: ObjectStore, output_key: str, assignment: ShardAssignment) -> ObjectStore:
+    """`store` whose every write (each HTTP attempt) first checks that the shard is still dealt to `assignment`, and
+    stamps its deal on each object written (`deal_of`)."""
+    # `in_flight_s` goes unused: a deal has no expiry to land before. A write sent just before the deal moved that
+    # lands after it carries the old deal's stamp, which `stored_by_another` finds.
+    def still_dealt(key: str, *, in_flight_s: float) -> dict[str, str]:
+        current = assignment_of(store, output_key)
+        if current != assignment:
+            now = f"to node {current.node} ({current.deal})" if current else "to no node"
+            raise ShardNotAssigned(f"not writing {store.uri(key)}: {store.uri(output_key)} is dealt {now}, no longer "
+                                   f"to node {assignment.node} ({assignment.deal}), which was declared lost")
+        return {DEAL_METADATA_KEY: assignment.deal}
+
+    return store.fenced(still_dealt)
+
+
+def deal_of(store: ObjectStore, key: str) -> str | None:
+    """The deal stamped on the object at `key` by the share that wrote it (None: no object, or not a share's)."""
+    try:
+        return store.head(key).metadata.get(DEAL_METADATA_KEY)
+    except ObjectNotFound:
+        return None
+
+
+def stored_by(store: ObjectStore, output_key: str) -> str | None:
+    """The deal of the share that stored the shard, its data and its manifest both (None: no whole shard stored
+    by one share)."""
+    deal = deal_of(store, output_key)
+    return deal if deal is not None and deal_of(store, manifest_key(output_key)) == deal else None
+
+
+def stored_by_another(store: ObjectStore, output_key: str) -> bool:
+    """True when the stored shard or its manifest was written by another share than the one it is dealt to: a
+    write of a lost node that got past the fence just before the shard was dealt again."""
+    assignment = assignment_of(store, output_key)
+    return assignment is not None and any(
+        store.exists(key) and deal_of(store, key) != assignment.deal for key in (output_key, manifest_key(output_key)))
+
+
+def stored_outcome(store: ObjectStore, output_key: str) -> ShardOutcome:
+    """A stored shard's counts as its manifest records them (for a run that stored it but never reported)."""
+    config = read_manifest(store, output_key).config
+    prompts, failed = config["prompts"], config.get("failed", 0)
+    return ShardOutcome(output_key, prompts, prompts - failed, failed, config.get("generated_now", prompts - failed),
+                        config.get("completion_tokens_now", 0))
+
+
 def _work_config(target: GenerationTarget, num_prompts: int) -> dict:
     """What makes two generations of a shard the same work (not where the servers run)."""
     return {"model": target.model, "server": target.server, "sampling": target.sampling.model_dump(mode="json"),
@@ -98,14 +184,19 @@ def shard_is_done(store: ObjectStore, *, prompt_key: str, output_key: str, targe
 
 def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, target: GenerationTarget,
                    scratch_dir: Path, producer: Producer | None = None, checkpoint_every: int = 64,
-                   on_result: Callable[[CompletionRecord | FailedPrompt], None] | None = None) -> ShardOutcome:
+                   on_result: Callable[[CompletionRecord | FailedPrompt], None] | None = None,
+                   assignment: ShardAssignment | None = None) -> ShardOutcome:
+    """`assignment`: the node share this shard is dealt to; every write is then fenced by it (`fenced_for`), and a
+    shard another share stored is written again under this one (its answers kept)."""
     prompts = read_prompt_lines(store.get_bytes(prompt_key))
     failures_key = output_key + FAILURES_SUFFIX
     config = _work_config(target, len(prompts))
     prompt_ref = input_ref(store, prompt_key)
     same_work = _made_from(store, output_key, prompt_ref.sha256, config)
-    if same_work and not store.exists(failures_key):
+    ours = assignment is None or stored_by(store, output_key) == assignment.deal
+    if same_work and ours and not store.exists(failures_key):
         return ShardOutcome(output_key, len(prompts), len(prompts), 0, 0, 0, skipped=True)
+    writer = fenced_for(store, output_key, assignment) if assignment is not None else store
 
     wanted = {prompt.id for prompt in prompts}
     # Answers of an earlier run count only when they came from the same prompts, model and sampling.
@@ -137,7 +228,7 @@ def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, targ
                     new += 1
                     tokens += result.generation.completion_tokens or 0
                     if new % checkpoint_every == 0:
-                        store.put_file(output_key + PARTIAL_SUFFIX, local_partial)
+                        writer.put_file(output_key + PARTIAL_SUFFIX, local_partial)
                 else:
                     failures.append(result)
                 if on_result is not None:
@@ -146,18 +237,19 @@ def generate_shard(store: ObjectStore, *, prompt_key: str, output_key: str, targ
     if remaining:
         asyncio.run(run())
     body = b"".join(done[prompt.id] for prompt in prompts if prompt.id in done)
+    made = {"failed": len(failures), "generated_now": new, "completion_tokens_now": tokens}
     if body:
-        write_artifact(store, output_key, body, kind=ArtifactKind.COMPLETIONS, inputs=[prompt_ref],
-                       config={**config, "failed": len(failures)}, producer=producer)
+        write_artifact(writer, output_key, body, kind=ArtifactKind.COMPLETIONS, inputs=[prompt_ref],
+                       config={**config, **made}, producer=producer)
     else:  # no answer at all: no shard, and no stale one from an earlier run either
-        store.delete_many([k for k in (output_key, output_key + ".manifest.json") if store.exists(k)])
+        writer.delete_many([k for k in (output_key, output_key + ".manifest.json") if store.exists(k)])
     if failures:
         lines = b"".join(f.model_dump_json().encode() + b"\n" for f in failures)
-        write_artifact(store, failures_key, lines, kind=ArtifactKind.REPORT, inputs=[prompt_ref],
+        write_artifact(writer, failures_key, lines, kind=ArtifactKind.REPORT, inputs=[prompt_ref],
                        config=config, producer=producer)
     else:
-        store.delete_many([k for k in (failures_key, failures_key + ".manifest.json") if store.exists(k)])
-    store.delete_many([k for k in (output_key + PARTIAL_SUFFIX,) if store.exists(k)])
+        writer.delete_many([k for k in (failures_key, failures_key + ".manifest.json") if store.exists(k)])
+    writer.delete_many([k for k in (output_key + PARTIAL_SUFFIX,) if store.exists(k)])
     local_partial.unlink(missing_ok=True)
     failed_ids = {f.id for f in failures}
     return ShardOutcome(output_key, len(prompts), len(prompts) - len(failures), len(failures), new, tokens,

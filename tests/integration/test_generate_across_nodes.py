@@ -4,7 +4,9 @@ provision the generate run does) and its own `transformers serve` on the embedde
 split between them; the SSH node is killed mid-generation (sshd, its worker, its generate run and its server),
 its unanswered shards go to the local node, and the merged dataset answers every prompt exactly once, which the
 tokenize stage after it confirms. A rerun after a shard is lost from the bucket finds the dead node unreachable
-and has the live one answer that shard alone. Against the session's real Prefect server, stage server and S3.
+and has the live one answer that shard alone. A second run kills only the SSH node's worker (its run lives on, its
+servers frozen): the generate run stops that run on the node, fences the shards it had not stored, and counts those
+it had as its own. Against the session's real Prefect server, stage server and S3.
 
 Run: `.venv/bin/python -m pytest -q -n 0 tests/integration/test_generate_across_nodes.py`
 """
@@ -13,11 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 
@@ -134,6 +139,10 @@ def test_a_generation_across_two_nodes_survives_one_dying(stage_server, store, e
         assert remote_share in by_node[remote.name].shards
         assert sorted(by_node[local.name].shards + by_node[remote.name].shards) == sorted(s.uri for s in made.shards)
         assert by_node[local.name].lost is None and by_node[local.name].outcomes["completed"] > 0
+        # every prompt counted once, the dead node's own shards as its; it could not be reached to be stopped
+        assert made.outcomes["completed"] == PROMPTS, made.outcomes
+        assert by_node[remote.name].outcomes["completed"] == SHARD_SIZE * len(by_node[remote.name].shards)
+        assert "could not be reached to stop its run" in by_node[remote.name].lost, by_node[remote.name].lost
         # the local node ran two shares (its own, then the dead node's leftovers); the dead one's run was crashed
         assert [name for name, state in shares if state == "Completed"].count(local.name) == 2, shares
         assert (remote.name, "Crashed") in shares, shares
@@ -169,6 +178,156 @@ def test_a_generation_across_two_nodes_survives_one_dying(stage_server, store, e
         _kill_node(tmp_path / "node-b")
         with local.connect() as access:
             stop_node_worker(access, work_dir=access.path(local.work_dir))
+
+
+def test_a_node_whose_worker_is_killed_is_stopped_fenced_and_counted(stage_server, store, env_settings, monkeypatch,
+                                                                    tmp_path: Path) -> None:
+    """The SSH node's worker is SIGKILLed after its run stored a shard, and its servers are frozen (SIGSTOP) so that
+    its run, alive, cannot finish its share before the worker's silence gets its node declared lost. The generate
+    run must then stop that run on the node (run and servers), fence its shards, count what it stored as its own,
+    and refuse a late write of it."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from dflash_core.services.stages import result_store_env
+    from flows.deployments import deployment_for
+    from flows.pipeline import PipelineParams
+    from tests.integration.shared_runs import children, wait_final
+
+    for key, value in result_store_env(env_settings).items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "sshd-home").mkdir()
+    sshd_run = start_sshd(tmp_path / "sshd-home")
+    sshd = next(sshd_run)
+    tag = uuid.uuid4().hex[:6]
+    local = local_node(tmp_path / "node-a", name=f"wa-{tag}")
+    remote = sshd.node(name=f"wb-{tag}", work_dir=str(tmp_path / "node-b"))
+    generation = _two_node_generation(tmp_path, tag=tag, nodes=(local, remote))
+    form = {"params": PipelineParams(generation=generation).model_dump(mode="json")}
+    try:
+        run = run_deployment(deployment_for("pipeline"), parameters=form, timeout=0, as_subflow=False)
+        with get_client(sync_client=True) as client:
+            _wait_for_a_shard_of(client, store, run.id, remote.name, timeout_s=300)
+            [worker] = _pids(lambda pid: _cmdline(pid).endswith(f"--work-queue node-{remote.name} --no-register"))
+            os.kill(worker, signal.SIGKILL)
+            frozen = _pids(lambda pid: _cwd(pid).startswith(str(tmp_path / "node-b" / "servers")))
+            assert frozen, "the SSH node runs no server"
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            run = wait_final(client, run.id, timeout_s=420)
+            assert run.state.is_completed(), run.state
+            [generate_run] = [r for r in children(client, run.id) if client.read_deployment(r.deployment_id).name
+                              == "generate"]
+            node_runs = {r.id: r for r in children(client, generate_run.id)
+                         if ((r.parameters or {}).get("params") or {}).get("prompt_shards") is not None}
+        made = run.state.result().generation
+        by_node = {share.node: share for share in made.by_node}
+        lost, kept = by_node[remote.name], by_node[local.name]
+        [lost_run] = [node_runs[UUID(id_)] for id_ in lost.flow_runs]
+
+        # stopped: nothing of its run is left on the node (its frozen servers included), and it says so
+        assert not _pids(lambda pid: _environ_has(pid, f"PREFECT__FLOW_RUN_ID={lost_run.id}")), "its run still runs"
+        assert lost_run.state.name == "Crashed" and re.search(r"stopped on the node: [1-9]\d* process", lost.lost), \
+            lost.lost  # its frozen servers at least: they cannot have ended by themselves
+        assert not any(_alive(pid) for pid in frozen), frozen
+        # counted: every prompt once in the total, each node's completions its own shards' prompts, one run each
+        assert made.outcomes["completed"] == PROMPTS, made.outcomes
+        assert lost.outcomes["completed"] == SHARD_SIZE * len(lost.shards) > 0, lost
+        assert kept.outcomes["completed"] == SHARD_SIZE * len(kept.shards), kept
+        assert len(lost.flow_runs) == 1 and len(kept.flow_runs) == 2, (lost.flow_runs, kept.flow_runs)
+        assert lost.completions_by_run == {str(lost_run.id): SHARD_SIZE * len(lost.shards)}, lost
+        assert sum(kept.completions_by_run.values()) == kept.outcomes["completed"], kept
+        # fenced: each shard stored once, by the share it is dealt to; a late write of the lost run is refused
+        from dflash_core.serving.generation import ShardNotAssigned, assignment_of, stored_by
+
+        keys = {shard.uri: store.key_of(shard.uri) for shard in made.shards}
+        assert sorted(lost.shards + kept.shards) == sorted(keys), (lost.shards, kept.shards)
+        assert all(stored_by(store, key) == assignment_of(store, key).deal for key in keys.values())
+        assert {stored_by(store, keys[uri]) for uri in lost.shards} == {lost_run.idempotency_key}
+        dealt = dict(zip(_output_keys(store, lost_run.parameters["params"]),
+                         lost_run.parameters["params"]["prompt_shards"]))
+        taken_over = [key for key in dealt if store.uri(key) not in lost.shards]
+        assert taken_over and all(store.uri(key) in kept.shards for key in taken_over), (taken_over, kept.shards)
+        with pytest.raises(ShardNotAssigned, match="declared lost"):
+            _late_write(store, generation, lost_run, prompt_key=dealt[taken_over[0]], output_key=taken_over[0])
+        assert {s.uri: store.head(k).sha256 for s in made.shards for k in [keys[s.uri]]} == \
+            {s.uri: s.sha256 for s in made.shards}
+        # the summary says the same: the generate stage's total, the node table, each run's own count
+        summary = _summary(client_factory=get_client, run_id=run.id)
+        assert f"{PROMPTS} completions (0 failed)" in summary, summary
+        assert f"| {remote.name} | {len(lost.shards)} | {lost.outcomes['completed']} | 0 |" in summary, summary
+        for node, share in by_node.items():
+            for run_id, count in share.completions_by_run.items():
+                assert f"node {node}: {count} completions" in summary, (node, run_id, summary)
+    finally:
+        for pid in _pids(lambda pid: _environ_has(pid, f"DFLASH_WORK_DIR={tmp_path / 'node-b'}")):
+            os.kill(pid, signal.SIGKILL)
+        sshd_run.close()
+        with local.connect() as access:
+            stop_node_worker(access, work_dir=access.path(local.work_dir))
+
+
+def _two_node_generation(tmp_path: Path, *, tag: str, nodes):
+    from dflash_core.embedded import embedded_model_dir
+    from flows.generate import GenerateParams
+    from flows.nodes import ProvisionParams
+    from tests.conftest import free_port
+
+    return GenerateParams(
+        dataset=f"lost-{tag}", run="r1", prompt_sources=[{"path": _prompt_file(tmp_path), "name": "counting"}],
+        shard_size=SHARD_SIZE, holdout={"count": 2}, canary_prompts=0, node_timeout_s=NODE_TIMEOUT_S,
+        engine={"engine": "transformers", "model": str(embedded_model_dir(MODEL_CACHE))},
+        sampling={"max_tokens": 16, "temperature": 0.0, "enable_thinking": False},
+        client={"concurrency": 2, "backoff_s": 0.1},
+        nodes=[{"provision": ProvisionParams(node=node, worker_python=sys.executable).model_dump(mode="json"),
+                "base_port": free_port()} for node in nodes])
+
+
+def _late_write(store, generation, lost_run, *, prompt_key: str, output_key: str) -> None:
+    """What the lost run would do with a shard dealt to the other node since: write it, through the same writer."""
+    from dflash_core.serving.generation import GenerationTarget, ShardAssignment, generate_shard
+
+    share = lost_run.parameters["params"]
+    target = GenerationTarget(urls=[], model=generation.engine.request_model, server=generation.engine.engine,
+                              sampling=generation.sampling, client=generation.client)
+    with tempfile.TemporaryDirectory() as scratch:
+        generate_shard(store, prompt_key=prompt_key, output_key=output_key, target=target, scratch_dir=Path(scratch),
+                       assignment=ShardAssignment(node=share["node"]["name"], deal=lost_run.idempotency_key))
+
+
+def _pids(match) -> list[int]:
+    """The live processes of this host (but this one) that `match(pid)`."""
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    return [pid for pid in pids if pid != os.getpid() and _alive(pid) and match(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _cwd(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return ""
+
+
+def _environ_has(pid: int, entry: str) -> bool:
+    try:
+        return entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
 
 
 def _wait_for_a_shard_of(client, store, pipeline_run_id, node_name: str, *, timeout_s: float) -> str:
