@@ -10,6 +10,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from .worker import (WORKER, corpus_for_worker, evaluate_drafter, steady_rate, sync_device, train_config,
                      training_attention)
 
@@ -54,6 +56,11 @@ def run_ours(job: Job, variant: Variant) -> dict:
         trained_path.write_text(json.dumps(trained))
     drafter_config = trainer.drafter_config
     drafter = trainer.drafter
+    if WORKER.get("save_drafters"):
+        from dflash_core.export import export_drafter
+
+        export_drafter(drafter, target_config=trainer.target.config, out_dir=Path(WORKER["save_drafters"]) /
+                       config.run_name, verifier_name_or_path=WORKER["model_dir"], dtype=torch.bfloat16)
     del trainer
     row = {**trained, "mask_token_id": drafter_config.mask_token_id,
            "mask_rule": "ours",

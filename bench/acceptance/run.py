@@ -121,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=None,
                         help="each job saves its training state every N steps (in --work), so a job stopped midway "
                         "goes on with --resume; default: none")
+    parser.add_argument("--save-drafters", type=Path, default=None,
+                        help="each row's trained drafter saved under DIR/<job>: ours exported (native and speculators "
+                        "formats), speculators' with its own save_pretrained; what bench.decoding.served serves")
     parser.add_argument("--resume", action="store_true",
                         help="after a run that was stopped, with the same --work: jobs that finished then are "
                         "not run again (their rows come from --work), the others go on from their last state")
@@ -255,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.data_multipliers:  # the pool may allow fewer sizes than asked
         jobs = plan_jobs(args, shape, names)
     context.update(devices=devices, threads=args.threads, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                   save_drafters=str(args.save_drafters) if args.save_drafters else None,
                    train_compile=args.train_compile,
                    deadline_at=None if args.deadline_s is None else began_epoch + args.deadline_s)
     results_path = out / "results.jsonl"

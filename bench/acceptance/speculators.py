@@ -257,6 +257,8 @@ def run_speculators(job: Job, variant: Variant) -> dict:
                                     config=config, device=device)
     del target
     check_conversion(model, drafter, native_ids, device)
+    if WORKER.get("save_drafters"):  # its own format, as speculators' users hand it to vLLM
+        model.save_pretrained(Path(WORKER["save_drafters"]) / config.run_name)
     del model
     row = {**trained, "mask_token_id": mask, "mask_rule": mask_rule, "target_layer_ids": native_ids,
            **evaluate_drafter(drafter)}
