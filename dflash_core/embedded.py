@@ -7,7 +7,7 @@ install). `load_embedded_tokenizer` converts only the tokenizer (seconds) and ca
 `embedded_model_dir` converts the whole model once to safetensors (a fresh `LlamaForCausalLM`
 loaded with the dequantized weights, since a GGUF-loaded model refuses `save_pretrained`).
 Both caches are written to a temp dir and renamed into place, so a crash never leaves half a cache;
-a full disk raises `DiskFull` (dflash_core.disk_space) with the temp dir already removed.
+a full disk raises `DiskFull` (dflash_core.storage.disk) with the temp dir already removed.
 
 The ShareGPT file is streamed, never loaded whole (~120 MB; it ends mid-record as shipped: the
 importer counts that record as `truncated` and quarantines it). The tool-use prompts name their tools
@@ -94,7 +94,7 @@ def _gguf_tokenizer():
 def _convert_model(out_dir: Path) -> None:
     """Write the dequantized model and its tokenizer into `out_dir` (a temp dir); a full disk raises
     `DiskFull` naming the cache dir, before writing or once `out_dir` is removed."""
-    from dflash_core.disk_space import discard_partial_write, require_free, tensor_bytes
+    from dflash_core.storage.disk import discard_partial_write, require_free, tensor_bytes
 
     model = _dequantized_model()
     needed = tensor_bytes(model.state_dict())

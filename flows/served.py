@@ -24,7 +24,7 @@ from pydantic import Field
 
 from dflash_core.evaluate.served import compare_served, markdown_table
 from dflash_core.layout import ArtifactKind, artifact_key
-from dflash_core.local_paths import path_inside
+from dflash_core.storage.local_paths import path_inside
 from dflash_core.settings import Settings, load_settings
 from dflash_core.stage_results import RESULT_FILE, EvaluationReport, ExportResult, ServedReport
 from dflash_core.strict import StrictModel

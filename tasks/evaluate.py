@@ -27,7 +27,7 @@ _RETRY = {"retries": 3, "retry_delay_seconds": [2, 5, 15], "retry_condition_fn":
 @task(**_RETRY)
 def fetch_checkpoint(settings: Settings, *, checkpoint: str, cache_dir: Path) -> tuple[Path, list[InputRef]]:
     """A local checkpoint dir (downloaded from S3 unless `checkpoint` is a local dir) and its input refs."""
-    from dflash_core.local_paths import path_inside
+    from dflash_core.storage.local_paths import path_inside
 
     local = Path(checkpoint)
     names = (CHECKPOINT_MODEL_FILE, CHECKPOINT_META_FILE)

@@ -14,7 +14,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact
 from prefect.artifacts import update_progress_artifact
 
-from dflash_core.disk_space import RUN_DISK_FULL_ADVICE, DiskFull, write_atomically
+from dflash_core.storage.disk import RUN_DISK_FULL_ADVICE, DiskFull, write_atomically
 from dflash_core.layout import TRAIN_RUN_FILES, ArtifactKind, checkpoints_key, is_heldout_key, train_report_key
 from dflash_core.lineage import InputRef, Manifest, read_manifest, write_artifact
 from dflash_core.planner import PRESETS, Plan, PlanInputs, plan, shape_from_config

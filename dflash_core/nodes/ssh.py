@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 
 import paramiko
 
-from dflash_core.local_paths import path_inside
+from dflash_core.storage.local_paths import path_inside
 from dflash_core.nodes.access import CommandResult, CommandTimeout, HostKeyError, NodeAccess, NodeUnreachable
 
 _TIMEOUT_EXIT = 124  # coreutils timeout's exit status when it killed the command

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_core.disk_space import RUN_DISK_FULL_ADVICE as DISK_FULL_ADVICE
-from dflash_core.disk_space import discard_partial_write, require_free, tensor_bytes
+from dflash_core.storage.disk import RUN_DISK_FULL_ADVICE as DISK_FULL_ADVICE
+from dflash_core.storage.disk import discard_partial_write, require_free, tensor_bytes
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"

@@ -42,7 +42,7 @@ from dflash_core.provenance import current_producer
 from dflash_core.settings import Settings, load_settings
 from dflash_core.train.checkpoint import complete_checkpoints, latest_checkpoint, remove_debris
 from dflash_core.train.config import TrainConfig
-from dflash_core.disk_space import RUN_DISK_FULL_ADVICE, DiskFull, write_atomically
+from dflash_core.storage.disk import RUN_DISK_FULL_ADVICE, DiskFull, write_atomically
 from dflash_core.train.assemble import build_trainer
 from dflash_core.train.devices import Distributed, TrainDevices, resolve_devices
 from dflash_core.train.loop import EXIT_PREEMPTED, Trainer

@@ -13,7 +13,7 @@ from dflash_core.data.verdict import (
     DATASET_MANIFEST_NAME, DatasetManifest, check_usable, read_dataset_manifest, shard_verdict,
 )
 from dflash_core.layout import is_heldout_key
-from dflash_core.local_paths import path_inside
+from dflash_core.storage.local_paths import path_inside
 
 if TYPE_CHECKING:  # storage needs boto3, which a bare GPU image may lack; torch only the target needs
     import torch

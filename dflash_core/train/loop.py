@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dflash_core.disk_space import RUN_DISK_FULL_ADVICE, append_whole, write_atomically
+from dflash_core.storage.disk import RUN_DISK_FULL_ADVICE, append_whole, write_atomically
 from dflash_core.layout import (
     DEFAULT_PREFIXES, TRAIN_RUN_FILES, ArtifactKind, checkpoints_key, run_lease_key, train_report_key,
 )

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_core.disk_space import RUN_DISK_FULL_ADVICE, write_atomically
+from dflash_core.storage.disk import RUN_DISK_FULL_ADVICE, write_atomically
 
 
 @dataclass(frozen=True)

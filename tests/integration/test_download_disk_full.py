@@ -22,7 +22,7 @@ import pytest
 
 from dflash_core.layout import ArtifactKind
 from dflash_core.lineage import write_artifact
-from dflash_core import disk_space
+from dflash_core.storage import disk as disk_space
 from dflash_core.units import binary_bytes
 from tests.train_fixtures import synthetic_shard
 
@@ -37,7 +37,7 @@ import json, sys
 from pathlib import Path
 from dflash_core.settings import load_settings
 from dflash_core.storage import ObjectStore
-from dflash_core import disk_space
+from dflash_core.storage import disk as disk_space
 
 key, disk = sys.argv[1], Path(sys.argv[2])
 store = ObjectStore.from_settings(load_settings())

@@ -1,5 +1,5 @@
 """A key or a name from data never chooses a local path: each place where one becomes a file here refuses one
-that would leave its folder (dflash_core.local_paths), names the key and the folder, writes nothing outside,
+that would leave its folder (dflash_core.storage.local_paths), names the key and the folder, writes nothing outside,
 and is not retried. On the real S3 server, whose `s3://bucket//tmp/x` is the object `tmp/x`, and the real
 SSH server.
 

@@ -222,7 +222,7 @@ def test_a_file_upload_under_way_stops_once_the_guard_refuses(store, prefix, tmp
     """A multipart upload (a checkpoint's weights) asks the guard as its parts go out: one whose lease expires
     mid-upload leaves neither an object nor an open multipart upload behind."""
     from dflash_core.storage import MULTIPART_THRESHOLD
-    from dflash_core.storage_errors import StoreUnavailable
+    from dflash_core.storage.errors import StoreUnavailable
 
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"\0" * (2 * MULTIPART_THRESHOLD + 1))

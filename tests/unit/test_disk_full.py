@@ -23,8 +23,8 @@ from safetensors import SafetensorError
 
 from dflash_core import embedded
 from dflash_core.train import checkpoint as ckpt
-from dflash_core import disk_space
-from dflash_core.disk_space import DiskFull, tensor_bytes
+from dflash_core.storage import disk as disk_space
+from dflash_core.storage.disk import DiskFull, tensor_bytes
 from dflash_core.units import binary_bytes
 from tests.train_fixtures import synthetic_shard
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_core.local_paths import path_inside
+from dflash_core.storage.local_paths import path_inside
 
 
 def test_an_ordinary_key_lands_under_the_folder(tmp_path: Path) -> None:

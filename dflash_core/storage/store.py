@@ -4,12 +4,12 @@ Every object written here carries its sha256 in user metadata (`x-amz-meta-sha25
 it. The same hash goes into the artifact manifest (dflash_core.lineage), so a manifest and the
 object it describes can be checked against each other without downloading twice.
 
-Every failure is one of the errors of `dflash_core.storage_errors` (importable from here too), which
+Every failure is one of the errors of `dflash_core.storage.errors` (importable from here too), which
 tell the caller what to do: `StoreUnavailable` (unreachable, timeouts, 5xx, throttling: retry later),
 `StoreConfigError` (wrong credentials, missing bucket, an endpoint that is not an S3 server: retrying
 cannot help, fix the named setting), `ObjectNotFound`, `ChecksumMismatch`, `PreconditionFailed` (a
 conditional write or delete found the object changed). A download that cannot fit on the local disk raises
-`DiskFull` (dflash_core.disk_space): refused before it starts when the object is larger than what is
+`DiskFull` (dflash_core.storage.disk): refused before it starts when the object is larger than what is
 free, or after the partial file is removed when the disk fills during it.
 
 `fenced(guard)` gives the same bucket with a guard called before every write and delete: a training run's
@@ -36,11 +36,11 @@ import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
-from dflash_core.storage_errors import (
+from dflash_core.storage.errors import (
     BOTO_ERRORS, ChecksumMismatch, ObjectNotFound, PreconditionFailed, StoreConfigError, StoreError,
     StoreUnavailable, not_s3, translate,
 )
-from dflash_core.disk_space import discard_partial_write, require_free
+from dflash_core.storage.disk import discard_partial_write, require_free
 
 if TYPE_CHECKING:
     from dflash_core.settings import Settings
@@ -450,7 +450,7 @@ class ObjectStore:
 
     @contextlib.contextmanager
     def _errors(self, key: str | None, *, condition: str | None = None) -> Iterator[None]:
-        """Turn botocore errors into the `dflash_core.storage_errors` kinds, naming the key or the
+        """Turn botocore errors into the `dflash_core.storage.errors` kinds, naming the key or the
         setting to fix; `condition`: the request's precondition, if any."""
         try:
             yield
