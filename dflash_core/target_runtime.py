@@ -1,5 +1,5 @@
 """How the frozen target runs in training: its decoder layers compiled (static shapes), their GEMMs
-in FP8 (dflash_core.fp8), and flex_attention, which skips the cross-document blocks of a packed row.
+in FP8 (dflash_core.fp8.target), and flex_attention, which skips the cross-document blocks of a packed row.
 The assembly (dflash_core.train.assemble, .parallelize) applies them; dflash_core.target builds and
 captures the target."""
 
@@ -64,9 +64,9 @@ def _copied(value):
 
 
 def quantize_decoder_layers_fp8(model: nn.Module, *, fast_accum: bool = False) -> tuple[int, int]:
-    """The decoder layers' linears to FP8 GEMMs (dflash_core.fp8), in place; the embedding, the final
+    """The decoder layers' linears to FP8 GEMMs (dflash_core.fp8.target), in place; the embedding, the final
     norm and the LM head stay as loaded. Returns (quantized, kept) linear counts."""
-    from dflash_core.fp8 import quantize_linears
+    from dflash_core.fp8.target import quantize_linears
 
     return quantize_linears(language_model(model).layers, fast_accum=fast_accum)
 

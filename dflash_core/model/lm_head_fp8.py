@@ -1,6 +1,6 @@
 """The target's frozen LM head for the drafter's loss with its GEMMs in FP8 (opt-in: `TrainConfig.lm_head_fp8`).
 
-The row-wise quantization is `dflash_core.fp8`'s, the one the target's FP8 layers use; this module adds what the
+The row-wise quantization is `dflash_core.fp8.target`'s, the one the target's FP8 layers use; this module adds what the
 loss needs beside it: an e5m2 gradient (its range keeps the small softmax terms e4m3 would flush to zero), a
 second copy of the head laid out for the gradient's GEMM, and labels re-scored on the exact head.
 """
@@ -12,7 +12,7 @@ import functools
 import torch
 from torch import nn
 
-from dflash_core.fp8 import ALIGN, FP8, quantize_rows
+from dflash_core.fp8.target import ALIGN, FP8, quantize_rows
 from dflash_core.model.topk import grouped_topk
 
 GRAD_FP8 = torch.float8_e5m2

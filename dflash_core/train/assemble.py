@@ -135,7 +135,7 @@ def _refuse_ids_beyond_vocab(corpus: TokenizedCorpus, target: torch.nn.Module, *
 def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool,
                     fast_accum: bool = False) -> None:
     """The target's decoder-layer GEMMs to FP8, or a ValueError saying why this device cannot."""
-    from dflash_core.fp8 import supports_fp8
+    from dflash_core.fp8.target import supports_fp8
     from dflash_core.target_runtime import quantize_decoder_layers_fp8
 
     why = supports_fp8(device)
@@ -150,7 +150,7 @@ def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool,
 def use_fp8_lm_head(drafter: torch.nn.Module, *, device: torch.device, log: bool) -> None:
     """The drafter loss's LM-head GEMMs to FP8 (dflash_core.model.lm_head_fp8.Fp8LMHead), or a ValueError saying why this
     device cannot."""
-    from dflash_core.fp8 import supports_fp8
+    from dflash_core.fp8.target import supports_fp8
 
     why = supports_fp8(device)
     if why is not None:
@@ -163,9 +163,9 @@ def use_fp8_lm_head(drafter: torch.nn.Module, *, device: torch.device, log: bool
 
 
 def convert_drafter(drafter: torch.nn.Module, *, recipe: str, log: bool) -> None:
-    """The drafter's own linears to torchao float8 training (dflash_core.drafter_fp8), or a ValueError
+    """The drafter's own linears to torchao float8 training (dflash_core.fp8.drafter), or a ValueError
     saying why this device or installation cannot."""
-    from dflash_core.drafter_fp8 import convert_drafter_linears
+    from dflash_core.fp8.drafter import convert_drafter_linears
 
     converted, kept = convert_drafter_linears(drafter, recipe=recipe)
     if log:

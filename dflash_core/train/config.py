@@ -285,7 +285,7 @@ class TrainConfig(StrictModel):
         "step. Graphing the target's layers only lost too (84.8 against 35.6 ms on an H100, 2026-12-05) and "
         "was taken out. On CPU the mode changes nothing.")
     target_fp8: bool = Field(
-        False, description="Run the target's decoder-layer GEMMs in FP8 (row-wise scales, dflash_core.fp8; H100/H200 "
+        False, description="Run the target's decoder-layer GEMMs in FP8 (row-wise scales, dflash_core.fp8.target; H100/H200 "
         "or newer, or CPU): faster and half the target's weight memory, but the drafter then learns from an FP8 "
         "target's states, close to but not equal to the bf16 target's. For targets served in FP8.")
     target_fp8_fast_accum: bool = Field(
@@ -294,7 +294,7 @@ class TrainConfig(StrictModel):
         "false for the exact accumulation.")
     drafter_fp8: bool = Field(
         False, description="Run the drafter's own linears (its layers' projections and MLPs, fc) in FP8 in training, "
-        "forward and backward, through torchao's float8 training (dflash_core.drafter_fp8; needs torchao, the gpu "
+        "forward and backward, through torchao's float8 training (dflash_core.fp8.drafter; needs torchao, the gpu "
         "extra, and a CUDA GPU of compute capability 8.9 or newer, 9.0 or newer for rowwise); fp32 master weights and optimizer "
         "as without it; the LM-head loss and attention stay bf16.")
     drafter_fp8_recipe: Literal["rowwise", "tensorwise"] = Field(

@@ -78,8 +78,8 @@ def refuse_unsupported_fp8(config: TrainConfig, devices: TrainDevices) -> None:
     """target_fp8 or lm_head_fp8 on a device without row-wise FP8 GEMMs, or drafter_fp8 on one torchao's float8 training
     cannot use: an `error:` line before the target loads (the flow reads it as a refusal, which no retry
     can fix)."""
-    from dflash_core.drafter_fp8 import supports_drafter_fp8
-    from dflash_core.fp8 import supports_fp8
+    from dflash_core.fp8.drafter import supports_drafter_fp8
+    from dflash_core.fp8.target import supports_fp8
 
     why = supports_fp8(devices.target) if config.target_fp8 else None
     if why is not None:

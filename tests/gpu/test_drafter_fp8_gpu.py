@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_core.drafter_fp8 import convert_drafter_linears, supports_drafter_fp8
+from dflash_core.fp8.drafter import convert_drafter_linears, supports_drafter_fp8
 
 torchao = pytest.importorskip("torchao")
 pytestmark = pytest.mark.skipif(

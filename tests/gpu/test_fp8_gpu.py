@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_core.fp8 import Fp8Linear, quantize_rows, supports_fp8
+from dflash_core.fp8.target import Fp8Linear, quantize_rows, supports_fp8
 from dflash_core.target import (
     HiddenStateCapture, build_target, tiny_target_config,
 )

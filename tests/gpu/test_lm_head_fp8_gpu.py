@@ -10,7 +10,7 @@ Run (H100/H200): python3 -m pytest tests/gpu/test_lm_head_fp8_gpu.py -q
 import pytest
 import torch
 
-from dflash_core.fp8 import supports_fp8
+from dflash_core.fp8.target import supports_fp8
 from dflash_core.model.lm_head_fp8 import Fp8LMHead
 from dflash_core.model.dflash2 import CandidateSelector
 from dflash_core.model.dflash2_loss import dflash2_objective

@@ -1,4 +1,4 @@
-"""FP8 drafter GEMMs (TrainConfig.drafter_fp8, dflash_core.drafter_fp8): the setting and its recipe in the
+"""FP8 drafter GEMMs (TrainConfig.drafter_fp8, dflash_core.fp8.drafter): the setting and its recipe in the
 run schema, which linears it would convert, and its refusal on a CPU (torchao's float8 training needs a
 CUDA GPU of compute capability >= 8.9): by the setting's name and the hardware it needs, before any
 torchao import, so none of this needs torchao. The GPU side: tests/gpu/test_drafter_fp8_gpu.py.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_core.drafter_fp8 import convert_drafter_linears, is_fp8_linear_candidate, supports_drafter_fp8
+from dflash_core.fp8.drafter import convert_drafter_linears, is_fp8_linear_candidate, supports_drafter_fp8
 from dflash_core.train.assemble import build_trainer
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.devices import TrainDevices

@@ -1,4 +1,4 @@
-"""FP8 target GEMMs (dflash_core.fp8, TrainConfig.target_fp8): the scales are wired the right way
+"""FP8 target GEMMs (dflash_core.fp8.target, TrainConfig.target_fp8): the scales are wired the right way
 round, the quantized target stays close to its own dtype, what must not change does not, and the
 trainer trains on it. CPU runs torch._scaled_mm too, so all of this runs here.
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_core import fp8 as fp8_module
-from dflash_core.fp8 import FP8, Fp8Linear, quantize_linears, quantize_rows, supports_fp8
+from dflash_core.fp8 import target as fp8_module
+from dflash_core.fp8.target import FP8, Fp8Linear, quantize_linears, quantize_rows, supports_fp8
 from dflash_core.planner import PRESETS, ModelShape, PlanInputs, plan
 from dflash_core.target import (
     HiddenStateCapture, build_target, language_model, tiny_target_config,

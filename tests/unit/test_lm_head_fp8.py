@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core import fp8 as fp8_module
-from dflash_core.fp8 import FP8, quantize_rows
+from dflash_core.fp8 import target as fp8_module
+from dflash_core.fp8.target import FP8, quantize_rows
 from dflash_core.model.lm_head_fp8 import GRAD_FP8, Fp8LMHead
 from dflash_core.model.dflash2 import CandidateSelector
 from dflash_core.model.dflash2_loss import dflash2_objective
