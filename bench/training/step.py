@@ -31,7 +31,7 @@ from dflash_core.target import (
     target_heads,
     tiny_target_config,
 )
-from dflash_core.target_runtime import compile_decoder_layers
+from dflash_core.target.runtime import compile_decoder_layers
 
 
 def measure_matmul_peak(*, device, size: int = 8192, repeats: int = 20) -> float:

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash_core.hybrid import GDNKernels, install_packed_gdn
+from dflash_core.target.gdn_packing import GDNKernels, install_packed_gdn
 from dflash_core.model import DFlashConfig
 from dflash_core.model.build import build_drafter
 from dflash_core.model.init_from_target import init_from_target_layers, init_selector_codebooks
 from dflash_core.target import HiddenStateCapture, has_recurrent_layers, language_model, target_heads
-from dflash_core.target_runtime import use_flex_attention
+from dflash_core.target.runtime import use_flex_attention
 from dflash_core.train.config import TrainConfig
 from dflash_core.train.data import (
     PackedBatchSampler, TokenizedCorpus, ids_beyond_vocab, load_corpus, read_shard_table, usable_samples,
@@ -136,7 +136,7 @@ def quantize_target(target: torch.nn.Module, *, device: torch.device, log: bool,
                     fast_accum: bool = False) -> None:
     """The target's decoder-layer GEMMs to FP8, or a ValueError saying why this device cannot."""
     from dflash_core.fp8.target import supports_fp8
-    from dflash_core.target_runtime import quantize_decoder_layers_fp8
+    from dflash_core.target.runtime import quantize_decoder_layers_fp8
 
     why = supports_fp8(device)
     if why is not None:
@@ -174,7 +174,7 @@ def convert_drafter(drafter: torch.nn.Module, *, recipe: str, log: bool) -> None
 
 
 def _packing_kernels(target: torch.nn.Module, config: TrainConfig, *, log: bool) -> tuple[GDNKernels | None, int | None]:
-    """(the packed GDN kernels, samples per row): a hybrid target packs exactly when dflash_core.hybrid
+    """(the packed GDN kernels, samples per row): a hybrid target packs exactly when dflash_core.target.gdn_packing
     can restart its GDN layers per document, else packing is off."""
     samples_per_batch = config.max_samples_per_batch
     if not has_recurrent_layers(target.config):

@@ -40,7 +40,7 @@ from dflash_core.train.step import batch_tensors
 from dflash_core.train.strategies import PlainSteps, StepContext, StepStrategy, StepTiming
 
 if TYPE_CHECKING:  # the object store needs boto3: imported only where a store is used
-    from dflash_core.hybrid import GDNKernels
+    from dflash_core.target.gdn_packing import GDNKernels
     from dflash_core.storage import ObjectStore
     from dflash_core.train.parts import TrainingParts
     from dflash_core.train.run_lease import RunLease

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 def parallelize(parts: TrainingParts, *, world_size: int) -> torch.nn.Module:
     if parts.config.compile:
-        from dflash_core.target_runtime import compile_decoder_layers
+        from dflash_core.target.runtime import compile_decoder_layers
 
         mode = parts.config.compile_mode
         parts.drafter.compile_layers(mode=mode)

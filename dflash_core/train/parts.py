@@ -14,7 +14,7 @@ from dflash_core.train.data import PackedBatchSampler, TokenizedCorpus
 from dflash_core.train.devices import TrainDevices
 
 if TYPE_CHECKING:
-    from dflash_core.hybrid import GDNKernels
+    from dflash_core.target.gdn_packing import GDNKernels
     from dflash_core.lineage import InputRef
     from dflash_core.model import DFlashConfig
 

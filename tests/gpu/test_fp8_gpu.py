@@ -14,7 +14,7 @@ from dflash_core.fp8.target import Fp8Linear, quantize_rows, supports_fp8
 from dflash_core.target import (
     HiddenStateCapture, build_target, tiny_target_config,
 )
-from dflash_core.target_runtime import compile_decoder_layers, quantize_decoder_layers_fp8
+from dflash_core.target.runtime import compile_decoder_layers, quantize_decoder_layers_fp8
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or supports_fp8(torch.device("cuda")) is not None,
                                 reason="needs a GPU with row-wise FP8 GEMMs (compute capability >= 9.0)")

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from dflash_core.hybrid import _original, _packed_conv, packed_documents
+from dflash_core.target.gdn_packing import _original, _packed_conv, packed_documents
 from dflash_core.target import HiddenStateCapture, build_target, language_model, tiny_target_config
 
 pytestmark = [

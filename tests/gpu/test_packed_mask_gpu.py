@@ -1,5 +1,5 @@
 """A packed target forward with the batch's host copy of the position ids does not wait for the GPU
-(dflash_core.packed_mask): torch's sync debug mode raises on any synchronizing call inside it, and
+(dflash_core.target.packed_mask): torch's sync debug mode raises on any synchronizing call inside it, and
 does raise without the host copy, where transformers reads the device's position ids. Skipped
 without a GPU.
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def packed_capture():
     from dflash_core.target import HiddenStateCapture, build_target, tiny_target_config
-    from dflash_core.target_runtime import use_flex_attention
+    from dflash_core.target.runtime import use_flex_attention
 
     torch.manual_seed(0)
     target = build_target(tiny_target_config("qwen3", num_layers=3), device="cuda", dtype=torch.bfloat16)

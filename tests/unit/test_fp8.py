@@ -17,7 +17,7 @@ from dflash_core.planner import PRESETS, ModelShape, PlanInputs, plan
 from dflash_core.target import (
     HiddenStateCapture, build_target, language_model, tiny_target_config,
 )
-from dflash_core.target_runtime import quantize_decoder_layers_fp8
+from dflash_core.target.runtime import quantize_decoder_layers_fp8
 from dflash_core.train.checkpoint import load_checkpoint
 from dflash_core.train.entry import refuse_unsupported_fp8
 from dflash_core.train.assemble import build_trainer

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_core.hybrid import _packed_conv, _packed_rule, packed_documents, packed_segments, segment_starts
+from dflash_core.target.gdn_packing import _packed_conv, _packed_rule, packed_documents, packed_segments, segment_starts
 from dflash_core.target import HiddenStateCapture, build_target, language_model, tiny_target_config, validate_capture
 
 
@@ -167,7 +167,7 @@ def _reference_conv(hidden_states, weight, bias=None, activation=None, **kwargs)
 def test_flex_attention_opt_in_keeps_each_document_exact():
     """Qwen3.5 lacks transformers' flex flag only; opted in, the packed row's attention layers skip
     the other documents' blocks and each document still gets its states alone (flex on CPU)."""
-    from dflash_core.target_runtime import use_flex_attention
+    from dflash_core.target.runtime import use_flex_attention
 
     torch.manual_seed(0)
     config = tiny_target_config("qwen3_5", num_layers=4)
@@ -187,7 +187,7 @@ def test_flex_attention_opt_in_keeps_each_document_exact():
 
 
 def test_flex_attention_refused_with_the_reason_when_layers_bypass_the_interface(monkeypatch):
-    from dflash_core import target_runtime as target_module
+    from dflash_core.target import runtime as target_module
 
     config = tiny_target_config("qwen3_5", num_layers=4)
     target = build_target(config)

@@ -1,4 +1,4 @@
-"""Transformers' packed-sequence check reads the host copy of the position ids (dflash_core.packed_mask).
+"""Transformers' packed-sequence check reads the host copy of the position ids (dflash_core.target.packed_mask).
 
 Run: .venv/bin/python -m pytest tests/unit/test_packed_mask.py -q
 """
@@ -6,7 +6,7 @@ Run: .venv/bin/python -m pytest tests/unit/test_packed_mask.py -q
 import torch
 from transformers import masking_utils
 
-from dflash_core.packed_mask import host_position_ids
+from dflash_core.target.packed_mask import host_position_ids
 from dflash_core.target import HiddenStateCapture, build_target, tiny_target_config
 
 _PACKED = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 6, 7]])

@@ -126,7 +126,7 @@ def test_bad_layer_ids_raise():
 
 
 def test_hybrid_captures_say_which_gdn_kernels_run_and_compile_leaves_gdn_layers_eager():
-    from dflash_core.target_runtime import compile_decoder_layers
+    from dflash_core.target.runtime import compile_decoder_layers
 
     assert HiddenStateCapture(_target("qwen3")[0], layer_ids=[1], capture_final=False).gdn_kernels is None
     target, config = _target("qwen3_5")
@@ -143,7 +143,7 @@ def test_graphed_layers_hand_back_outputs_a_later_call_cannot_overwrite():
     input) or a tapped layer's state."""
     from collections import namedtuple
 
-    from dflash_core.target_runtime import compile_decoder_layers, graph_outputs_owned
+    from dflash_core.target.runtime import compile_decoder_layers, graph_outputs_owned
 
     Pair = namedtuple("Pair", "hidden extra")
     graph_memory = torch.zeros(3)
@@ -174,7 +174,7 @@ def test_graphed_layers_hand_back_outputs_a_later_call_cannot_overwrite():
 def test_the_compile_mode_reaches_the_target_and_drafter_layers(monkeypatch, mode):
     import types
 
-    import dflash_core.target_runtime as target_runtime
+    import dflash_core.target.runtime as target_runtime
     from dflash_core.train.parallelize import parallelize
 
     seen = {}

@@ -6,6 +6,10 @@ outputs into one [B, T, L*H] buffer during a single forward of the base model (n
 CausalLM head, so no full-vocabulary logits). When no teacher is needed the forward stops right
 after the last tapped layer; with a teacher it also keeps the last layer's output BEFORE the
 final norm (transformers' `hidden_states[-1]` is already normed).
+
+Beside it in this package: what the training assembly applies to the loaded target (`runtime`: compiled
+decoder layers, FP8 GEMMs, flex_attention), a hybrid target's GDN layers over packed rows (`gdn_packing`), and
+transformers' packed-sequence check answered from the batch's host copy of the position ids (`packed_mask`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_core.hybrid import GDNKernels, install_packed_gdn, packed_documents
+from dflash_core.target.gdn_packing import GDNKernels, install_packed_gdn, packed_documents
 from dflash_core.model.drafter import TargetHeads
-from dflash_core.packed_mask import host_position_ids as packed_mask_from_host
+from dflash_core.target.packed_mask import host_position_ids as packed_mask_from_host
 
 TINY_FAMILIES = ("llama", "qwen3", "qwen3_5")
 
@@ -184,8 +188,8 @@ class HiddenStateCapture:
 
     Hooks stay registered for the life of the object and act only inside `__call__`; call
     `close()` to remove them. On hybrid targets the GDN layers restart at every document of a packed
-    row (dflash_core.hybrid); `gdn_kernels` says which kernels run them (None: no GDN layers, or
-    recurrent layers dflash_core.hybrid does not know: pack those one document per row).
+    row (dflash_core.target.gdn_packing); `gdn_kernels` says which kernels run them (None: no GDN layers, or
+    recurrent layers dflash_core.target.gdn_packing does not know: pack those one document per row).
     """
 
     def __init__(self, model: nn.Module, *, layer_ids: list[int], capture_final: bool) -> None:
@@ -243,7 +247,7 @@ class HiddenStateCapture:
         gdn_summary: bool = False,
     ) -> CapturedStates:
         """`host_position_ids`: a host copy of `position_ids`; the document boundaries are read from it
-        (hybrid targets' GDN segments, transformers' packed-sequence mask: dflash_core.packed_mask)
+        (hybrid targets' GDN segments, transformers' packed-sequence mask: dflash_core.target.packed_mask)
         rather than from `position_ids`, which waits for the device. `gdn_summary`:
         also record each GDN layer's mean output per document (for `validate_capture`)."""
         batch, seq_len = input_ids.shape

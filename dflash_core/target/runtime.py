@@ -16,7 +16,7 @@ from dflash_core.target import language_model
 def compile_decoder_layers(model: nn.Module, *, mode: str = "default") -> None:
     """torch.compile each decoder layer's forward with static shapes; capture hooks stay eager, outside
     it. A Gated DeltaNet layer's own forward stays eager: it takes each batch's document segments
-    (dflash_core.hybrid), which a static-shape graph would recompile for, and its fla kernels are
+    (dflash_core.target.gdn_packing), which a static-shape graph would recompile for, and its fla kernels are
     Triton already. Its norms, its gated output norm and its MLP (eager elementwise work over every
     token) compile on their own. In the reduce-overhead mode each compiled forward's outputs are
     copied out of its CUDA graph's memory (graph_outputs_owned)."""
