@@ -31,7 +31,11 @@ def test_profiles_are_data_and_bind_loopback() -> None:
                                     "api_key": "k"})
     argv = vllm.argv(port=9000)
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--reasoning-parser" in argv
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert "--reasoning-parser" not in argv, "a target without a thinking mode (Llama, SmolLM2) gets no parser forced"
+    qwen = adapter.validate_python({"engine": "vllm", "model": "/m", "reasoning_parser": "qwen3", "dtype": "bfloat16"})
+    assert qwen.argv(port=1)[qwen.argv(port=1).index("--reasoning-parser") + 1] == "qwen3"
+    assert "--dtype" in qwen.argv(port=1) and "--dtype" not in argv
     assert '"method": "mtp"' in argv[argv.index("--speculative-config") + 1]
     assert vllm.instance_env("3")["CUDA_VISIBLE_DEVICES"] == "3"
     assert "k" not in argv and vllm.instance_env(None)["VLLM_API_KEY"] == "k", "the key travels by env only"
